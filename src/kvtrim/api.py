@@ -1,0 +1,418 @@
+"""The public API: compress a context, answer questions from the compressed cache, measure what it cost."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache.kvcache import KVTrimCache
+from .compressor import BudgetSpec
+from .errors import InvalidParameterError
+from .integration.attention import check_supported, enable, kvtrim_attention_enabled
+from .methods import get_method
+from .pipeline import Pipeline
+from .prompts import prompt_template
+from .scoring.observation import ObservationSpec
+
+FULL = "full"
+
+
+@dataclass
+class GenerationStats:
+    """Sizes and timings of one :func:`generate` call (bytes measured from the cache tensors).
+
+    ``kv_entries_*`` count stored (token, layer, KV head) entries over the batch; ``kv_bytes_*`` are the bytes
+    of the key and value tensors. ``before`` is right after prefill, ``after`` right after compression.
+    """
+
+    method: str
+    ratio: float | None
+    budget: int | None
+    question_aware: bool
+    context_tokens: int
+    kv_entries_before: int
+    kv_entries_after: int
+    kv_bytes_before: int
+    kv_bytes_after: int
+    prefill_s: float
+    compress_s: float
+    question_prefill_s: float
+    decode_s: float
+    decode_tokens: int
+    context_tokens_per_row: list[int] = field(default_factory=list)
+    layer_budgets: list | None = None
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1000.0 * self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.kv_entries_after / self.kv_entries_before if self.kv_entries_before else float("nan")
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["decode_ms_per_token"] = self.decode_ms_per_token
+        return out
+
+
+@dataclass
+class Result:
+    """Answers and stats. ``answers`` is ``list[str]`` (one per question) for one context, and
+    ``list[list[str]]`` (per context, per question) for a batch of contexts."""
+
+    answers: list
+    stats: GenerationStats
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _resolve_method(method: str | None, ratio, budget, params: dict | None):
+    """Validate everything up front so bad input changes nothing."""
+    if method is None or method == FULL:
+        if ratio is not None or budget is not None:
+            raise InvalidParameterError("method='full' keeps everything; do not pass ratio or budget with it")
+        if params:
+            raise InvalidParameterError("method='full' takes no method parameters")
+        return None, None
+    if not isinstance(method, str):
+        raise InvalidParameterError(f"method must be a registry name, got {method!r}")
+    spec = BudgetSpec(ratio=ratio, budget=budget)
+    return get_method(method, **(params or {})), spec
+
+
+def _normalize_inputs(context, questions) -> tuple[list[str], list[list[str]], bool]:
+    batched = isinstance(context, (list, tuple))
+    contexts = list(context) if batched else [context]
+    if not contexts or any(not isinstance(c, str) or not c.strip() for c in contexts):
+        raise InvalidParameterError("context must be a non-empty string (or a list of non-empty strings)")
+    if isinstance(questions, str):
+        questions = [questions]
+    if not isinstance(questions, (list, tuple)) or not questions:
+        raise InvalidParameterError("questions must be a non-empty string or list of strings")
+    if batched:
+        if len(questions) != len(contexts):
+            raise InvalidParameterError(
+                f"with {len(contexts)} contexts, questions must hold one entry per context, got {len(questions)}"
+            )
+        rows = [[q] if isinstance(q, str) else list(q) for q in questions]
+        if len({len(r) for r in rows}) != 1:
+            raise InvalidParameterError("every context must have the same number of questions")
+    else:
+        rows = [list(questions)]
+    if any(not isinstance(q, str) for r in rows for q in r):
+        raise InvalidParameterError("questions must be strings")
+    return contexts, rows, batched
+
+
+def _tokenize(tokenizer, texts: Sequence[str], special: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, padding_side="left", add_special_tokens=special)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _positions(mask: torch.Tensor, new: int) -> torch.Tensor:
+    """Logical positions of the last ``new`` columns of a (possibly mid-padded) 2-D mask."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
+@dataclass
+class _DecodeOutcome:
+    tokens: list[list[int]]
+    prefill_s: float
+    decode_s: float
+    steps: int
+
+
+def _feed(model, cache, mask, input_ids, input_mask):
+    """Feed ``input_ids`` after what ``cache`` holds; returns (last logits, extended mask, seconds)."""
+    mask = torch.cat([mask, input_mask], dim=1)
+    t0 = time.perf_counter()
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=_positions(mask, input_ids.shape[1]),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1], mask, time.perf_counter() - t0
+
+
+def _decode(model, cache, mask, logits, max_new_tokens: int, eos: set[int], pad: int, prefill_s: float = 0.0):
+    """Greedy decoding from ``logits`` (the last prompt position) over ``cache``."""
+    batch = logits.shape[0]
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    done = torch.zeros(batch, dtype=torch.bool)
+    next_token = logits.argmax(-1)
+    steps, t0 = 0, time.perf_counter()
+    for step in range(max_new_tokens):
+        for row in range(batch):
+            if not done[row]:
+                tok = int(next_token[row])
+                if tok in eos:
+                    done[row] = True
+                else:
+                    tokens[row].append(tok)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        feed = next_token.masked_fill(done, pad).view(batch, 1)
+        logits, mask, _ = _feed(model, cache, mask, feed, torch.ones(batch, 1, dtype=mask.dtype))
+        next_token = logits.argmax(-1)
+        steps += 1
+    return _DecodeOutcome(tokens, prefill_s, time.perf_counter() - t0, steps)
+
+
+@dataclass
+class _Prefilled:
+    cache: KVTrimCache
+    mask: torch.Tensor
+    logits: torch.Tensor
+    before: object
+    prefill_s: float
+
+
+def _prefill(model, tokenizer, texts: list[str], special: bool, observation: ObservationSpec) -> _Prefilled:
+    ids, mask = _tokenize(tokenizer, texts, special)
+    cache = KVTrimCache(model.config.num_hidden_layers, auto_compress=False)
+    cache.observing = bool(observation.window or observation.accumulate)
+    cache.observation_spec = observation
+    logits, mask, prefill_s = _feed(model, cache, mask[:, :0], ids, mask)
+    cache.observing = False
+    return _Prefilled(cache, mask, logits, cache.stats(), prefill_s)
+
+
+class Session:
+    """A prompt prefilled once; each :meth:`run` compresses a fresh copy of its cache and decodes from it.
+
+    Context-only (``question=None``): the context is prefilled; ``run`` appends questions after compression.
+    Question-aware (``question`` given): context and question are prefilled together and compressed together.
+
+    Args:
+        methods: every method name (or built pipeline) that :meth:`run` will be asked for, so the prefill records
+            what all of them need (observation windows, accumulated attention)
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        context: str | list[str],
+        question: str | list[str] | None = None,
+        methods: Sequence = (),
+        answer_prefix: str | None = None,
+        use_chat_template: bool = True,
+    ):
+        check_supported(model)
+        contexts = list(context) if isinstance(context, (list, tuple)) else [context]
+        if not contexts or any(not isinstance(c, str) or not c.strip() for c in contexts):
+            raise InvalidParameterError("context must be a non-empty string (or a list of non-empty strings)")
+        self.model, self.tokenizer = model, tokenizer
+        self.batched = isinstance(context, (list, tuple))
+        self.template = prompt_template(tokenizer, use_chat_template)
+        self.special = self.template.prefix == ""  # a chat template already carries its special tokens
+        self.answer_prefix = answer_prefix
+        self.question_aware = question is not None
+        observation = ObservationSpec()
+        for m in methods:
+            pipe = get_method(m) if isinstance(m, str) else m
+            if pipe is not None:
+                observation = observation.merge(pipe.observation)
+        self.observation = observation
+        texts = [self.template.context_part(c) for c in contexts]
+        if question is not None:
+            qs = [question] * len(contexts) if isinstance(question, str) else list(question)
+            if len(qs) != len(contexts) or any(not isinstance(q, str) for q in qs):
+                raise InvalidParameterError("question must be a string or one string per context")
+            texts = [t + self.template.question_part(q, answer_prefix) for t, q in zip(texts, qs, strict=True)]
+        self.eos = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad = pad if pad is not None else next(iter(self.eos), 0)
+        with torch.inference_mode(), kvtrim_attention_enabled(model):
+            self._pre = _prefill(model, tokenizer, texts, self.special, observation)
+
+    @property
+    def context_tokens_per_row(self) -> list[int]:
+        return [int(x) for x in self._pre.mask.sum(-1).tolist()]
+
+    def _check_covered(self, pipeline: Pipeline) -> None:
+        need, have = pipeline.observation, self.observation
+        if need.window > have.window or not set(need.accumulate) <= set(have.accumulate):
+            raise InvalidParameterError(
+                f"method {pipeline.name!r} needs observations this session did not record; "
+                "list it in Session(methods=...)"
+            )
+
+    @torch.inference_mode()
+    def run(
+        self,
+        method: str | None,
+        ratio: float | None = None,
+        budget: int | None = None,
+        questions: str | list[str] | list[list[str]] | None = None,
+        max_new_tokens: int = 64,
+        method_params: dict | None = None,
+    ) -> Result:
+        """Compress a copy of the prefilled cache with ``method`` and answer (see :func:`generate`)."""
+        pipeline, spec = _resolve_method(method, ratio, budget, method_params)
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise InvalidParameterError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        rows = self._question_rows(questions)
+        if pipeline is not None:
+            self._check_covered(pipeline)
+        pre = self._pre
+        with kvtrim_attention_enabled(self.model):
+            cache = pre.cache.clone(pipeline, spec)
+            t0 = time.perf_counter()
+            report = cache.compress(logits=pre.logits) if pipeline is not None else None
+            compress_s = time.perf_counter() - t0
+            after = cache.stats()
+            answers: list[list[str]] = [[] for _ in range(len(pre.mask))]
+            timings = {"qprefill": 0.0, "decode": 0.0, "steps": 0}
+            if self.question_aware:
+                outcome = _decode(self.model, cache, pre.mask, pre.logits, max_new_tokens, self.eos, self.pad)
+                _collect(outcome, self.tokenizer, answers, timings)
+            else:
+                mark = cache.mark()
+                for qi in range(len(rows[0])):
+                    texts = [self.template.question_part(r[qi], self.answer_prefix) for r in rows]
+                    q_ids, q_mask = _tokenize(self.tokenizer, texts, False)
+                    logits, mask, q_s = _feed(self.model, cache, pre.mask, q_ids, q_mask)
+                    outcome = _decode(self.model, cache, mask, logits, max_new_tokens, self.eos, self.pad, q_s)
+                    cache.rollback(mark)
+                    _collect(outcome, self.tokenizer, answers, timings)
+        per_row = self.context_tokens_per_row
+        stats = GenerationStats(
+            method=FULL if pipeline is None else pipeline.name,
+            ratio=ratio,
+            budget=budget,
+            question_aware=self.question_aware,
+            context_tokens=int(sum(per_row)),
+            kv_entries_before=pre.before.entries,
+            kv_entries_after=after.entries,
+            kv_bytes_before=pre.before.kv_bytes,
+            kv_bytes_after=after.kv_bytes,
+            prefill_s=pre.prefill_s,
+            compress_s=compress_s,
+            question_prefill_s=timings["qprefill"],
+            decode_s=timings["decode"],
+            decode_tokens=timings["steps"],
+            context_tokens_per_row=per_row,
+            layer_budgets=None if report is None or report.budgets is None else report.budgets[0].tolist(),
+        )
+        return Result(answers=answers if self.batched else answers[0], stats=stats)
+
+    def _question_rows(self, questions) -> list[list[str]]:
+        n = len(self._pre.mask)
+        if self.question_aware:
+            if questions is not None:
+                raise InvalidParameterError("this session is question-aware: its question was given at prefill")
+            return [[""] for _ in range(n)]
+        if questions is None:
+            raise InvalidParameterError("questions are required in context-only mode")
+        contexts = ["x"] * n if self.batched else "x"
+        return _normalize_inputs(contexts, questions)[1]
+
+
+def generate(
+    model,
+    tokenizer,
+    context: str | list[str],
+    questions: str | list[str] | list[list[str]],
+    method: str | None = "snapkv",
+    ratio: float | None = None,
+    budget: int | None = None,
+    question_aware: bool = False,
+    max_new_tokens: int = 64,
+    answer_prefix: str | None = None,
+    method_params: dict | None = None,
+    use_chat_template: bool = True,
+) -> Result:
+    """Compress the KV cache of ``context`` with ``method`` and answer ``questions`` from it (greedy decoding).
+
+    Context-only mode (default): the context is prefilled and compressed once; each question is appended after
+    compression, answered, and removed again before the next one. Question-aware mode: for each question the
+    whole prompt (context and question) is prefilled and compressed, as most papers evaluate.
+
+    Args:
+        context: the long text, or a list of texts (a left-padded batch)
+        questions: one question, a list of questions, or for a batch one entry (str or list) per context
+        method: a registry name (see :func:`kvtrim.methods`), or ``"full"``/None for no compression
+        ratio: fraction of entries removed, in [0, 1)
+        budget: entries kept per layer and KV head (> 0); at or above the context length keeps everything
+        answer_prefix: text placed at the start of the assistant's answer (e.g. RULER answer prefixes)
+        method_params: overrides of the method's defaults (e.g. ``{"window": 8}``)
+    Returns:
+        :class:`Result` with ``answers`` and ``stats``. In question-aware mode with several questions, sizes
+        are those of the first question's prompt and timings are summed.
+    """
+    check_supported(model)
+    pipeline, _ = _resolve_method(method, ratio, budget, method_params)
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise InvalidParameterError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    contexts, rows, batched = _normalize_inputs(context, questions)
+    methods_ = [pipeline] if pipeline is not None else []
+    if not question_aware:
+        session = Session(model, tokenizer, context, None, methods_, answer_prefix, use_chat_template)
+        return session.run(method, ratio, budget, questions, max_new_tokens, method_params)
+    results = []
+    for qi in range(len(rows[0])):
+        qs = [r[qi] for r in rows]
+        question = qs if batched else qs[0]
+        session = Session(model, tokenizer, context, question, methods_, answer_prefix, use_chat_template)
+        results.append(session.run(method, ratio, budget, None, max_new_tokens, method_params))
+    stats = results[0].stats
+    for r in results[1:]:
+        for name in ("prefill_s", "compress_s", "question_prefill_s", "decode_s", "decode_tokens"):
+            setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
+    if batched:
+        answers = [[r.answers[row][0] for r in results] for row in range(len(contexts))]
+    else:
+        answers = [r.answers[0] for r in results]
+    return Result(answers=answers, stats=stats)
+
+
+def _collect(outcome: _DecodeOutcome, tokenizer, answers: list[list[str]], timings: dict) -> None:
+    for row, toks in enumerate(outcome.tokens):
+        answers[row].append(tokenizer.decode(toks, skip_special_tokens=True).strip())
+    timings["qprefill"] += outcome.prefill_s
+    timings["decode"] += outcome.decode_s
+    timings["steps"] += outcome.steps
+
+
+def make_cache(
+    model, method: str = "snapkv", ratio: float | None = None, budget: int | None = None, **method_params
+) -> KVTrimCache:
+    """A cache for ``model.generate(..., past_key_values=cache)`` that compresses the prompt after prefill
+    (question-aware). Installs kvtrim attention on ``model`` (plain causal attention for other caches).
+    One cache serves one ``generate`` call."""
+    pipeline, spec = _resolve_method(method, ratio, budget, method_params)
+    enable(model)
+    return KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)
+
+
+@contextmanager
+def compressing(
+    model, method: str = "snapkv", ratio: float | None = None, budget: int | None = None, **method_params
+) -> Iterator[KVTrimCache]:
+    """Context manager yielding a :func:`make_cache` cache; restores the model's attention on exit.
+
+    Example::
+
+        with kvtrim.compressing(model, "snapkv", ratio=0.5) as cache:
+            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    """
+    pipeline, spec = _resolve_method(method, ratio, budget, method_params)
+    with kvtrim_attention_enabled(model):
+        yield KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)

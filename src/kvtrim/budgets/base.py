@@ -1,0 +1,30 @@
+"""The budget-allocator interface: how many entries each (row, layer, KV head) keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class BudgetRequest:
+    """What the user asked for, resolved per batch row.
+
+    Attributes:
+        keep: ``[batch]`` mean entries to keep per layer and KV head (already at most ``context_lengths``)
+        context_lengths: ``[batch]`` real tokens in each row
+        num_layers, kv_heads: cache geometry
+    """
+
+    keep: torch.Tensor
+    context_lengths: torch.Tensor
+    num_layers: int
+    kv_heads: int
+
+
+class BudgetAllocator(Protocol):
+    """``allocate(request, scores) -> [batch, layers, kv_heads]`` entries kept (protected windows included)."""
+
+    def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor: ...

@@ -1,0 +1,17 @@
+"""The same budget for every layer and head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import BudgetRequest
+
+
+@dataclass
+class UniformBudget:
+    """Every (layer, KV head) keeps the requested mean."""
+
+    def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
+        return request.keep.view(-1, 1, 1).expand(-1, request.num_layers, request.kv_heads).clone()

@@ -1,0 +1,66 @@
+"""Attention kernels over kvtrim storage, GQA-native (KV heads are never repeated in memory)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention where each KV head serves a group of query heads.
+
+    Args:
+        query: ``[batch, q_heads, q, head_dim]``; query head ``h`` belongs to KV head ``h // group``.
+        keys, values: ``[batch, kv_heads, s, head_dim]``
+        mask: ``[batch, kv_heads, q, s]`` boolean (True = visible) or None
+        causal: apply a causal mask aligned at the end (only when ``q == s`` and ``mask`` is None)
+    Returns:
+        ``[batch, q, q_heads, head_dim]``
+    """
+    b, hq, tq, d = query.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    if mask is None:
+        out = F.scaled_dot_product_attention(
+            query, keys, values, is_causal=causal and tq > 1, scale=scaling, enable_gqa=group > 1
+        )
+        return out.transpose(1, 2)
+    # Fold the group into the query axis: [b, hkv, group*tq, d] against [b, hkv, s, d].
+    q = query.reshape(b, hkv, group * tq, d)
+    m = mask[:, :, None].expand(b, hkv, group, tq, mask.shape[-1]).reshape(b, hkv, group * tq, -1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scaling)
+    if not bool(m.any(-1).all()):
+        # Queries that may see nothing (padding tokens) produce NaN; zero them so no NaN reaches stored values.
+        out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
+    return out.reshape(b, hq, tq, d).transpose(1, 2)
+
+
+def attention_probabilities(
+    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """Softmax attention weights in fp32, per query head.
+
+    Args:
+        query: ``[batch, q_heads, q, head_dim]``
+        keys: ``[batch, kv_heads, s, head_dim]``
+        mask: ``[batch, kv_heads, q, s]`` boolean or None
+    Returns:
+        ``[batch, q_heads, q, s]`` (rows with no visible key are all zero)
+    """
+    b, hq, tq, d = query.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    q = query.reshape(b, hkv, group * tq, d).float()
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
+    logits = logits.view(b, hkv, group, tq, -1)
+    if mask is not None:
+        logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return probs.reshape(b, hq, tq, -1)

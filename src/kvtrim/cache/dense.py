@@ -1,0 +1,183 @@
+"""Dense per-layer KV storage: the same number of slots for every KV head of a layer.
+
+Keys and values live in ``[batch, kv_heads, capacity, head_dim]`` tensors of which the first ``length`` slots are
+filled. Every slot carries the logical (rotary) position of its token, or -1 when the slot holds nothing
+(padding, or a head that kept fewer entries than the widest head). After compaction the tensors hold exactly
+the kept slots; decoding appends into geometric slack so a step never copies the whole layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import grouped_attention
+
+INVALID = -1
+
+
+class DenseStore:
+    """KV entries of one layer, GQA-native (never repeats KV heads).
+
+    Attributes (views of the filled part):
+        keys, values: ``[batch, kv_heads, length, head_dim]``
+        positions: ``[batch, kv_heads, length]`` logical positions, ``-1`` for empty slots
+        slot_stats: per-slot statistics that follow compaction, each ``[batch, kv_heads, length]``
+    """
+
+    layout = "dense"
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, length: int):
+        self._k = keys
+        self._v = values
+        self._pos = positions
+        self.length = length
+        self._stats: dict[str, torch.Tensor] = {}
+        self.all_valid = bool((positions[..., :length] >= 0).all()) if length else True
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> DenseStore:
+        k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)
+        return cls(k, k.clone(), pos, 0)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._k[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._v[:, :, : self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._pos[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return self._k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self._k.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self._k.shape[1]
+
+    def stat(self, name: str) -> torch.Tensor:
+        """A per-slot statistic ``[batch, kv_heads, length]``, created as zeros on first use."""
+        if name not in self._stats:
+            self._stats[name] = torch.zeros(self._pos.shape, dtype=torch.float32, device=self._pos.device)
+        return self._stats[name][:, :, : self.length]
+
+    # ------------------------------------------------------------------ growth
+    def _reserve(self, extra: int) -> None:
+        needed = self.length + extra
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, self.capacity + max(self.capacity // 8, 16))
+        b, h, _, d = self._k.shape
+
+        def grow(t: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+            shape = (b, h, new_cap, d) if t.dim() == 4 else (b, h, new_cap)
+            out = torch.full(shape, fill, dtype=t.dtype, device=t.device) if fill else t.new_zeros(shape)
+            out[:, :, : self.length] = t[:, :, : self.length]
+            return out
+
+        self._k, self._v = grow(self._k), grow(self._v)
+        self._pos = grow(self._pos, INVALID)
+        self._stats = {n: grow(s) for n, s in self._stats.items()}
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``q`` new tokens to every head.
+
+        Args:
+            keys, values: ``[batch, kv_heads, q, head_dim]``
+            positions: ``[batch, q]`` logical positions, ``-1`` for padding tokens
+        """
+        q = keys.shape[2]
+        self._reserve(q)
+        end = self.length + q
+        self._k[:, :, self.length : end] = keys
+        self._v[:, :, self.length : end] = values
+        self._pos[:, :, self.length : end] = positions[:, None, :]
+        for s in self._stats.values():
+            s[:, :, self.length : end] = 0
+        self.length = end
+        if self.all_valid and bool((positions < 0).any()):
+            self.all_valid = False
+
+    # ------------------------------------------------------------------ compaction
+    def keep(self, indices: torch.Tensor, keep_mask: torch.Tensor | None = None) -> None:
+        """Keep only the slots ``indices`` ``[batch, kv_heads, k]``; reallocate to exactly ``k`` slots.
+
+        ``keep_mask`` ``[batch, kv_heads, k]`` marks selected slots that must nevertheless be emptied (a head
+        whose budget is below ``k``); they keep occupying a slot but are never attended to.
+        """
+        d = self._k.shape[-1]
+        idx4 = indices.unsqueeze(-1).expand(-1, -1, -1, d)
+        self._k = torch.gather(self.keys, 2, idx4).contiguous()
+        self._v = torch.gather(self.values, 2, idx4).contiguous()
+        pos = torch.gather(self.positions, 2, indices)
+        if keep_mask is not None:
+            pos = pos.masked_fill(~keep_mask, INVALID)
+        self._pos = pos.contiguous()
+        self._stats = {n: torch.gather(s[:, :, : self.length], 2, indices).contiguous() for n, s in self._stats.items()}
+        self.length = indices.shape[2]
+        self.all_valid = bool((self._pos >= 0).all())
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot at or after ``length`` (used to remove an answer before the next question)."""
+        if length > self.length:
+            raise ValueError(f"cannot truncate to {length} slots, store has {self.length}")
+        self._pos[:, :, length : self.length] = INVALID
+        self.length = length
+        self.all_valid = bool((self.positions >= 0).all())
+
+    def copy(self) -> DenseStore:
+        """An independent copy holding exactly the filled slots."""
+        out = DenseStore(self.keys.clone(), self.values.clone(), self.positions.clone(), self.length)
+        out._stats = {n: s[:, :, : self.length].clone() for n, s in self._stats.items()}
+        return out
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder or select batch rows (beam search, ``num_return_sequences``)."""
+        self._k, self._v, self._pos = self._k[index], self._v[index], self._pos[index]
+        self._stats = {n: s[index] for n, s in self._stats.items()}
+
+    # ------------------------------------------------------------------ accounting
+    def entries(self) -> int:
+        """Number of filled slots that hold a real token, over batch and heads."""
+        return int((self.positions >= 0).sum())
+
+    def entries_per_head(self) -> torch.Tensor:
+        """``[batch, kv_heads]`` number of real tokens held per head."""
+        return (self.positions >= 0).sum(-1)
+
+    def nbytes(self) -> int:
+        """Bytes held by the key and value tensors (including decode slack)."""
+        return self._k.untyped_storage().nbytes() + self._v.untyped_storage().nbytes()
+
+    def index_nbytes(self) -> int:
+        """Bytes of bookkeeping (positions and slot statistics)."""
+        return self._pos.untyped_storage().nbytes() + sum(s.untyped_storage().nbytes() for s in self._stats.values())
+
+    # ------------------------------------------------------------------ attention
+    def attend(
+        self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, fresh_causal: bool
+    ) -> torch.Tensor:
+        """Attention of ``query`` ``[batch, q_heads, q, head_dim]`` over the stored entries.
+
+        A slot is visible to a query when it holds a token whose position is not after the query's position.
+        ``fresh_causal`` says the store held nothing before the current tokens and none is padding, so a plain
+        causal kernel gives the same result. Returns ``[batch, q, q_heads, head_dim]``.
+        """
+        if fresh_causal:
+            mask = None
+        elif query.shape[2] == 1 and self.all_valid:
+            mask = None  # one decoding query sees every stored (past) token
+        else:
+            kpos = self.positions
+            mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= query_positions[:, None, :, None])
+        return grouped_attention(query, self.keys, self.values, mask, scaling, causal=fresh_causal)

@@ -1,0 +1,169 @@
+"""A transformers cache layer whose entries can be evicted for real.
+
+``update`` only hands the new keys and values over; kvtrim's attention function (``integration.attention``)
+then stores them with their logical positions and padding, attends over what is stored, and records what
+the compression method needs. This split exists because transformers passes positions and padding to the
+attention function, not to the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..errors import UnsupportedModelError
+from ..scoring.observation import LayerObservation, record
+from .dense import INVALID, DenseStore
+
+if TYPE_CHECKING:
+    from .kvcache import KVTrimCache
+
+_CURRENT = threading.local()
+
+
+def take_current_layer(layer_idx: int) -> CompressibleLayer | None:
+    """The kvtrim layer whose ``update`` just ran for ``layer_idx`` in this thread, if any (consumed once)."""
+    layer = getattr(_CURRENT, "layer", None)
+    _CURRENT.layer = None
+    if layer is None or layer.layer_idx != layer_idx or layer._pending is None:
+        return None
+    return layer
+
+
+class CompressibleLayer(CacheLayerMixin):
+    """One layer of a :class:`KVTrimCache`.
+
+    ``seen`` counts token columns seen so far (including padding), which is what transformers uses to slice
+    inputs and build default positions; the store holds only what was kept.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: KVTrimCache, layer_idx: int):
+        self.is_initialized = False
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.store: DenseStore | None = None
+        self.seen = 0
+        self.observation = LayerObservation()
+        self.module: torch.nn.Module | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # transformers reads .keys/.values on some code paths (device, dtype); expose the stored entries.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.store is None else self.store.keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.store is None else self.store.values
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.store = DenseStore.empty(b, h, d, key_states.dtype, key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.cache._unconsumed is not None:
+            self.cache._unconsumed = None
+            raise UnsupportedModelError(
+                "a KVTrimCache was updated but kvtrim's attention function never consumed the entries: the model "
+                "must run with attn_implementation='kvtrim' (use KVTrimCache(model, ...) or kvtrim.compressing(...))"
+            )
+        if self.layer_idx == 0:
+            self.cache._before_forward(key_states.shape[2])
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._pending = (key_states, value_states)
+        self.cache._unconsumed = self.layer_idx
+        _CURRENT.layer = self
+        return key_states, value_states
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        padding_mask: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Store the pending tokens, attend over the store, record observations.
+
+        Args:
+            query: ``[batch, q_heads, q, head_dim]`` post-rotary
+            position_ids: ``[1 or batch, q]`` or None (then positions continue from ``seen``)
+            padding_mask: ``[batch, >= q]`` boolean, the last ``q`` columns flag real tokens; None = no padding
+        Returns:
+            ``[batch, q, q_heads, head_dim]``
+        """
+        keys, values = self._pending
+        self._pending = None
+        self.cache._unconsumed = None
+        self.module = module
+        b, _, q, _ = keys.shape
+        if position_ids is None:
+            positions = torch.arange(self.seen, self.seen + q, device=keys.device).expand(b, q)
+        else:
+            positions = position_ids.to(keys.device).expand(b, q)
+        valid = None
+        if padding_mask is not None:
+            if padding_mask.shape[-1] < q:
+                raise ValueError(f"attention_mask has {padding_mask.shape[-1]} columns for {q} new tokens")
+            valid = padding_mask[:, -q:].to(torch.bool)
+            if bool(valid.all()):
+                valid = None
+        positions = positions.long() if valid is None else positions.long().masked_fill(~valid, INVALID)
+        store = self.store
+        fresh = store.length == 0 and valid is None and bool((positions.diff(dim=1) == 1).all())
+        store.append(keys, values, positions)
+        out = store.attend(query, positions, scaling, fresh_causal=fresh)
+        self.seen += q
+        if self.cache.observing:
+            record(self.cache.observation_spec, self.observation, store, query, positions, scaling)
+        return out
+
+    # ------------------------------------------------------------------ transformers Cache protocol
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store = None
+        self.seen = 0
+        self.is_initialized = False
+        self.observation = LayerObservation()
+        self._pending = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` appended tokens (assisted decoding)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        n = -tokens_to_remove
+        if n == 0 or self.store is None:
+            return
+        self.store.truncate(self.store.length - n)
+        self.seen -= n
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store is not None:
+            self.store.select_batch(beam_idx.to(self.store.positions.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            idx = torch.arange(self.store.batch_size, device=self.store.positions.device)
+            self.store.select_batch(idx.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store.select_batch(indices)

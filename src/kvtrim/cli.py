@@ -1,0 +1,167 @@
+"""The ``kvtrim`` command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .errors import KVTrimError
+
+app = typer.Typer(help="KV-cache compression for Hugging Face models.", no_args_is_help=True, add_completion=False)
+models_app = typer.Typer(help="Provision and list models.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+def _fail(exc: Exception) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _jsonable(value):
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+@app.command()
+def methods() -> None:
+    """List the compression methods with their papers and default parameters."""
+    from .methods import method_info, method_names
+
+    for name in method_names():
+        info = method_info(name)
+        typer.echo(f"{name}\n    {info.summary}\n    paper:    {info.paper}\n    preset:   {info.preset}")
+        typer.echo(f"    defaults: {info.defaults() or '{}'}")
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: Annotated[str, typer.Argument(help="embedded model name")] = "smollm2-135m",
+    force: Annotated[bool, typer.Option(help="re-download and re-convert")] = False,
+) -> None:
+    """Download and convert an embedded model into the kvtrim home (no-op when present)."""
+    from .models import fetch_model
+
+    try:
+        path = fetch_model(name, force=force)
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"{name}: {path}")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List embedded models and whether they are provisioned."""
+    from .models import EMBEDDED_MODELS
+
+    for spec in EMBEDDED_MODELS.values():
+        state = "ready" if (spec.directory / "config.json").exists() else "not fetched"
+        typer.echo(f"{spec.name:16s} {state:12s} {spec.description} (from {spec.wheel})")
+
+
+@app.command()
+def generate(
+    context_file: Annotated[Path, typer.Option("--context-file", help="text file holding the context")],
+    question: Annotated[list[str], typer.Option("--question", help="a question (repeatable)")],
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    method: Annotated[str, typer.Option(help="method name (see `kvtrim methods`), or 'full'")] = "snapkv",
+    ratio: Annotated[float | None, typer.Option(help="fraction of entries removed, in [0, 1)")] = None,
+    budget: Annotated[int | None, typer.Option(help="entries kept per layer and KV head (> 0)")] = None,
+    question_aware: Annotated[bool, typer.Option("--question-aware", help="compress context and question")] = False,
+    answer_prefix: Annotated[str | None, typer.Option(help="text starting the answer")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate per question")] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Compress the context's KV cache and answer the question(s) from it."""
+    from . import api
+    from .compressor import BudgetSpec
+    from .methods import get_method
+    from .models import load_model
+
+    try:
+        if method != api.FULL:
+            get_method(method)
+            BudgetSpec(ratio=ratio, budget=budget)  # validate before loading anything
+        if not context_file.is_file():
+            raise KVTrimError(f"--context-file {str(context_file)!r} does not exist")
+        context = context_file.read_text(encoding="utf-8")
+        lm, tokenizer = load_model(model)
+        result = api.generate(
+            lm,
+            tokenizer,
+            context,
+            list(question),
+            method=method,
+            ratio=ratio,
+            budget=budget,
+            question_aware=question_aware,
+            max_new_tokens=max_new_tokens,
+            answer_prefix=answer_prefix,
+        )
+    except (KVTrimError, ValueError) as exc:
+        _fail(exc)
+    s = result.stats
+    if as_json:
+        payload = {
+            "answer": result.answers[0],
+            "answers": result.answers,
+            "method": s.method,
+            "ratio": s.ratio,
+            "budget": s.budget,
+            "question_aware": s.question_aware,
+            "context_tokens": s.context_tokens,
+            "kv_entries_before": s.kv_entries_before,
+            "kv_entries_after": s.kv_entries_after,
+            "kv_bytes_before": s.kv_bytes_before,
+            "kv_bytes_after": s.kv_bytes_after,
+            "prefill_s": s.prefill_s,
+            "compress_s": s.compress_s,
+            "decode_ms_per_token": _jsonable(s.decode_ms_per_token),
+        }
+        typer.echo(json.dumps(payload))
+        return
+    for q, a in zip(question, result.answers, strict=True):
+        typer.echo(f"Q: {q}\nA: {a}")
+    typer.echo(
+        f"[{s.method} ratio={s.ratio} budget={s.budget}] context {s.context_tokens} tokens; "
+        f"KV {s.kv_entries_before} -> {s.kv_entries_after} entries, "
+        f"{s.kv_bytes_before / 2**20:.2f} -> {s.kv_bytes_after / 2**20:.2f} MiB; "
+        f"prefill {s.prefill_s:.2f}s, compress {1000 * s.compress_s:.1f} ms, "
+        f"decode {s.decode_ms_per_token:.1f} ms/token"
+    )
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(help="model to run")] = "smollm2-135m",
+    samples: Annotated[int, typer.Option(help="prompts per task")] = 3,
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 1000,
+    ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5,0.75",
+    methods_: Annotated[
+        str, typer.Option("--methods", help="comma-separated methods")
+    ] = "streaming_llm,snapkv,pyramidkv,h2o,knorm,tova,random",
+) -> None:
+    """Compress the embedded model's cache with several methods on passkey and needle prompts; print a table."""
+    from .demo import run_demo
+
+    try:
+        run_demo(
+            model=model,
+            samples=samples,
+            length=length,
+            ratios=[float(r) for r in ratios.split(",")],
+            methods=[m.strip() for m in methods_.split(",") if m.strip()],
+        )
+    except (KVTrimError, ValueError) as exc:
+        _fail(exc)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app(prog_name="kvtrim")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

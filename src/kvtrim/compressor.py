@@ -1,0 +1,125 @@
+"""Running a pipeline over a cache: score every layer, allocate budgets, select, compact."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .budgets.base import BudgetRequest
+from .errors import InvalidParameterError
+from .scoring.base import LayerView
+
+if TYPE_CHECKING:
+    from .cache.kvcache import KVTrimCache
+    from .pipeline import Pipeline
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """How much to keep: ``ratio`` (fraction of entries removed, in [0, 1)) or ``budget`` (entries kept per
+    layer and KV head, > 0). Exactly one is set. A budget at or above the context length keeps everything."""
+
+    ratio: float | None = None
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ratio is None) == (self.budget is None):
+            raise InvalidParameterError("give exactly one of ratio (fraction removed, in [0, 1)) or budget (> 0)")
+        if self.ratio is not None:
+            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or math.isnan(self.ratio):
+                raise InvalidParameterError(f"ratio must be a number in [0, 1), got {self.ratio!r}")
+            if not 0.0 <= float(self.ratio) < 1.0:
+                raise InvalidParameterError(f"ratio must be in [0, 1) (fraction of entries removed), got {self.ratio}")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, int):
+                raise InvalidParameterError(f"budget must be a positive integer, got {self.budget!r}")
+            if self.budget <= 0:
+                raise InvalidParameterError(
+                    f"budget must be a positive integer (entries kept per layer and KV head), got {self.budget}"
+                )
+
+    def keep_count(self, context_length: int) -> int:
+        """Entries to keep per layer and KV head for a row of ``context_length`` tokens."""
+        if self.budget is not None:
+            return min(self.budget, context_length)
+        return max(1, min(context_length, int(round(context_length * (1.0 - float(self.ratio)), 6))))
+
+    def describe(self) -> dict:
+        return {"ratio": self.ratio, "budget": self.budget}
+
+
+@dataclass
+class CompressionReport:
+    """What one compression did."""
+
+    method: str
+    context_lengths: list[int]
+    keep: list[int]
+    budgets: torch.Tensor | None  # [batch, layers, kv_heads]
+    entries_before: int
+    entries_after: int
+    seconds: float
+    skipped: bool = False
+    metadata: dict = field(default_factory=dict)
+
+
+def compress_cache(
+    cache: KVTrimCache, pipeline: Pipeline, spec: BudgetSpec, logits: torch.Tensor | None = None
+) -> CompressionReport:
+    """Compress every layer of ``cache`` in place with ``pipeline`` under ``spec``."""
+    start = time.perf_counter()
+    layers = cache.kv_layers
+    if not layers:
+        raise InvalidParameterError("the cache is empty: prefill a context before compressing")
+    first = layers[0].store
+    context = (first.positions.amax(dim=(1, 2)) + 1).clamp(min=0)  # [batch]
+    keep = torch.tensor([spec.keep_count(int(t)) for t in context.tolist()], device=context.device)
+    before = sum(layer.store.entries() for layer in layers)
+    report = CompressionReport(
+        method=pipeline.name,
+        context_lengths=context.tolist(),
+        keep=keep.tolist(),
+        budgets=None,
+        entries_before=before,
+        entries_after=before,
+        seconds=0.0,
+    )
+    if bool((keep >= context).all()):
+        report.skipped = True
+        report.seconds = time.perf_counter() - start
+        return report
+
+    views = [
+        LayerView(
+            layer_idx=layer.layer_idx,
+            num_layers=len(cache.layers),
+            keys=layer.store.keys,
+            values=layer.store.values,
+            positions=layer.store.positions,
+            context_lengths=context,
+            observation=layer.observation,
+            stats={name: layer.store.stat(name) for name in pipeline.observation.accumulate},
+            module=layer.module,
+            scaling=float(getattr(layer.module, "scaling", layer.store.keys.shape[-1] ** -0.5)),
+            logits=logits,
+        )
+        for layer in layers
+    ]
+    scores = []
+    for view in views:
+        s = pipeline.scorer.score(view).float()
+        scores.append(s.masked_fill(~view.valid, float("-inf")))
+    request = BudgetRequest(keep=keep, context_lengths=context, num_layers=len(views), kv_heads=views[0].kv_heads)
+    budgets = pipeline.budget.allocate(request, scores)
+    budgets = torch.minimum(budgets, context.view(-1, 1, 1))
+    for layer, view, s in zip(layers, views, scores, strict=True):
+        sel = pipeline.selector.select(view.positions, s, budgets[:, view.layer_idx], context)
+        layer.store.keep(sel.indices, sel.keep_mask)
+    report.budgets = budgets
+    report.entries_after = sum(layer.store.entries() for layer in layers)
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,148 @@
+"""Passkey retrieval in the Landmark-Attention / LongLoRA format, plus a 64-digit variant.
+
+Prompt (lines joined with ``\\n``)::
+
+    There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will
+      quiz you about the important information there.          (one line; wrapped here)
+    <garbage prefix>
+    The pass key is {K}. Remember it. {K} is the pass key.
+    <garbage suffix>
+    What is the pass key? The pass key is
+
+The garbage is RULER's noise block repeated and joined by spaces, measured in characters: the prefix is
+its first ``n_pre`` characters and the suffix its first ``n - n_pre`` characters. ``n`` is fitted so the
+prompt plus ``max_new_tokens`` lands just under the target length. ``n_pre = int(n * depth / 100)`` for a
+given ``depth`` (percent), otherwise uniform in ``[0, n]`` as in LongLoRA. The question line is
+``question``; ``context`` is everything before it, and there is no answer prefix (base-model completion
+format, ``meta["chat_template"] = False``).
+
+* ``passkey``: ``K = randint(1, 50000)``, 10 new tokens, metric ``passkey_match`` (the first integer in
+  the response equals K).
+* ``passkey_64``: a 64-digit K (first digit non-zero), the long-passkey setting of the LagKV paper;
+  72 new tokens (tokenizers that split digits need 64 tokens for K); metrics ``passkey_match``
+  (exact) and ``passkey_digit_accuracy`` (fraction of the 64 digits correct by position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrim.errors import InvalidParameterError
+from kvtrim.eval.haystacks import NOISE_BLOCK
+from kvtrim.eval.tasks.base import Sample, TokenCounter, fit_units, sample_rng
+
+__all__ = ["PASSKEY_ANSWER_PREFIX", "PASSKEY_INFO", "PASSKEY_INTRO", "PASSKEY_QUESTION", "generate_passkey"]
+
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
+)
+PASSKEY_INFO = "The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = "What is the pass key?"
+# The format's last line is "What is the pass key? The pass key is"; the completion cue is the answer prefix so
+# that chat models get it at the start of their own turn (context + question + answer_prefix is the original).
+PASSKEY_ANSWER_PREFIX = " The pass key is"
+
+
+@dataclass(frozen=True)
+class _Variant:
+    digits: int | None  # None: randint(1, 50000)
+    max_new_tokens: int
+    secondary_metrics: tuple[str, ...] = ()
+
+
+_VARIANTS = {
+    "passkey": _Variant(digits=None, max_new_tokens=10),
+    "passkey_64": _Variant(digits=64, max_new_tokens=72, secondary_metrics=("passkey_digit_accuracy",)),
+}
+
+
+def _garbage(chars: int) -> str:
+    repeats = chars // (len(NOISE_BLOCK) + 1) + 2
+    return " ".join([NOISE_BLOCK] * repeats)[:chars]
+
+
+def generate_passkey(
+    task: str,
+    tokenizer: Any,
+    length: int,
+    num_samples: int,
+    seed: int = 42,
+    haystack: str | None = None,
+    depth: float | None = None,
+) -> list[Sample]:
+    """Generate ``passkey`` or ``passkey_64`` samples; ``depth`` (0-100) fixes where the key sits."""
+    if task not in _VARIANTS:
+        raise InvalidParameterError(f"task={task!r}: expected one of {sorted(_VARIANTS)}.")
+    if not isinstance(length, int) or length <= 0:
+        raise InvalidParameterError(f"length={length!r}: expected a positive number of tokens.")
+    if not isinstance(num_samples, int) or num_samples < 0:
+        raise InvalidParameterError(f"num_samples={num_samples!r}: expected an integer >= 0.")
+    if depth is not None and not 0 <= depth <= 100:
+        raise InvalidParameterError(f"depth={depth!r}: expected a percentage in [0, 100] or None (random).")
+    variant = _VARIANTS[task]
+    max_new_tokens = variant.max_new_tokens
+    digits = variant.digits
+    counter = TokenCounter(tokenizer)
+    budget = length - max_new_tokens
+    samples: list[Sample] = []
+    hint: int | None = None
+    for index in range(num_samples):
+        rng = sample_rng(task, seed, index)
+        if digits is None:
+            key = str(rng.randint(1, 50000))
+        else:
+            key = str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
+        fraction = rng.random()  # drawn once so the key position does not move while fitting n
+
+        def build(n: int, key: str = key, fraction: float = fraction) -> tuple[str, int]:
+            n_pre = int(n * depth / 100) if depth is not None else min(n, int(fraction * (n + 1)))
+            lines = [PASSKEY_INTRO, _garbage(n_pre), PASSKEY_INFO.format(key=key), _garbage(n - n_pre)]
+            return "\n".join(lines) + "\n", n_pre
+
+        result = fit_units(
+            build,
+            lambda built: counter.count(built[0] + PASSKEY_QUESTION + PASSKEY_ANSWER_PREFIX),
+            budget,
+            0,
+            max(64 * length, 64),
+            hint,
+            what=f"{task} prompt",
+        )
+        hint = result.units
+        context, n_pre = result.value
+        info_offset = context.find(PASSKEY_INFO.format(key=key))
+        token_offsets = counter.char_to_token(context, [info_offset])
+        meta: dict[str, Any] = {
+            "benchmark": "passkey",
+            "format": "landmark",
+            "target_length": length,
+            "length": result.tokens + max_new_tokens,
+            "prompt_tokens": result.tokens,
+            "haystack": "noise",
+            "garbage_chars": result.units,
+            "garbage_prefix_chars": n_pre,
+            "depth_percent": round(100 * n_pre / result.units, 2) if result.units else 0.0,
+            "requested_depth": depth,
+            "key_char_offset": info_offset,
+            "chat_template": False,
+            "secondary_metrics": list(variant.secondary_metrics),
+        }
+        if token_offsets is not None:
+            meta["key_token_offset"] = token_offsets[0]
+        samples.append(
+            Sample(
+                task=task,
+                context=context,
+                question=PASSKEY_QUESTION,
+                answer_prefix=PASSKEY_ANSWER_PREFIX,
+                answers=[key],
+                metric="passkey_match",
+                max_new_tokens=max_new_tokens,
+                index=index,
+                seed=seed,
+                meta=meta,
+            )
+        )
+    return samples

@@ -1,0 +1,187 @@
+"""The registry of named compression methods.
+
+Each method is a factory that composes a scorer, a budget allocator and a selector, with defaults taken from
+``shared/specs`` (the preset each follows is named in its entry). Budgets count entries per layer and KV
+head *including* protected windows.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .budgets.pyramid import PyramidBudget
+from .budgets.uniform import UniformBudget
+from .errors import InvalidParameterError
+from .pipeline import Pipeline
+from .scoring.cumulative_attention import CumulativeAttentionScorer
+from .scoring.key_norm import KeyNormScorer
+from .scoring.position import RecencyScorer
+from .scoring.random import RandomScorer
+from .scoring.window_attention import WindowAttentionScorer
+from .selection.topk import TopKSelector
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """A registry entry."""
+
+    name: str
+    factory: Callable[..., Pipeline]
+    summary: str
+    paper: str
+    preset: str
+
+    def defaults(self) -> dict:
+        return {
+            name: p.default
+            for name, p in inspect.signature(self.factory).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+
+
+_REGISTRY: dict[str, MethodInfo] = {}
+
+
+def register(name: str, summary: str, paper: str, preset: str):
+    """Decorator adding a pipeline factory to the registry."""
+
+    def wrap(factory: Callable[..., Pipeline]) -> Callable[..., Pipeline]:
+        _REGISTRY[name] = MethodInfo(name, factory, summary, paper, preset)
+        return factory
+
+    return wrap
+
+
+def _snap_scorer(window: int, kernel: int, pooling: str) -> WindowAttentionScorer:
+    return WindowAttentionScorer(window=window, kernel=kernel, pooling=pooling, aggregate="mean", group_reduce="mean")
+
+
+@register(
+    "streaming_llm",
+    "Attention sinks plus the most recent tokens.",
+    "Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 (arXiv 2309.17453)",
+    "4 sink tokens, rest recent (KVCache-Factory / kvpress); keys keep their original rotation",
+)
+def streaming_llm(sink: int = 4) -> Pipeline:
+    """StreamingLLM (Xiao et al., 2024, arXiv 2309.17453): keep ``sink`` first tokens and the most recent ones."""
+    return Pipeline("streaming_llm", RecencyScorer(), UniformBudget(), TopKSelector(sink=sink), {"sink": sink})
+
+
+@register(
+    "snapkv",
+    "Attention of the last w prompt queries, pooled; top entries per KV head plus the window.",
+    "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 (arXiv 2404.14469)",
+    "paper LongBench config: w=32, max-pool k=7; GQA: mean over the group before pooling (AdaKV gqa_support)",
+)
+def snapkv(window: int = 32, kernel: int = 7, pooling: str = "max") -> Pipeline:
+    """SnapKV (Li et al., 2024, arXiv 2404.14469). Window tokens are always kept and count in the budget."""
+    return Pipeline(
+        "snapkv",
+        _snap_scorer(window, kernel, pooling),
+        UniformBudget(),
+        TopKSelector(recent=window),
+        {"window": window, "kernel": kernel, "pooling": pooling},
+    )
+
+
+@register(
+    "pyramidkv",
+    "SnapKV selection under pyramid-shaped layer budgets (more in lower layers).",
+    "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling (arXiv 2406.02069)",
+    "beta=20 (KVCache-Factory PyramidKVCluster), SnapKV scorer as in `snapkv`",
+)
+def pyramidkv(window: int = 32, kernel: int = 7, pooling: str = "max", beta: float = 20.0) -> Pipeline:
+    """PyramidKV (Cai et al., 2024, arXiv 2406.02069): per-layer budgets decrease linearly with depth."""
+    return Pipeline(
+        "pyramidkv",
+        _snap_scorer(window, kernel, pooling),
+        PyramidBudget(beta=beta, window=window),
+        TopKSelector(recent=window),
+        {"window": window, "kernel": kernel, "pooling": pooling, "beta": beta},
+    )
+
+
+@register(
+    "h2o",
+    "Heavy hitters by attention accumulated over all prompt queries, plus recent tokens.",
+    "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023 "
+    "(arXiv 2306.14048)",
+    "paper split: half heavy hitters, half recent; prefill-only; sums over queries in chunks of 256",
+)
+def h2o(recent_fraction: float = 0.5, chunk: int = 256) -> Pipeline:
+    """H2O (Zhang et al., 2023, arXiv 2306.14048) applied once after prefill."""
+    if not 0.0 <= recent_fraction <= 1.0:
+        raise InvalidParameterError(f"recent_fraction must be in [0, 1], got {recent_fraction}")
+    return Pipeline(
+        "h2o",
+        CumulativeAttentionScorer(chunk=chunk),
+        UniformBudget(),
+        TopKSelector(recent=float(recent_fraction)),
+        {"recent_fraction": recent_fraction, "chunk": chunk},
+    )
+
+
+@register(
+    "knorm",
+    "Keep the keys with the lowest L2 norm (attention-free).",
+    "Devoto et al., A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, EMNLP 2024 "
+    "(arXiv 2406.11430)",
+    "kvpress KnormPress: all layers, no protected window",
+)
+def knorm() -> Pipeline:
+    """KNorm (Devoto et al., 2024, arXiv 2406.11430)."""
+    return Pipeline("knorm", KeyNormScorer(), UniformBudget(), TopKSelector(), {})
+
+
+@register(
+    "tova",
+    "Last query's attention averaged over heads; one token set per layer.",
+    "Oren et al., Transformers are Multi-State RNNs (TOVA), EMNLP 2024 (arXiv 2401.06104)",
+    "kvpress TOVAPress: one-shot after prefill, window 1, head-averaged, last token kept",
+)
+def tova() -> Pipeline:
+    """TOVA (Oren et al., 2024, arXiv 2401.06104), one-shot after prefill."""
+    scorer = WindowAttentionScorer(window=1, kernel=1, pooling="none", group_reduce="mean", head_mean=True)
+    return Pipeline("tova", scorer, UniformBudget(), TopKSelector(recent=1), {})
+
+
+@register(
+    "random",
+    "Uniformly random entries: a sanity floor.",
+    "Baseline used across the KV-compression literature (e.g. kvpress RandomPress)",
+    "seed 0, no protected window",
+)
+def random_method(seed: int = 0) -> Pipeline:
+    """Random eviction (a floor every method should beat)."""
+    return Pipeline("random", RandomScorer(seed=seed), UniformBudget(), TopKSelector(), {"seed": seed})
+
+
+def method_names() -> list[str]:
+    """Names of all registered methods."""
+    return sorted(_REGISTRY)
+
+
+def method_info(name: str) -> MethodInfo:
+    """The registry entry for ``name`` (error lists the valid names)."""
+    if name not in _REGISTRY:
+        raise InvalidParameterError(f"method={name!r} is unknown; valid methods: {', '.join(method_names())}")
+    return _REGISTRY[name]
+
+
+def get_method(name: str, **params) -> Pipeline:
+    """Build the pipeline of method ``name`` with optional parameter overrides."""
+    info = method_info(name)
+    allowed = info.defaults()
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise InvalidParameterError(
+            f"method {name!r} has no parameter(s) {unknown}; its parameters are {sorted(allowed) or 'none'}"
+        )
+    return info.factory(**params)
+
+
+def methods() -> dict[str, str]:
+    """Registry listing: name → one-line summary with the paper."""
+    return {name: f"{info.summary} [{info.paper}]" for name, info in sorted(_REGISTRY.items())}

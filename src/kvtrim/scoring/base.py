@@ -1,0 +1,76 @@
+"""The scorer interface and the per-layer view scorers read from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..cache.attention import attention_probabilities
+from .observation import LayerObservation, ObservationSpec
+
+
+@dataclass
+class LayerView:
+    """What a scorer can see of one layer at compression time.
+
+    Attributes:
+        keys, values: ``[batch, kv_heads, seq, head_dim]`` stored entries (post-rotary keys)
+        positions: ``[batch, kv_heads, seq]`` logical positions, ``-1`` for empty slots
+        context_lengths: ``[batch]`` tokens seen per row (positions run from 0 to this minus one)
+        observation: window queries recorded during prefill
+        stats: per-slot statistics accumulated during prefill (``attn_sum`` …), each ``[batch, kv_heads, seq]``
+        module: the layer's attention module (``o_proj``, ``head_dim``, ``scaling`` …)
+    """
+
+    layer_idx: int
+    num_layers: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    context_lengths: torch.Tensor
+    observation: LayerObservation
+    stats: dict[str, torch.Tensor]
+    module: torch.nn.Module | None
+    scaling: float
+    logits: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` True where a slot holds a real token."""
+        return self.positions >= 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    def window_attention(self, window: int) -> torch.Tensor:
+        """Attention of the last ``window`` recorded queries over the stored entries.
+
+        Returns ``[batch, q_heads, min(window, recorded), seq]`` fp32 probabilities (causal by position;
+        padding queries are all zero). Computed once per window size and reused.
+        """
+        obs = self.observation
+        if obs.queries is None:
+            raise RuntimeError(f"layer {self.layer_idx}: the scorer needs observed queries but none were recorded")
+        window = min(window, obs.window)  # prompts shorter than the window use all their queries
+        if window in self._cache:
+            return self._cache[window]
+        q = obs.queries[:, :, -window:]
+        qpos = obs.positions[:, -window:]
+        kpos = self.positions
+        mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= qpos[:, None, :, None])
+        mask = mask & (qpos >= 0)[:, None, :, None]
+        probs = attention_probabilities(q, self.keys, mask, self.scaling)
+        self._cache[window] = probs
+        return probs
+
+
+class Scorer(Protocol):
+    """Scores how much each stored entry matters: ``score(view) -> [batch, kv_heads, seq]`` (higher = keep)."""
+
+    observation: ObservationSpec
+
+    def score(self, view: LayerView) -> torch.Tensor: ...

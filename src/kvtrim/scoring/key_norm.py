@@ -1,0 +1,20 @@
+"""Key-norm scores: low-norm keys draw attention (KNorm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import LayerView
+from .observation import ObservationSpec
+
+
+@dataclass
+class KeyNormScorer:
+    """Score ``-‖k‖₂`` per entry: the lowest-norm keys are kept. Needs no attention weights."""
+
+    observation: ObservationSpec = field(default_factory=ObservationSpec)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return -view.keys.float().norm(dim=-1)

@@ -1,0 +1,100 @@
+"""What scorers need to see while a prompt is prefilled, recorded from inside the attention call.
+
+Recording happens per layer right after the layer's keys are stored, so scorers get post-rotary queries
+without recomputing them, whatever attention kernel the model would otherwise use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.attention import attention_probabilities
+
+
+@dataclass(frozen=True)
+class ObservationSpec:
+    """What to record during prefill.
+
+    Attributes:
+        window: keep the last ``window`` queries of the prompt (observation window), 0 for none
+        accumulate: per-slot attention statistics summed over all prompt queries, computed in query chunks:
+            ``"attn_sum"`` (attention mass received) and/or ``"attn_sq_sum"`` (squared attention)
+        chunk: number of queries per chunk when accumulating (bounds memory to ``chunk × seq`` per head)
+    """
+
+    window: int = 0
+    accumulate: tuple[str, ...] = ()
+    chunk: int = 256
+
+    def merge(self, other: ObservationSpec) -> ObservationSpec:
+        return ObservationSpec(
+            window=max(self.window, other.window),
+            accumulate=tuple(sorted(set(self.accumulate) | set(other.accumulate))),
+            chunk=min(self.chunk, other.chunk),
+        )
+
+
+@dataclass
+class LayerObservation:
+    """Recorded window queries of one layer.
+
+    Attributes:
+        queries: ``[batch, q_heads, w, head_dim]`` post-rotary queries of the last ``w`` prompt tokens
+        positions: ``[batch, w]`` their logical positions (``-1`` for padding)
+    """
+
+    queries: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    def copy(self) -> LayerObservation:
+        return LayerObservation(
+            queries=None if self.queries is None else self.queries.clone(),
+            positions=None if self.positions is None else self.positions.clone(),
+            extra=dict(self.extra),
+        )
+
+    @property
+    def window(self) -> int:
+        return 0 if self.queries is None else self.queries.shape[2]
+
+
+def record(
+    spec: ObservationSpec,
+    obs: LayerObservation,
+    store,
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    scaling: float,
+) -> None:
+    """Record what ``spec`` asks for from one attention call (a prefill chunk).
+
+    Args:
+        query: ``[batch, q_heads, q, head_dim]`` post-rotary queries of the new tokens
+        query_positions: ``[batch, q]`` logical positions, ``-1`` for padding
+    """
+    if spec.window > 0:
+        if obs.queries is None:
+            obs.queries, obs.positions = query[:, :, -spec.window :], query_positions[:, -spec.window :]
+        else:
+            obs.queries = torch.cat([obs.queries, query], dim=2)[:, :, -spec.window :]
+            obs.positions = torch.cat([obs.positions, query_positions], dim=1)[:, -spec.window :]
+    if not spec.accumulate:
+        return
+    kpos = store.positions
+    hkv = store.kv_heads
+    group = query.shape[1] // hkv
+    sums = {name: store.stat(name) for name in spec.accumulate}
+    for start in range(0, query.shape[2], spec.chunk):
+        q = query[:, :, start : start + spec.chunk]
+        qpos = query_positions[:, start : start + spec.chunk]
+        mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= qpos[:, None, :, None])
+        mask = mask & (qpos >= 0)[:, None, :, None]
+        probs = attention_probabilities(q, store.keys, mask, scaling)  # [b, hq, c, s]
+        probs = probs.view(probs.shape[0], hkv, group, probs.shape[2], -1)
+        if "attn_sum" in sums:
+            sums["attn_sum"] += probs.sum(dim=(2, 3))
+        if "attn_sq_sum" in sums:
+            sums["attn_sq_sum"] += probs.square().sum(dim=(2, 3))

@@ -1,0 +1,20 @@
+"""Position-only scores (recency, for StreamingLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import LayerView
+from .observation import ObservationSpec
+
+
+@dataclass
+class RecencyScorer:
+    """Score = logical position: the most recent entries rank highest."""
+
+    observation: ObservationSpec = field(default_factory=ObservationSpec)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return view.positions.float()

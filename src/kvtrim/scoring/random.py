@@ -1,0 +1,22 @@
+"""Random scores: a sanity floor every real method must beat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import LayerView
+from .observation import ObservationSpec
+
+
+@dataclass
+class RandomScorer:
+    """Uniform random scores, reproducible from ``seed`` (and the layer index)."""
+
+    seed: int = 0
+    observation: ObservationSpec = field(default_factory=ObservationSpec)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + view.layer_idx)
+        return torch.rand(view.positions.shape, generator=gen).to(view.positions.device)

@@ -1,0 +1,180 @@
+"""KVTrimCache inside transformers: exactness, real compaction, positions, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvtrim
+from conftest import random_text, tiny_model
+from kvtrim.cache.kvcache import KVTrimCache
+from kvtrim.compressor import BudgetSpec
+from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.methods import get_method, method_names
+
+
+def hf_greedy(model, ids, mask, n):
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+
+
+@pytest.mark.parametrize("method", method_names())
+def test_budget_at_or_above_context_is_token_identical(family_model, method):
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ref = hf_greedy(family_model, ids, mask, 12)
+    for budget in (40, 500):
+        with kvtrim.compressing(family_model, method, budget=budget) as cache:
+            out = family_model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+                past_key_values=cache,
+            )
+        assert torch.equal(out, ref), (method, budget)
+        assert cache.last_report is not None and cache.last_report.skipped
+
+
+def test_compressing_restores_attention_implementation(llama):
+    before = llama.config._attn_implementation
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5):
+        assert llama.config._attn_implementation == "kvtrim"
+    assert llama.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("method", method_names())
+def test_kept_counts_and_bytes_match_budget(method):
+    model = tiny_model("llama", layers=3)
+    ids = torch.randint(3, 200, (1, 64), generator=torch.Generator().manual_seed(2))
+    cache = KVTrimCache(3, get_method(method), BudgetSpec(budget=20), auto_compress=False)
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        full = cache.stats()
+        report = cache.compress()
+    per_head = cache.entries_per_layer_head()
+    budgets = report.budgets
+    assert torch.equal(per_head, budgets)
+    if method != "pyramidkv":
+        assert bool((per_head == 20).all())
+    else:  # pyramid: mean kept stays near the budget, decreasing with depth
+        assert per_head[0, 0, 0] >= per_head[0, -1, 0]
+    stats = cache.stats()
+    head_dim, kv_heads = 16, 2
+    assert full.entries == 64 * 3 * kv_heads
+    assert stats.entries == int(budgets.sum())
+    # Bytes held are exactly the kept entries: K and V, fp32 (the dense layout pads to the widest head).
+    widest = sum(int(budgets[0, layer].max()) * kv_heads for layer in range(3))
+    assert stats.kv_bytes == widest * head_dim * 4 * 2
+    assert report.entries_after == stats.entries < full.entries
+
+
+def test_protected_windows_are_kept():
+    model = tiny_model("qwen2", layers=2)
+    ids = torch.randint(3, 200, (1, 80), generator=torch.Generator().manual_seed(3))
+    cases = [
+        ("snapkv", 40, range(80 - 32, 80)),
+        ("streaming_llm", 24, [*range(4), 79]),
+        ("h2o", 24, range(80 - 12, 80)),
+        ("tova", 24, [79]),
+        ("pyramidkv", 40, range(80 - 32, 80)),
+    ]
+    for method, budget, must_keep in cases:
+        cache = KVTrimCache(2, get_method(method), BudgetSpec(budget=budget), auto_compress=False)
+        with torch.inference_mode(), kvtrim_attention_enabled(model):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.compress()
+        for layer in cache.layers:
+            for head in range(2):
+                kept = set(layer.store.positions[0, head].tolist())
+                assert set(must_keep) <= kept, (method, sorted(set(must_keep) - kept))
+
+
+@pytest.mark.parametrize("method", ["streaming_llm", "tova"])
+def test_new_tokens_get_true_positions_after_eviction(method):
+    """One layer: keys depend only on (token, position), so the compressed cache must equal a fresh run over the
+    kept tokens at their original positions. A wrong position for the new token would change the logits."""
+    model = tiny_model("llama", layers=1)
+    t = 50
+    ids = torch.randint(3, 200, (1, t), generator=torch.Generator().manual_seed(4))
+    cache = KVTrimCache(1, get_method(method), BudgetSpec(budget=16), auto_compress=False)
+    new = torch.tensor([[7]])
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache.compress()
+        kept = cache.layers[0].store.positions[0, 0]
+        assert bool((cache.layers[0].store.positions == kept).all())  # one token set for every head here
+        out = model(input_ids=new, past_key_values=cache, use_cache=True).logits[0, -1]  # default positions
+    pos = torch.cat([kept, torch.tensor([t])])[None]
+    ref_ids = torch.cat([ids[0, kept], new[0]])[None]
+    with torch.inference_mode():
+        ref = model(input_ids=ref_ids, position_ids=pos, past_key_values=DynamicCache()).logits[0, -1]
+        wrong = model(input_ids=ref_ids, past_key_values=DynamicCache()).logits[0, -1]  # compacted positions
+    assert torch.allclose(out, ref, atol=1e-4)
+    assert not torch.allclose(out, wrong, atol=1e-3)
+
+
+def test_left_padded_batch_equals_rows_run_alone(tokenizer):
+    model = tiny_model("mistral", layers=2)
+    contexts = [random_text(90, seed=5), random_text(47, seed=6)]
+    batched = kvtrim.generate(
+        model,
+        tokenizer,
+        contexts,
+        ["q?", "r?"],
+        method="snapkv",
+        ratio=0.5,
+        max_new_tokens=8,
+        method_params={"window": 8},
+    )
+    for row, ctx in enumerate(contexts):
+        alone = kvtrim.generate(
+            model,
+            tokenizer,
+            ctx,
+            ["q?", "r?"][row],
+            method="snapkv",
+            ratio=0.5,
+            max_new_tokens=8,
+            method_params={"window": 8},
+        )
+        assert batched.answers[row] == alone.answers
+    assert batched.stats.context_tokens_per_row == [90 + 0, 47]
+
+
+def test_padding_is_never_kept_over_real_tokens(tokenizer):
+    model = tiny_model("llama", layers=2)
+    session = kvtrim.Session(model, tokenizer, [random_text(60, 1), random_text(25, 2)], methods=["snapkv"])
+    res = session.run("snapkv", budget=30, questions=["a", "b"], max_new_tokens=2)
+    assert res.stats.context_tokens_per_row == [60, 25]
+    cache = session._pre.cache.clone(get_method("snapkv"), BudgetSpec(budget=30))
+    cache.compress()
+    for layer in cache.layers:
+        pos = layer.store.positions
+        assert bool(((pos[0] >= 0).sum(-1) == 30).all())  # long row: exactly the budget
+        assert bool(((pos[1] >= 0).sum(-1) == 25).all())  # short row: all its real tokens, no padding
+        assert int(pos[1].max()) == 24
+
+
+def test_generate_with_user_cache_compresses_after_prefill(llama):
+    ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(7))
+    cache = kvtrim.make_cache(llama, "snapkv", ratio=0.5, window=8)
+    out = llama.generate(
+        input_ids=ids, max_new_tokens=6, do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None
+    )
+    assert out.shape[1] == 66
+    assert cache.last_report is not None and not cache.last_report.skipped
+    assert cache.last_report.entries_after == 30 * 2 * 2
+    # 5 decode tokens appended after compression (the 6th token is never fed back)
+    assert cache.stats().entries == (30 + 5) * 2 * 2
+
+
+def test_cache_without_kvtrim_attention_is_refused(llama):
+    ids = torch.randint(3, 200, (1, 10))
+    cache = KVTrimCache(2)
+    with pytest.raises(kvtrim.UnsupportedModelError, match="attn_implementation='kvtrim'"):
+        llama(input_ids=ids, past_key_values=cache, use_cache=True)

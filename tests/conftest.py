@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny random-weight Llama / Qwen2 / Mistral models (with GQA) and a byte-level tokenizer,
+all built in memory, plus the real embedded SmolLM2 for the slow set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per byte (ids 3..258) plus pad/bos/eos; no chat template."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    return fast
+
+
+VOCAB = len(SPECIALS) + 256
+
+
+def tiny_model(family: str = "llama", layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0):
+    """A random-weight causal LM small enough for unit tests (hidden 64, head_dim 16)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    else:
+        raise ValueError(family)
+    # Scale up attention logits so random models attend selectively (sharper, more realistic scores).
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    return model.eval()
+
+
+FAMILIES = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(params=FAMILIES)
+def family_model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+def random_text(n: int, seed: int = 0) -> str:
+    """ASCII text of ``n`` bytes (one token per byte with the byte tokenizer)."""
+    g = torch.Generator().manual_seed(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz      .,"
+    idx = torch.randint(0, len(letters), (n,), generator=g).tolist()
+    return "".join(letters[i] for i in idx)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded model (provisioned by `make test` through `kvtrim models fetch`)."""
+    import kvtrim
+
+    return kvtrim.load_model("smollm2-135m")
