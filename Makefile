@@ -17,6 +17,7 @@ install: $(STAMP)
 
 model: $(STAMP)
 	$(PY) -m kvtrim models fetch
+	$(PY) -m kvtrim data fetch jargon
 
 demo: model
 	$(PY) -m kvtrim demo

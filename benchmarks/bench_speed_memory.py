@@ -340,18 +340,22 @@ def prefill_sample(model, ids: torch.Tensor, config: str, checks: list, label: s
     return {"prefill_s": seconds, "compress_s": c_s, "share": monitor.result()["others_share"], "info": info}
 
 
-def least_contended(run, retries: int, threshold: float, label: str) -> tuple[dict, int]:
-    """Run ``run()`` and rerun it (up to ``retries`` times) while other processes used ``threshold`` or more of
-    the CPU during it; keep the attempt during which they used the least. Returns (result, attempts)."""
+def least_contended(run, retries: int, waiter: IdleWaiter, label: str) -> tuple[dict, int]:
+    """Run ``run()``; while other processes used twice the waiter's threshold or more of the CPU during it, wait
+    for the machine to quieten and run it again (up to ``retries`` times); keep the least contended attempt.
+    Returns (result, attempts)."""
+    threshold = 2 * waiter.threshold
     best, attempts = None, 0
-    for _ in range(retries + 1):
+    for attempt in range(retries + 1):
         attempts += 1
         result = run()
         if best is None or result["share"] < best["share"]:
             best = result
         if result["share"] < threshold:
             break
-        log(f"  {label}: other processes used {result['share']:.0%} of the CPU; measuring again")
+        if attempt < retries:
+            log(f"  {label}: other processes used {result['share']:.0%} of the CPU; measuring again")
+            waiter.wait(label)
     return best, attempts
 
 
@@ -374,7 +378,7 @@ def bench_prefill(
                 s, attempts = least_contended(
                     functools.partial(prefill_sample, model, ids, config, checks, label),
                     retries,
-                    waiter.threshold * 2,
+                    waiter,
                     label,
                 )
                 for key, value in (("prefill_s", s["prefill_s"]), ("compress_s", s["compress_s"])):
@@ -480,7 +484,7 @@ def bench_decode(
                     decode_sample, model, master, logits, hf_cache, hf_logits, config, length, warmup, n_tokens, checks
                 ),
                 retries,
-                waiter.threshold * 2,
+                waiter,
                 label,
             )
             times = s["times"]
@@ -628,13 +632,14 @@ def main(argv: list[str] | None = None) -> int:
         "--wait-idle",
         type=float,
         help="before each prompt length and decode repetition, wait while other processes use >=10%% of the CPU, "
-        "up to this many seconds in total (default 300, 0 with --quick)",
+        "up to this many seconds in total (default 1800, 0 with --quick)",
     )
     parser.add_argument(
         "--retries",
         type=int,
         help="re-measure a sample up to this many times while other processes used >=20%% of the CPU during it, "
-        "keeping the least contended attempt (default 2, 0 with --quick)",
+        "waiting for the CPU to quieten before each new attempt, and keep the least contended attempt "
+        "(default 2, 0 with --quick)",
     )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     args = parser.parse_args(argv)
@@ -647,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_tokens = args.decode_tokens or (8 if quick else 64)
     decode_warmup = args.decode_warmup if args.decode_warmup is not None else (2 if quick else 8)
     decode_reps = args.decode_reps or (1 if quick else 2)
-    wait_idle = args.wait_idle if args.wait_idle is not None else (0.0 if quick else 300.0)
+    wait_idle = args.wait_idle if args.wait_idle is not None else (0.0 if quick else 1800.0)
     retries = args.retries if args.retries is not None else (0 if quick else 2)
     if args.threads:
         torch.set_num_threads(args.threads)

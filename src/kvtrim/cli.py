@@ -15,6 +15,8 @@ from .errors import KVTrimError
 app = typer.Typer(help="KV-cache compression for Hugging Face models.", no_args_is_help=True, add_completion=False)
 models_app = typer.Typer(help="Provision and list models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+data_app = typer.Typer(help="Provision evaluation data (haystack texts).", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 
 def _fail(exc: Exception) -> None:
@@ -60,6 +62,22 @@ def models_list() -> None:
     for spec in EMBEDDED_MODELS.values():
         state = "ready" if (spec.directory / "config.json").exists() else "not fetched"
         typer.echo(f"{spec.name:16s} {state:12s} {spec.description} (from {spec.wheel})")
+
+
+@data_app.command("fetch")
+def data_fetch(
+    names: Annotated[list[str] | None, typer.Argument(help="haystacks to provision")] = None,
+    force: Annotated[bool, typer.Option(help="rebuild even if cached")] = False,
+) -> None:
+    """Provision haystack texts into the kvtrim home (default: the Jargon File, from Debian's dict-jargon)."""
+    from .eval.haystacks import fetch_haystack
+
+    for name in names or ["jargon"]:
+        try:
+            path = fetch_haystack(name, force=force)
+        except KVTrimError as exc:
+            _fail(exc)
+        typer.echo(f"{name}: {path}")
 
 
 @app.command()
@@ -157,6 +175,80 @@ def demo(
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
+
+
+@app.command("eval")
+def eval_command(
+    tasks: Annotated[str, typer.Option(help="comma-separated task names (see kvtrim.eval.tasks)")],
+    out: Annotated[Path, typer.Option(help="output directory (records.jsonl, run.json, summary.csv); resumable")],
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    methods_: Annotated[
+        str, typer.Option("--methods", help="comma-separated methods (the full cache always runs too)")
+    ] = "streaming_llm,snapkv,pyramidkv,h2o,knorm,tova,random",
+    ratios: Annotated[
+        str | None, typer.Option(help="comma-separated fractions removed (default 0.5,0.75,0.9 unless --budgets)")
+    ] = None,
+    budgets: Annotated[str | None, typer.Option(help="comma-separated entries kept per layer and KV head")] = None,
+    length: Annotated[int, typer.Option(help="target prompt length in tokens")] = 1024,
+    lengths: Annotated[str | None, typer.Option(help="comma-separated length grid for the needle task")] = None,
+    samples: Annotated[int, typer.Option(help="samples per task (needle: depths per length)")] = 20,
+    question_aware: Annotated[
+        bool, typer.Option("--question-aware", help="compress context and question together")
+    ] = False,
+    seed: Annotated[int, typer.Option(help="task generation seed")] = 42,
+    haystack: Annotated[str | None, typer.Option(help="haystack for prose tasks (default: jargon)")] = None,
+    task_options: Annotated[
+        str | None, typer.Option(help='JSON per-task options, e.g. \'{"qa_1": {"squad_path": "dev.json"}}\'')
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="torch threads (1 is fastest on a busy CPU)")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="cap on generated tokens (smoke tests)")] = None,
+    progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+) -> None:
+    """Sweep tasks × methods × ratios (or budgets) on one model; one JSONL record per sample and config."""
+    from .eval.runner import run_sweep
+
+    try:
+        if ratios is None and budgets is None:
+            ratios = "0.5,0.75,0.9"
+        options = json.loads(task_options) if task_options else None
+        if options is not None and not isinstance(options, dict):
+            raise KVTrimError("--task-options must be a JSON object mapping task names to option objects")
+        path = run_sweep(
+            model,
+            tasks,
+            methods_,
+            ratios,
+            length=length,
+            samples=samples,
+            question_aware=question_aware,
+            out_dir=out,
+            seed=seed,
+            budgets=budgets,
+            haystack=haystack,
+            task_options=options,
+            lengths=[int(x) for x in lengths.split(",") if x.strip()] if lengths else None,
+            threads=threads,
+            max_new_tokens=max_new_tokens,
+            progress=progress,
+        )
+    except (KVTrimError, ValueError, OSError) as exc:
+        _fail(exc)
+    typer.echo(f"records: {path / 'records.jsonl'}\nsummary: {path / 'summary.csv'}")
+
+
+@app.command("report")
+def report_command(
+    out_dir: Annotated[Path, typer.Argument(help="the --out directory of `kvtrim eval`")],
+    plots: Annotated[bool, typer.Option(help="write plots to DIR/plots")] = True,
+) -> None:
+    """Print the markdown table of a sweep (method × ratio per task) and write summary.md and plots."""
+    from .eval.report import build_report
+
+    try:
+        text = build_report(out_dir, plots=plots)
+    except (KVTrimError, ValueError, OSError) as exc:
+        _fail(exc)
+    typer.echo(text)
 
 
 def main() -> None:  # pragma: no cover - console entry

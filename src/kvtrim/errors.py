@@ -21,3 +21,7 @@ class ModelNotAvailableError(KVTrimError, FileNotFoundError):
 
 class MissingArtifactError(KVTrimError, FileNotFoundError):
     """A method needs an offline calibration artifact that does not exist yet."""
+
+
+class HaystackUnavailableError(KVTrimError, FileNotFoundError):
+    """A haystack text could not be found locally and could not be provisioned."""

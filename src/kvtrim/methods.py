@@ -73,9 +73,10 @@ def streaming_llm(sink: int = 4) -> Pipeline:
     "snapkv",
     "Attention of the last w prompt queries, pooled; top entries per KV head plus the window.",
     "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 (arXiv 2404.14469)",
-    "paper LongBench config: w=32, max-pool k=7; GQA: mean over the group before pooling (AdaKV gqa_support)",
+    "KVCache-Factory run config: w=8, max-pool k=7 (also HeadKV/CompressKV/DynamicKV); the paper's w=32 is "
+    "window=32. GQA: mean over the group before pooling (AdaKV gqa_support)",
 )
-def snapkv(window: int = 32, kernel: int = 7, pooling: str = "max") -> Pipeline:
+def snapkv(window: int = 8, kernel: int = 7, pooling: str = "max") -> Pipeline:
     """SnapKV (Li et al., 2024, arXiv 2404.14469). Window tokens are always kept and count in the budget."""
     return Pipeline(
         "snapkv",
@@ -90,9 +91,9 @@ def snapkv(window: int = 32, kernel: int = 7, pooling: str = "max") -> Pipeline:
     "pyramidkv",
     "SnapKV selection under pyramid-shaped layer budgets (more in lower layers).",
     "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling (arXiv 2406.02069)",
-    "beta=20 (KVCache-Factory PyramidKVCluster), SnapKV scorer as in `snapkv`",
+    "beta=20, w=8, max-pool k=7 (KVCache-Factory PyramidKVCluster and run config), SnapKV scorer as in `snapkv`",
 )
-def pyramidkv(window: int = 32, kernel: int = 7, pooling: str = "max", beta: float = 20.0) -> Pipeline:
+def pyramidkv(window: int = 8, kernel: int = 7, pooling: str = "max", beta: float = 20.0) -> Pipeline:
     """PyramidKV (Cai et al., 2024, arXiv 2406.02069): per-layer budgets decrease linearly with depth."""
     return Pipeline(
         "pyramidkv",

@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kvtrim.errors import InvalidParameterError, KVTrimError
+from kvtrim.errors import HaystackUnavailableError, InvalidParameterError
 from kvtrim.models import kvtrim_home
 
 __all__ = [
@@ -74,10 +74,6 @@ _FETCH_HINT = (
     "(`sudo apt-get install dict-jargon`, which provides /usr/share/dictd/jargon.dict.dz), or pass your own "
     "prose as haystack='file:/path/to/text.txt'."
 )
-
-
-class HaystackUnavailableError(KVTrimError, FileNotFoundError):
-    """A haystack text could not be found locally and could not be provisioned."""
 
 
 def _jargon_cache_path() -> Path:
