@@ -77,6 +77,8 @@ def main() -> None:
                     model, None, None, cont, method, ratio=ratio, full=pre, layer_queries=args.layer_queries
                 )
                 row = r.as_dict()
+                errors = row.pop("layer_errors")  # keep per-layer values, not the per-head arrays
+                row["layer_errors"] = {k: errors[k] for k in ("mean_rel_fro", "mean_l1", "rel_fro", "l1")}
                 row["window_start_char"] = start
                 rows.append(row)
         print(f"window at char {start}: nll_full={rows[-1]['nll_full']:.3f} ({time.perf_counter() - started:.0f}s)")
@@ -129,7 +131,8 @@ def main() -> None:
         "torch": torch.__version__,
         "seconds": elapsed,
     }
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    body = ",\n".join(json.dumps(row) for row in rows)  # one measurement per line
+    args.out.write_text(f'{{"meta": {json.dumps(meta)},\n"rows": [\n{body}\n]}}\n')
     args.out.with_suffix(".md").write_text(table)
 
 

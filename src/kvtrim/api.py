@@ -70,7 +70,7 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _resolve_method(method: str | None, ratio, budget, params: dict | None):
+def _resolve_method(method, ratio, budget, params: dict | None):
     """Validate everything up front so bad input changes nothing."""
     if method is None or method == FULL:
         if ratio is not None or budget is not None:
@@ -78,8 +78,12 @@ def _resolve_method(method: str | None, ratio, budget, params: dict | None):
         if params:
             raise InvalidParameterError("method='full' takes no method parameters")
         return None, None
+    if isinstance(method, Pipeline):
+        if params:
+            raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
+        return method, BudgetSpec(ratio=ratio, budget=budget)
     if not isinstance(method, str):
-        raise InvalidParameterError(f"method must be a registry name, got {method!r}")
+        raise InvalidParameterError(f"method must be a registry name or a Pipeline, got {method!r}")
     spec = BudgetSpec(ratio=ratio, budget=budget)
     return get_method(method, **(params or {})), spec
 

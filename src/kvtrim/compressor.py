@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .budgets.base import BudgetRequest
+from .cache.ragged import RaggedStore
 from .errors import InvalidParameterError
 from .scoring.base import LayerView
 
@@ -75,6 +76,9 @@ def compress_cache(
     layers = cache.kv_layers
     if not layers:
         raise InvalidParameterError("the cache is empty: prefill a context before compressing")
+    for layer in layers:  # re-compressing a ragged layer: score it through a padded dense copy
+        if layer.store.layout != "dense":
+            layer.store = layer.store.to_dense()
     first = layers[0].store
     context = (first.positions.amax(dim=(1, 2)) + 1).clamp(min=0)  # [batch]
     keep = torch.tensor([spec.keep_count(int(t)) for t in context.tolist()], device=context.device)
@@ -113,12 +117,23 @@ def compress_cache(
     for view in views:
         s = pipeline.scorer.score(view).float()
         scores.append(s.masked_fill(~view.valid, float("-inf")))
-    request = BudgetRequest(keep=keep, context_lengths=context, num_layers=len(views), kv_heads=views[0].kv_heads)
+    request = BudgetRequest(
+        keep=keep,
+        context_lengths=context,
+        num_layers=len(views),
+        kv_heads=views[0].kv_heads,
+        positions=[v.positions for v in views],
+    )
     budgets = pipeline.budget.allocate(request, scores)
     budgets = torch.minimum(budgets, context.view(-1, 1, 1))
     for layer, view, s in zip(layers, views, scores, strict=True):
-        sel = pipeline.selector.select(view.positions, s, budgets[:, view.layer_idx], context)
-        layer.store.keep(sel.indices, sel.keep_mask)
+        sel = pipeline.selector.select(view, s, budgets[:, view.layer_idx])
+        counts = sel.keep_mask.sum(-1)
+        uniform = bool((counts == counts.max()).all())
+        if pipeline.layout == "dense" or (pipeline.layout == "auto" and uniform):
+            layer.store.keep(sel.indices, sel.keep_mask)
+        else:  # a different number of entries per head: store exactly that many
+            layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)
     report.budgets = budgets
     report.entries_after = sum(layer.store.entries() for layer in layers)
     report.seconds = time.perf_counter() - start

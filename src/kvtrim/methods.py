@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .budgets.head_adaptive import HeadAdaptiveBudget
 from .budgets.pyramid import PyramidBudget
 from .budgets.uniform import UniformBudget
 from .errors import InvalidParameterError
@@ -20,6 +21,7 @@ from .scoring.key_norm import KeyNormScorer
 from .scoring.position import RecencyScorer
 from .scoring.random import RandomScorer
 from .scoring.window_attention import WindowAttentionScorer
+from .selection.critical import CriticalSelector
 from .selection.topk import TopKSelector
 
 
@@ -101,6 +103,86 @@ def pyramidkv(window: int = 8, kernel: int = 7, pooling: str = "max", beta: floa
         PyramidBudget(beta=beta, window=window),
         TopKSelector(recent=window),
         {"window": window, "kernel": kernel, "pooling": pooling, "beta": beta},
+    )
+
+
+@register(
+    "adakv",
+    "SnapKV scores; the KV heads of each layer share its budget by score (variable per head, stored ragged).",
+    "Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference "
+    "(arXiv 2407.11550)",
+    "official AdaKV rule b_h = c_h(1-α) + αB' with α=0.2 at KV-head granularity; SnapKV scorer as in `snapkv` "
+    "(w=8, max-pool k=7); rule='kvpress' gives kvpress's top-⌊αB'⌋ safeguard",
+)
+def adakv(
+    window: int = 8, kernel: int = 7, pooling: str = "max", alpha: float = 0.2, rule: str = "official"
+) -> Pipeline:
+    """Ada-KV (Feng et al., 2024, arXiv 2407.11550) on SnapKV scores; real per-head memory (ragged storage)."""
+    return Pipeline(
+        "adakv",
+        _snap_scorer(window, kernel, pooling),
+        HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule),
+        TopKSelector(recent=window),
+        {"window": window, "kernel": kernel, "pooling": pooling, "alpha": alpha, "rule": rule},
+    )
+
+
+_CRITICAL_PAPER = (
+    "Feng et al., CriticalKV: Optimizing KV Cache Eviction from an Output Perturbation Perspective, ICML 2026 "
+    "(arXiv 2502.03805, v1: Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective)"
+)
+
+
+@register(
+    "critical_snapkv",
+    "CriticalKV two-stage selection (attention, then (A+ε)·‖V·W_O‖₁) on SnapKV scores, uniform budgets.",
+    _CRITICAL_PAPER,
+    "α=0.5, ε=1e-4, L1 norm per query-head slice of W_O, mean over the group (paper code); SnapKV scorer as in "
+    "`snapkv`",
+)
+def critical_snapkv(
+    window: int = 8, kernel: int = 7, pooling: str = "max", alpha: float = 0.5, eps: float = 1e-4
+) -> Pipeline:
+    """CriticalKV (Feng et al., arXiv 2502.03805) with SnapKV scores and uniform budgets."""
+    return Pipeline(
+        "critical_snapkv",
+        _snap_scorer(window, kernel, pooling),
+        UniformBudget(),
+        CriticalSelector(alpha=alpha, eps=eps, recent=window),
+        {"window": window, "kernel": kernel, "pooling": pooling, "alpha": alpha, "eps": eps},
+    )
+
+
+@register(
+    "critical_adakv",
+    "CriticalKV two-stage selection inside AdaKV's per-head budgets (stored ragged).",
+    _CRITICAL_PAPER,
+    "α=0.5, ε=1e-4; AdaKV official rule with α_s=0.2 (spec decision 8); SnapKV scorer as in `snapkv`",
+)
+def critical_adakv(
+    window: int = 8,
+    kernel: int = 7,
+    pooling: str = "max",
+    alpha: float = 0.5,
+    eps: float = 1e-4,
+    safeguard: float = 0.2,
+    rule: str = "official",
+) -> Pipeline:
+    """CriticalKV (Feng et al., arXiv 2502.03805) on Ada-KV budgets (arXiv 2407.11550)."""
+    return Pipeline(
+        "critical_adakv",
+        _snap_scorer(window, kernel, pooling),
+        HeadAdaptiveBudget(alpha=safeguard, window=window, rule=rule),
+        CriticalSelector(alpha=alpha, eps=eps, recent=window),
+        {
+            "window": window,
+            "kernel": kernel,
+            "pooling": pooling,
+            "alpha": alpha,
+            "eps": eps,
+            "safeguard": safeguard,
+            "rule": rule,
+        },
     )
 
 

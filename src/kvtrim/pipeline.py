@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from .budgets.base import BudgetAllocator
 from .scoring.base import Scorer
 from .scoring.observation import ObservationSpec
-from .selection.topk import TopKSelector
+from .selection.base import Selector
 
 
 @dataclass
@@ -20,13 +20,20 @@ class Pipeline:
         budget: how many entries each (layer, KV head) keeps
         selector: which entries, under those budgets
         params: the configuration the method was built with (recorded in results)
+        layout: storage after compression: ``auto`` (dense when every head keeps the same count, else ragged),
+            ``dense`` (pad every head to the widest one), or ``ragged`` (exact counts per head)
     """
 
     name: str
     scorer: Scorer
     budget: BudgetAllocator
-    selector: TopKSelector
+    selector: Selector
     params: dict = field(default_factory=dict)
+    layout: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("auto", "dense", "ragged"):
+            raise ValueError(f"layout must be 'auto', 'dense' or 'ragged', got {self.layout!r}")
 
     @property
     def observation(self) -> ObservationSpec:

@@ -30,6 +30,15 @@ def _ids(tokenizer, n: int, seed: int) -> torch.Tensor:
     return torch.tensor(tokenizer(random_text(n, seed=seed))["input_ids"])
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models here are small: one thread beats two on a shared 2-core machine. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def models():
     return {family: tiny_model(family) for family in FAMILIES}
@@ -156,6 +165,29 @@ def test_one_prefill_serves_many_methods_and_matches_fresh_runs(models, text_ids
         assert shared.method == method and shared.kept_fraction == pytest.approx(0.4, abs=0.02)
 
 
+def test_ragged_layout_gives_the_dense_results(models, text_ids):
+    """The metrics read any store layout: a ragged copy of the same selection scores the same."""
+    import dataclasses
+
+    from kvtrim.pipeline import Pipeline
+
+    if "layout" not in {f.name for f in dataclasses.fields(Pipeline)}:
+        pytest.skip("this kvtrim has no ragged storage")
+    model = models["llama"]
+    ctx, cont = text_ids
+    pre = prefill(model, ctx, ["snapkv"])
+    results = {}
+    for layout in ("dense", "ragged"):
+        pipeline = dataclasses.replace(kvtrim.get_method("snapkv", window=4), layout=layout)
+        results[layout] = continuation_fidelity(model, None, None, cont, pipeline, budget=20, full=pre, layer_queries=4)
+    dense, ragged = results["dense"], results["ragged"]
+    assert ragged.entries_compressed == dense.entries_compressed
+    assert ragged.nll_compressed == pytest.approx(dense.nll_compressed, abs=1e-5)
+    assert ragged.kl_mean == pytest.approx(dense.kl_mean, abs=1e-6)
+    assert torch.allclose(ragged.layer_errors.l1, dense.layer_errors.l1, rtol=1e-4, atol=1e-6)
+    assert float(dense.layer_errors.l1.min()) > 0
+
+
 def test_uncovered_method_is_a_clear_error(models, text_ids):
     ctx, cont = text_ids
     pre = prefill(models["llama"], ctx)  # records nothing: fine for knorm, not for snapkv
@@ -164,6 +196,10 @@ def test_uncovered_method_is_a_clear_error(models, text_ids):
         continuation_fidelity(models["llama"], None, None, cont, "snapkv", ratio=0.5, full=pre)
     with pytest.raises(InvalidParameterError, match="exactly one of ratio"):
         continuation_fidelity(models["llama"], None, None, cont, "knorm", full=pre)
+    with pytest.raises(InvalidParameterError, match="not to a built Pipeline"):
+        continuation_fidelity(
+            models["llama"], None, None, cont, kvtrim.get_method("knorm"), ratio=0.5, method_params={"a": 1}, full=pre
+        )
 
 
 def test_session_prefill_can_be_reused(models, tokenizer):
@@ -209,6 +245,9 @@ def test_text_fidelity_splits_tokens(models, tokenizer):
     assert result.context_tokens == 100 and result.continuation_tokens == 20
     assert result.nll_compressed == pytest.approx(direct.nll_compressed, abs=1e-6)
     assert result.as_dict()["layer_errors"]["mean_l1"] > 0
+    # Strings are tokenized: the context with special tokens, the continuation without.
+    from_strings = continuation_fidelity(model, tokenizer, text[:100], text[100:120], "streaming_llm", budget=24)
+    assert from_strings.nll_compressed == pytest.approx(direct.nll_compressed, abs=1e-6)
     with pytest.raises(InvalidParameterError, match="fewer than"):
         text_fidelity(model, tokenizer, "short", 100, 20, "streaming_llm", budget=24)
 
@@ -316,17 +355,8 @@ def test_prefill_of_accepts_session_like_objects(models, text_ids):
 
 
 # ---------------------------------------------------------------------------------------------------- real model
-@pytest.fixture
-def one_thread():
-    """The model is tiny: one thread is faster than two on a shared 2-core machine; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-def test_error_grows_when_the_budget_shrinks_on_the_embedded_model(smollm2, jargon_text, one_thread):
+def test_error_grows_when_the_budget_shrinks_on_the_embedded_model(smollm2, jargon_text):
     """SnapKV on ~400 tokens of jargon text: every signal is 0 at ratio 0 and grows with the ratio.
 
     ΔNLL at ratio 0.5 is small (a few hundredths of a nat) and its sign varies between single windows, so it is

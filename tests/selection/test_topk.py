@@ -12,7 +12,7 @@ from kvtrim.selection.topk import TopKSelector
 def test_protected_sink_and_recent_windows_win():
     pos = torch.arange(20).view(1, 1, 20)
     scores = torch.linspace(1, 0, 20).view(1, 1, 20)  # earliest tokens score highest
-    sel = TopKSelector(sink=2, recent=3).select(pos, scores, torch.tensor([[8]]), torch.tensor([20]))
+    sel = TopKSelector(sink=2, recent=3).select_positions(pos, scores, torch.tensor([[8]]), torch.tensor([20]))
     kept = pos[0, 0, sel.indices[0, 0]][sel.keep_mask[0, 0]].tolist()
     assert kept == [0, 1, 2, 3, 4, 17, 18, 19]
 
@@ -21,7 +21,7 @@ def test_recent_fraction_of_budget():
     pos = torch.arange(40).view(1, 1, 40)
     scores = torch.zeros(1, 1, 40)
     scores[0, 0, :10] = torch.linspace(2, 1, 10)
-    sel = TopKSelector(recent=0.5).select(pos, scores, torch.tensor([[10]]), torch.tensor([40]))
+    sel = TopKSelector(recent=0.5).select_positions(pos, scores, torch.tensor([[10]]), torch.tensor([40]))
     assert sel.indices[0, 0].tolist() == [0, 1, 2, 3, 4, 35, 36, 37, 38, 39]
 
 
@@ -35,7 +35,7 @@ def test_empty_slots_never_displace_real_tokens(s, budget, holes, seed):
     real = int((pos[0, 0] >= 0).sum())
     scores = torch.rand(1, 2, s, generator=g)
     budgets = torch.tensor([[budget, max(1, budget // 2)]])
-    sel = TopKSelector(sink=1, recent=2).select(pos, scores, budgets, torch.tensor([s]))
+    sel = TopKSelector(sink=1, recent=2).select_positions(pos, scores, budgets, torch.tensor([s]))
     for head in range(2):
         chosen = sel.indices[0, head][sel.keep_mask[0, head]]
         assert bool((pos[0, head, chosen] >= 0).all())

@@ -16,12 +16,14 @@ class BudgetRequest:
         keep: ``[batch]`` mean entries to keep per layer and KV head (already at most ``context_lengths``)
         context_lengths: ``[batch]`` real tokens in each row
         num_layers, kv_heads: cache geometry
+        positions: per layer ``[batch, kv_heads, seq]`` logical positions of the stored slots (-1 = empty)
     """
 
     keep: torch.Tensor
     context_lengths: torch.Tensor
     num_layers: int
     kv_heads: int
+    positions: list[torch.Tensor] | None = None
 
 
 class BudgetAllocator(Protocol):

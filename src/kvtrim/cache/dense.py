@@ -127,6 +127,16 @@ class DenseStore:
         self.length = indices.shape[2]
         self.all_valid = bool((self._pos >= 0).all())
 
+    @property
+    def is_empty(self) -> bool:
+        return self.length == 0
+
+    def mark(self) -> int:
+        return self.length
+
+    def truncate_to(self, mark: int) -> None:
+        self.truncate(mark)
+
     def truncate(self, length: int) -> None:
         """Drop every slot at or after ``length`` (used to remove an answer before the next question)."""
         if length > self.length:

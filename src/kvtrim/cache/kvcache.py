@@ -117,15 +117,15 @@ class KVTrimCache(Cache):
         return [layer for layer in self.layers if layer.store is not None]
 
     # ------------------------------------------------------------------ rollback
-    def mark(self) -> list[tuple[int, int]]:
+    def mark(self) -> list[tuple]:
         """Remember the current end of every layer, to remove later appends with :meth:`rollback`."""
-        return [(layer.store.length if layer.store else 0, layer.seen) for layer in self.layers]
+        return [(layer.store.mark() if layer.store else None, layer.seen) for layer in self.layers]
 
-    def rollback(self, mark: list[tuple[int, int]]) -> None:
+    def rollback(self, mark: list[tuple]) -> None:
         """Remove every entry appended after ``mark`` (e.g. a question and its answer)."""
-        for layer, (length, seen) in zip(self.layers, mark, strict=True):
+        for layer, (store_mark, seen) in zip(self.layers, mark, strict=True):
             if layer.store is not None:
-                layer.store.truncate(length)
+                layer.store.truncate_to(store_mark)
             layer.seen = seen
 
     # ------------------------------------------------------------------ accounting

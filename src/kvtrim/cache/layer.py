@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..errors import UnsupportedModelError
 from ..scoring.observation import LayerObservation, record
 from .dense import INVALID, DenseStore
+from .ragged import RaggedStore
 
 if TYPE_CHECKING:
     from .kvcache import KVTrimCache
@@ -48,7 +49,7 @@ class CompressibleLayer(CacheLayerMixin):
         self.is_initialized = False
         self.cache = cache
         self.layer_idx = layer_idx
-        self.store: DenseStore | None = None
+        self.store: DenseStore | RaggedStore | None = None
         self.seen = 0
         self.observation = LayerObservation()
         self.module: torch.nn.Module | None = None
@@ -120,7 +121,9 @@ class CompressibleLayer(CacheLayerMixin):
                 valid = None
         positions = positions.long() if valid is None else positions.long().masked_fill(~valid, INVALID)
         store = self.store
-        fresh = store.length == 0 and valid is None and bool((positions.diff(dim=1) == 1).all())
+        fresh = (
+            store.is_empty and store.layout == "dense" and valid is None and bool((positions.diff(dim=1) == 1).all())
+        )
         store.append(keys, values, positions)
         out = store.attend(query, positions, scaling, fresh_causal=fresh)
         self.seen += q
@@ -152,7 +155,9 @@ class CompressibleLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or self.store is None:
             return
-        self.store.truncate(self.store.length - n)
+        self.store.truncate_to(
+            self.store.mark() - n if self.store.layout == "dense" else (self.store.mark() - n).clamp(min=0)
+        )
         self.seen -= n
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -33,6 +33,7 @@ import torch
 from ..api import _positions, _resolve_method
 from ..cache.attention import grouped_attention
 from ..cache.kvcache import KVTrimCache
+from ..compressor import BudgetSpec
 from ..errors import InvalidParameterError
 from ..integration.attention import check_supported, kvtrim_attention_enabled
 from ..methods import get_method
@@ -162,8 +163,8 @@ class Prefill:
     ) -> KVTrimCache:
         """An independent copy compressed with ``method`` (``None``/``"full"``: uncompressed copy)."""
         if isinstance(method, Pipeline):
-            from ..compressor import BudgetSpec
-
+            if method_params:
+                raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
             pipeline, spec = method, BudgetSpec(ratio=ratio, budget=budget)
         else:
             pipeline, spec = _resolve_method(method, ratio, budget, method_params)
@@ -382,6 +383,8 @@ def continuation_fidelity(
         :class:`ContinuationFidelity`
     """
     if isinstance(method, Pipeline):
+        if method_params:
+            raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
         pipeline = method
     else:
         pipeline, _ = _resolve_method(method, ratio, budget, method_params)
@@ -398,7 +401,7 @@ def continuation_fidelity(
     if not 0 <= layer_queries <= cont.shape[1]:
         raise InvalidParameterError(f"layer_queries must be in [0, {cont.shape[1]}], got {layer_queries}")
     with torch.inference_mode():
-        compressed = pre.compressed_cache(pipeline, ratio, budget, method_params)
+        compressed = pre.compressed_cache(pipeline, ratio, budget)  # params are already in the pipeline
         after = compressed.stats()
         before = pre.cache.stats()
         nll_full, lp_full = _reference(pre, model, cont)
@@ -539,7 +542,7 @@ def capture_decoding_queries(
     if mask is None:
         mask = torch.ones(batch, cache_full.layers[0].seen, dtype=torch.long, device=device)
     work = cache_full.clone(None, None)
-    context = [(layer.store.keys, layer.store.values, layer.store.positions) for layer in work.layers]
+    context = [_padded_entries(layer.store) for layer in work.layers]
     seen: dict[int, _LayerCapture] = {}
 
     def wrap(layer):
@@ -547,14 +550,18 @@ def capture_decoding_queries(
 
         def attend(module, query, position_ids, padding_mask, scaling):
             keys, values = layer._pending
+            b, n = query.shape[0], query.shape[2]
+            if position_ids is None:
+                positions = torch.arange(layer.seen, layer.seen + n, device=query.device).expand(b, n)
+            else:
+                positions = position_ids.to(query.device).long().expand(b, n)
             out = original(module, query, position_ids, padding_mask, scaling)
-            n = query.shape[2]
             ck, cv, cp = context[layer.layer_idx]
             seen[layer.layer_idx] = _LayerCapture(
                 module=module,
                 scaling=float(scaling),
                 query=query,
-                positions=layer.store.positions[:, 0, -n:].clone(),
+                positions=positions.clone(),
                 keys=keys,
                 values=values,
                 context_keys=ck,
@@ -593,6 +600,14 @@ def _capture_for(pre: Prefill, model, ids: torch.Tensor) -> QueryCapture:
         pre._captures.clear()
         pre._captures[key] = capture_decoding_queries(model, pre.cache, ids, pre.mask)
     return pre._captures[key]
+
+
+def _padded_entries(store) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keys, values, positions)`` of a layer store as padded ``[batch, kv_heads, S, ...]`` tensors (empty slots
+    at position -1), whatever its layout (dense, or ragged per head through ``to_dense``)."""
+    if getattr(store, "layout", "dense") != "dense":
+        store = store.to_dense()
+    return store.keys, store.values, store.positions
 
 
 def _attend(cap: _LayerCapture, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -672,8 +687,7 @@ def layer_errors(capture: QueryCapture, cache_compressed: KVTrimCache) -> LayerE
     for cap, layer in zip(capture.layers, comp_layers, strict=True):
         a_full = _attend(cap, cap.context_keys, cap.context_values, cap.context_positions)
         mismatch = max(mismatch, float((a_full.float() - cap.output.float()).abs().max()))
-        store = layer.store
-        a_comp = _attend(cap, store.keys, store.values, store.positions)
+        a_comp = _attend(cap, *_padded_entries(layer.store))
         b, n, hq, d = a_full.shape
         o_proj = cap.module.o_proj
         if cap.o_full is None:
@@ -688,7 +702,7 @@ def layer_errors(capture: QueryCapture, cache_compressed: KVTrimCache) -> LayerE
         weight = o_proj.weight.float().view(-1, hq, d)  # [hidden, q_heads, head_dim]
         contrib = torch.einsum("bnhd,ohd->bnho", (a_comp - a_full).float(), weight)  # [b, n, q_heads, hidden]
         head_l1.append(contrib.abs().sum(-1).mean((0, 1)))
-        hkv = store.kv_heads
+        hkv = cap.context_keys.shape[1]
         grouped = contrib.view(b, n, hkv, hq // hkv, -1).sum(3)
         kv_l1.append(grouped.abs().sum(-1).mean((0, 1)))
     return LayerErrors(

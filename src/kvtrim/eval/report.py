@@ -42,6 +42,7 @@ MODE_TITLES = {
 }
 _MODE_ORDER = {CONTEXT_ONLY: 0, QUESTION_AWARE: 1}
 _NEEDLE = "needle"
+_MARKERS = "osD^v<>pP*X"
 
 Row = tuple[str, float | None, int | None]  # (method, ratio, budget)
 
@@ -163,7 +164,7 @@ def _score_plot(
     mine = [r for r in records if column_label(r, multi) == column]
     if not any(r.get(field) is not None for r in mine):
         return False
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(7.2 * len(modes), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         rs = [r for r in mine if r["mode"] == mode]
         full = _mean(r["score"] for r in rs if r["method"] == FULL)
@@ -171,9 +172,14 @@ def _score_plot(
         for r in rs:
             if r["method"] != FULL and r.get(field) is not None:
                 series[r["method"]][float(r[field])].append(float(r["score"]))
-        for method in method_order(series):
+        names = method_order(series)
+        for i, method in enumerate(names):
             xs = sorted(series[method])
-            ax.plot(xs, [100 * statistics.fmean(series[method][x]) for x in xs], marker="o", label=method)
+            ys = [100 * statistics.fmean(series[method][x]) for x in xs]
+            # Dodge overlapping lines slightly so ties stay visible (x stays exact in the tables).
+            shift = (i - (len(names) - 1) / 2) * (0.004 if x_kind == "ratio" else 0.01)
+            xd = [x + shift for x in xs] if x_kind == "ratio" else [x * 2**shift for x in xs]
+            ax.plot(xd, ys, marker=_MARKERS[i % len(_MARKERS)], linewidth=1.3, markersize=5, label=method)
         if full is not None:
             ax.axhline(100 * full, color="black", linestyle="--", linewidth=1.2, label="full cache")
         if x_kind == "budget":
@@ -186,7 +192,7 @@ def _score_plot(
         ax.set_title(f"{column}: {mode}")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
         else:
             ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()

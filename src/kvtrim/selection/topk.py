@@ -51,10 +51,15 @@ class TopKSelector:
     sink: int = 0
     recent: int | float = 0
 
-    def select(
+    def select(self, view, scores: torch.Tensor, budgets: torch.Tensor) -> Selection:
+        """Args: ``view`` (a :class:`~kvtrim.scoring.base.LayerView`), scores ``[batch, kv_heads, seq]``,
+        budgets ``[batch, kv_heads]``."""
+        return self.select_positions(view.positions, scores, budgets, view.context_lengths)
+
+    def select_positions(
         self, positions: torch.Tensor, scores: torch.Tensor, budgets: torch.Tensor, context_lengths: torch.Tensor
     ) -> Selection:
-        """Args: positions, scores ``[batch, kv_heads, seq]``; budgets ``[batch, kv_heads]``."""
+        """Top-k given positions ``[batch, kv_heads, seq]`` and ``context_lengths`` ``[batch]``."""
         valid = positions >= 0
         key = scores.double().masked_fill(~valid, float("-inf"))
         prot = protected_mask(positions, context_lengths, budgets, self.sink, self.recent)

@@ -1,0 +1,119 @@
+"""Head-adaptive budgets within a layer (AdaKV)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import BudgetRequest
+
+RULES = ("official", "kvpress")
+
+
+def largest_remainder(weights: torch.Tensor, total: int, floor: torch.Tensor | None = None) -> torch.Tensor:
+    """Integers proportional to ``weights`` (``[n]``, non-negative) that sum exactly to ``total``.
+
+    ``floor`` ``[n]`` is the minimum of each entry (its sum must not exceed ``total``).
+    """
+    base = torch.zeros_like(weights, dtype=torch.long) if floor is None else floor.clone()
+    rest = total - int(base.sum())
+    if rest <= 0:
+        return base
+    w = weights.double().clamp(min=0)
+    share = w / w.sum() * rest if float(w.sum()) > 0 else torch.full_like(w, rest / len(w))
+    whole = share.floor().long()
+    left = rest - int(whole.sum())
+    if left > 0:
+        order = (share - whole).argsort(descending=True)
+        whole[order[:left]] += 1
+    return base + whole
+
+
+def cap_and_redistribute(budgets: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """Clamp ``budgets`` ``[n]`` to ``caps`` and hand what that frees to entries with room, keeping the total."""
+    out = torch.minimum(budgets, caps)
+    spare = int(budgets.sum() - out.sum())
+    while spare > 0:
+        room = caps - out
+        open_ = room > 0
+        if not bool(open_.any()):
+            break
+        give = largest_remainder(open_.double(), spare)
+        give = torch.minimum(give, room)
+        if int(give.sum()) == 0:
+            break
+        out += give
+        spare -= int(give.sum())
+    return out
+
+
+@dataclass
+class HeadAdaptiveBudget:
+    """AdaKV allocation: the KV heads of a layer share the layer's budget by score.
+
+    Per layer and sequence, with ``B' = keep - window`` selected entries per head on average: the top ``H·B'``
+    non-window scores over all heads of the layer are pooled; head ``h`` wins ``c_h`` of them.
+
+    * ``rule="official"`` (AdaKV repository, the default): ``b_h = c_h·(1 − α) + α·B'``, rounded so the layer total
+      stays exactly ``H·B'`` (largest remainder) with every head at least ``⌊α·B'⌋``.
+    * ``rule="kvpress"`` (kvpress AdaKVPress safeguard): each head's own top ``⌊α·B'⌋`` entries are forced into
+      the pool before the global top ``H·B'`` is taken; ``b_h`` is the count that lands in head ``h``.
+
+    Each head then keeps ``b_h`` entries plus the protected window (capped at what the head holds).
+
+    Args:
+        alpha: safeguard fraction α (AdaKV uses 0.2)
+        window: the observation window kept on top of the selected entries (scores there do not compete)
+    """
+
+    alpha: float = 0.2
+    window: int = 8
+    rule: str = "official"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+
+    def head_budgets(self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int) -> torch.Tensor:
+        """Budgets ``[kv_heads]`` (window included) for one layer of one sequence.
+
+        Args:
+            scores, positions: ``[kv_heads, seq]`` (empty slots at ``-inf`` / ``-1``)
+        """
+        heads = scores.shape[0]
+        window = min(self.window, context)
+        per_head = keep - window
+        if per_head <= 0:
+            return torch.full((heads,), keep, dtype=torch.long, device=scores.device)
+        candidate = (positions >= 0) & (positions < context - window)
+        available = candidate.sum(-1)  # non-window entries each head holds
+        cand = scores.masked_fill(~candidate, float("-inf"))
+        floor_n = int(self.alpha * per_head)
+        total = heads * per_head
+        if self.rule == "kvpress" and floor_n > 0:
+            top_own = cand.topk(min(floor_n, cand.shape[-1]), dim=-1).indices
+            cand = cand.scatter(-1, top_own, float("inf")).masked_fill(~candidate, float("-inf"))
+        flat = cand.flatten()
+        k = min(total, int(candidate.sum()))
+        winners = flat.topk(k).indices // cand.shape[-1]
+        counts = torch.bincount(winners, minlength=heads)
+        if self.rule == "official":
+            weights = counts.double() * (1 - self.alpha)
+            floor = torch.full((heads,), floor_n, dtype=torch.long, device=scores.device)
+            counts = largest_remainder(weights, total, torch.minimum(floor, available))
+        counts = cap_and_redistribute(counts, available)
+        return counts + window
+
+    def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
+        if request.positions is None:
+            raise ValueError("HeadAdaptiveBudget needs slot positions in the budget request")
+        out = torch.zeros(len(request.keep), request.num_layers, request.kv_heads, dtype=torch.long)
+        for layer, (s, pos) in enumerate(zip(scores, request.positions, strict=True)):
+            for row, (keep, context) in enumerate(
+                zip(request.keep.tolist(), request.context_lengths.tolist(), strict=True)
+            ):
+                out[row, layer] = self.head_budgets(s[row], pos[row], keep, context)
+        return out.to(request.keep.device)

@@ -1,0 +1,116 @@
+"""RaggedStore: exact per-head storage; attention equals dense attention on the same kept entries."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_dense import reference_attention
+
+from kvtrim.cache.dense import DenseStore
+from kvtrim.cache.ragged import RaggedStore
+
+
+def dense_store(b, h, s, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    store = DenseStore.empty(b, h, d, torch.float32, "cpu")
+    store.append(
+        torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g), torch.arange(s).expand(b, s)
+    )
+    return store
+
+
+def random_selection(b, h, s, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = s
+    indices = torch.stack(
+        [torch.stack([torch.randperm(s, generator=g)[:k].sort().values for _ in range(h)]) for _ in range(b)]
+    )
+    counts = torch.randint(1, s + 1, (b, h), generator=g)
+    keep = torch.arange(k)[None, None, :] < counts[..., None]
+    # keep the first `count` of a random permutation, re-sorted
+    keep = torch.gather(keep, -1, torch.argsort(torch.rand(b, h, k, generator=g), dim=-1))
+    return indices, keep
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    h=st.integers(1, 3),
+    group=st.integers(1, 3),
+    s=st.integers(1, 24),
+    tq=st.integers(1, 3),
+    seed=st.integers(0, 9999),
+)
+def test_ragged_attention_equals_masked_dense_reference(b, h, group, s, tq, seed):
+    dense = dense_store(b, h, s, 8, seed)
+    indices, keep = random_selection(b, h, s, seed)
+    ragged = RaggedStore.from_selection(dense, indices, keep)
+    reference = dense.copy()
+    reference.keep(indices, keep)  # same entries, padded layout with empty slots
+    assert torch.equal(ragged.entries_per_head(), keep.sum(-1))
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(b, h * group, tq, 8, generator=g)
+    qpos = torch.randint(0, s + 3, (b, tq), generator=g)
+    out = ragged.attend(q, qpos, 0.35)
+    ref = reference_attention(q, reference.keys, reference.values, reference.positions, qpos, 0.35)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_bytes_equal_kept_entries_then_bounded_slack():
+    dense = dense_store(2, 3, 40, 16, 0)
+    counts = torch.tensor([[5, 17, 40], [1, 2, 3]])
+    keep = torch.arange(40)[None, None] < counts[..., None]
+    ragged = RaggedStore.from_selection(dense, torch.arange(40).expand(2, 3, 40), keep)
+    kept = int(counts.sum())
+    assert ragged.entries() == kept
+    assert ragged.nbytes() == kept * 16 * 4 * 2  # exactly the kept entries, K and V in fp32
+    for step in range(30):
+        one = torch.randn(2, 3, 1, 16)
+        ragged.append(one, one, torch.full((2, 1), 40 + step))
+    assert torch.equal(ragged.entries_per_head(), counts + 30)
+    slack = ragged.capacity - ragged.length
+    assert bool((slack >= 0).all())
+    # slack per row is bounded by max(16, capacity/8) plus one append
+    assert bool((slack <= torch.clamp((ragged.length * 9) // 8 - ragged.length, min=16) + 1).all())
+
+
+def test_appends_write_in_place_until_a_row_is_full():
+    dense = dense_store(1, 2, 10, 4, 1)
+    keep = torch.ones(1, 2, 10, dtype=torch.bool)
+    ragged = RaggedStore.from_selection(dense, torch.arange(10).expand(1, 2, 10), keep)
+    one = torch.randn(1, 2, 1, 4)
+    ragged.append(one, one, torch.tensor([[10]]))  # first append grows (no slack after compaction)
+    buffer = ragged._k.data_ptr()
+    for step in range(15):
+        ragged.append(one, one, torch.tensor([[11 + step]]))
+    assert ragged._k.data_ptr() == buffer  # 15 more appends fit the slack: no reallocation, no copy
+    k, _, pos = ragged.row(0, 1)
+    assert pos.tolist() == list(range(26)) and torch.equal(k[-1], one[0, 1, 0])
+
+
+def test_padding_is_not_stored_and_rollback():
+    dense = dense_store(2, 1, 6, 4, 2)
+    ragged = RaggedStore.from_selection(dense, torch.arange(6).expand(2, 1, 6), torch.ones(2, 1, 6, dtype=torch.bool))
+    mark = ragged.mark()
+    x = torch.randn(2, 1, 3, 4)
+    ragged.append(x, x, torch.tensor([[-1, 6, 7], [6, 7, 8]]))  # row 0 has one padding token
+    assert ragged.entries_per_head().view(-1).tolist() == [8, 9]
+    ragged.truncate_to(mark)
+    assert ragged.entries_per_head().view(-1).tolist() == [6, 6]
+
+
+def test_to_dense_round_trip_and_select_batch():
+    dense = dense_store(2, 2, 8, 4, 3)
+    indices, keep = random_selection(2, 2, 8, 3)
+    ragged = RaggedStore.from_selection(dense, indices, keep)
+    back = ragged.to_dense()
+    assert torch.equal(back.entries_per_head(), ragged.entries_per_head())
+    for b in range(2):
+        for h in range(2):
+            k, _, pos = ragged.row(b, h)
+            valid = back.positions[b, h] >= 0
+            assert torch.equal(back.keys[b, h][valid], k) and torch.equal(back.positions[b, h][valid], pos)
+    swapped = ragged.copy()
+    swapped.select_batch(torch.tensor([1, 0]))
+    assert torch.equal(swapped.entries_per_head(), ragged.entries_per_head().flip(0))
