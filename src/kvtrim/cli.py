@@ -251,6 +251,39 @@ def report_command(
     typer.echo(text)
 
 
+analyze_app = typer.Typer(help="Analyses reproduced from the papers.", no_args_is_help=True)
+app.add_typer(analyze_app, name="analyze")
+
+
+@analyze_app.command("perturbation")
+def analyze_perturbation(
+    out: Annotated[Path, typer.Option(help="output directory (json, md, plots)")],
+    model: Annotated[str, typer.Option(help="model to analyse")] = "smollm2-135m",
+    budgets: Annotated[str, typer.Option(help="comma-separated budgets per layer and KV head")] = "32,64,128",
+    prompts: Annotated[int, typer.Option(help="number of prompts (Jargon File windows)")] = 4,
+    context: Annotated[int, typer.Option(help="context tokens per prompt")] = 512,
+    queries: Annotated[int, typer.Option(help="decoding queries compared")] = 16,
+    baseline: Annotated[str, typer.Option(help="attention-only method")] = "snapkv",
+    critical: Annotated[str, typer.Option(help="critical method")] = "critical_snapkv",
+) -> None:
+    """CriticalKV's perturbation analysis: per-layer and per-head attention-output L1 perturbation of
+    attention-only vs critical selection, and the share of heads where critical selection lowers it."""
+    from .analysis.perturbation import perturbation_analysis, write_report
+    from .models import load_model
+
+    try:
+        sizes = [int(b) for b in budgets.split(",")]
+        if any(b <= 0 for b in sizes):
+            raise KVTrimError(f"--budgets must be positive integers, got {budgets!r}")
+        lm, tokenizer = load_model(model)
+        report = perturbation_analysis(lm, tokenizer, sizes, prompts, context, queries, baseline, critical)
+        files = write_report(report, out)
+    except (KVTrimError, ValueError) as exc:
+        _fail(exc)
+    typer.echo((out / "perturbation.md").read_text())
+    typer.echo("\n".join(str(f) for f in files))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app(prog_name="kvtrim")
 

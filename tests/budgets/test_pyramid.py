@@ -16,14 +16,14 @@ def test_pyramid_shape_and_mean():
     b = 288 - 32
     assert budgets[0] == 2 * b - b // 20 + 32  # max_num + window at the bottom layer
     assert all(x >= y for x, y in pairwise(budgets))
-    mean = sum(budgets) / len(budgets)
-    step = (budgets[0] - budgets[-1]) // 29
-    assert 288 <= mean <= 288 + step  # integer steps round the slope down, never below the mean
+    assert sum(budgets) == 288 * 30  # the mean is exactly the requested budget
+    assert budgets[-1] - 32 in (b // 20, b // 20 + 1)
 
 
 def test_pyramid_caps_at_context_and_falls_back():
     capped = pyramid_layer_budgets(keep=300, context=540, num_layers=4, window=32, beta=20)
     assert capped == [540, 380, 220, 60]  # max_num capped at context - window; min rises to keep the mean
+    assert sum(pyramid_layer_budgets(51, 512, 30, 8, 20.0)) == 51 * 30  # floored steps would give a mean of 63
     assert pyramid_layer_budgets(keep=400, context=600, num_layers=4, window=32, beta=20) == [400] * 4  # T < 2b
 
 

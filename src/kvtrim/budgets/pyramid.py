@@ -7,15 +7,18 @@ from dataclasses import dataclass
 import torch
 
 from .base import BudgetRequest
+from .head_adaptive import largest_remainder
 
 
 def pyramid_layer_budgets(keep: int, context: int, num_layers: int, window: int, beta: float) -> list[int]:
-    """Per-layer budgets (window included) with mean ``keep``, decreasing linearly with depth.
+    """Per-layer budgets (window included) with mean exactly ``keep``, decreasing linearly with depth.
 
     Follows PyramidKV's schedule: with ``b = keep - window`` selected entries on average,
     ``min = b // beta`` and ``max = 2b - min``; ``max`` is capped at ``context - window`` (``min`` then
-    rises to keep the mean); layer ``l`` gets ``max - l·step`` with ``step = (max - min) // (L - 1)``.
-    Short contexts (``context < 2b``) and single-layer models fall back to uniform budgets.
+    rises to keep the mean). Layer ``l`` gets ``max - l·(max - min)/(L - 1)``. KVCache-Factory floors that step,
+    which lifts the mean above ``b`` (by up to ``L/2`` entries per layer); here the same line is rounded by largest
+    remainder so the total is exactly ``L·keep`` and comparisons at equal ratio are fair. Short contexts
+    (``context < 2b``) and single-layer models fall back to uniform budgets.
     """
     b = keep - window
     if b <= 0 or num_layers == 1 or context < 2 * b:
@@ -25,8 +28,9 @@ def pyramid_layer_budgets(keep: int, context: int, num_layers: int, window: int,
     if max_num >= context - window:
         max_num = context - window
         min_num = 2 * b - max_num
-    step = (max_num - min_num) // (num_layers - 1)
-    return [max_num - layer * step + window for layer in range(num_layers)]
+    line = torch.linspace(float(max_num), float(min_num), num_layers, dtype=torch.float64)
+    selected = largest_remainder(line, b * num_layers)
+    return [int(x) + window for x in selected.tolist()]
 
 
 @dataclass
