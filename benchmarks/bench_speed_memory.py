@@ -91,6 +91,17 @@ QUESTION = (
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+TIMERS = {
+    "wall": time.perf_counter,  # elapsed time
+    "cpu": time.process_time,  # CPU time of this process (all threads): robust to other processes with --threads 1
+}
+_timer = {"name": "wall"}
+
+
+def clock() -> float:
+    return TIMERS[_timer["name"]]()
+
+
 def build_prompt(tokenizer, n_tokens: int) -> torch.Tensor:
     """``[1, n_tokens]`` token ids: cycled paragraphs cut at a token boundary, then the question."""
     q_ids = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
@@ -122,9 +133,9 @@ def fresh_gc() -> None:
 
 def timed_forward(model, ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None):
     """One forward pass feeding ``ids`` into ``cache``; returns (seconds, last logits)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=position_ids, logits_to_keep=1)
-    return time.perf_counter() - t0, out.logits[:, -1]
+    return clock() - t0, out.logits[:, -1]
 
 
 def hf_prefill(model, ids: torch.Tensor):
@@ -162,9 +173,9 @@ def kvtrim_prefill(model, ids: torch.Tensor, method: str | None, ratio: float | 
 
 def compress(model, cache, logits) -> float:
     with torch.inference_mode(), kvtrim_attention_enabled(model):
-        t0 = time.perf_counter()
+        t0 = clock()
         cache.compress(logits=logits)
-        return time.perf_counter() - t0
+        return clock() - t0
 
 
 def decode_steps(model, cache, logits, start: int, n_steps: int, kvtrim_path: bool) -> list[float]:
@@ -220,6 +231,7 @@ def environment(model) -> dict:
         "kvtrim": kvtrim.__version__,
         "git_revision": git_revision(),
         "torch_threads": torch.get_num_threads(),
+        "timer": _timer["name"],
         "torch_interop_threads": torch.get_num_interop_threads(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -308,10 +320,10 @@ def prefill_sample(model, ids: torch.Tensor, config: str, checks: list, label: s
     monitor = CpuMonitor()
     if config == HF:
         seconds, cache, _ = hf_prefill(model, ids)
-        share = monitor.result()["others_share"]
+        load = monitor.result()
         kv, tokens = hf_kv_bytes(cache)
         info = {"kv_bytes_after_prefill": kv, "seen_tokens": tokens}
-        return {"prefill_s": seconds, "compress_s": None, "share": share, "info": info}
+        return {"prefill_s": seconds, "compress_s": None, "share": load["others_share"], "load": load, "info": info}
     method = None if config == FULL else config
     seconds, cache, logits = kvtrim_prefill(model, ids, method, PREFILL_RATIO)
     before = cache.stats()
@@ -337,7 +349,8 @@ def prefill_sample(model, ids: torch.Tensor, config: str, checks: list, label: s
             index_bytes_after_compress=after.index_bytes,
             kept_fraction=after.entries / before.entries,
         )
-    return {"prefill_s": seconds, "compress_s": c_s, "share": monitor.result()["others_share"], "info": info}
+    load = monitor.result()
+    return {"prefill_s": seconds, "compress_s": c_s, "share": load["others_share"], "load": load, "info": info}
 
 
 def least_contended(run, retries: int, waiter: IdleWaiter, label: str) -> tuple[dict, int]:
@@ -367,7 +380,7 @@ def bench_prefill(
         ids = build_prompt(tokenizer, length)
         configs = [HF, FULL, *methods]
         samples: dict[str, dict[str, list]] = {
-            c: {"prefill_s": [], "compress_s": [], "others_share": [], "attempts": []} for c in configs
+            c: {"prefill_s": [], "compress_s": [], "others_share": [], "attempts": [], "load": []} for c in configs
         }
         sizes: dict[str, dict] = {}
         reps = reps_for(length)
@@ -385,6 +398,7 @@ def bench_prefill(
                     if value is not None:
                         samples[config][key].append(value)
                 samples[config]["others_share"].append(s["share"])
+                samples[config]["load"].append(s["load"])
                 samples[config]["attempts"].append(attempts)
                 sizes[config] = s["info"]
                 msg = f"  prefill {length:5d} rep {rep + 1}/{reps} {config:16s} {s['prefill_s']:7.3f}s"
@@ -410,6 +424,7 @@ def bench_prefill(
                 "compress_s_samples": c,
                 "others_cpu_share_samples": samples[config]["others_share"],
                 "attempts_per_sample": samples[config]["attempts"],
+                "load_per_sample": samples[config]["load"],
                 "prefill_plus_compress_s": p_med + c_med,
                 "prefill_tokens_per_s": length / p_med,
                 "overhead_vs_full_pct": 100.0 * ((p_med + c_med) / full_med - 1.0),
@@ -456,7 +471,8 @@ def decode_sample(model, master, logits, hf_cache, hf_logits, config, length, wa
             "kv_bytes_theoretical_after_decode": theoretical_bytes(end.entries, head_dim, itemsize),
             "index_bytes_after_decode": end.index_bytes,
         }
-    return {"times": times, "compress_s": c_s, "info": info, "share": monitor.result()["others_share"]}
+    load = monitor.result()
+    return {"times": times, "compress_s": c_s, "info": info, "share": load["others_share"], "load": load}
 
 
 def bench_decode(
@@ -472,6 +488,7 @@ def bench_decode(
     step_samples: dict[tuple, list[float]] = {c: [] for c in configs}
     shares: dict[tuple, list[float]] = {c: [] for c in configs}
     attempts_: dict[tuple, list[int]] = {c: [] for c in configs}
+    loads: dict[tuple, list[dict]] = {c: [] for c in configs}
     compress_s: dict[tuple, list[float]] = {c: [] for c in configs}
     info: dict[tuple, dict] = {c: {} for c in configs}
     for rep in range(reps):
@@ -492,6 +509,7 @@ def bench_decode(
             samples[config].append(1000.0 * sum(timed) / len(timed))
             step_samples[config].extend(1000.0 * t for t in timed)
             shares[config].append(s["share"])
+            loads[config].append(s["load"])
             attempts_[config].append(attempts)
             if s["compress_s"] is not None:
                 compress_s[config].append(s["compress_s"])
@@ -517,6 +535,7 @@ def bench_decode(
             "speedup_vs_full": full_ms / ms,
             "others_cpu_share_samples": shares[config],
             "attempts_per_sample": attempts_[config],
+            "load_per_sample": loads[config],
             "compress_s_samples": compress_s[config],
             "compress_s_median": median(compress_s[config]) if compress_s[config] else None,
             **info[config],
@@ -544,7 +563,8 @@ def markdown(results: dict) -> str:
         "",
         f"- date (UTC): {env['date_utc']}; torch {env['torch']}, transformers {env['transformers']}, "
         f"kvtrim {env['kvtrim']}, Python {env['python']}",
-        f"- CPU: {env['cpu_model']} ({env['cpu_count']} cores), torch threads {env['torch_threads']}; "
+        f"- timer: **{env['timer']}** ({'elapsed time' if env['timer'] == 'wall' else 'CPU time of the process'}); "
+        f"CPU: {env['cpu_model']} ({env['cpu_count']} cores), torch threads {env['torch_threads']}; "
         f"load average at start {env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f}",
         f"- model: {env['num_layers']} layers, {env['num_attention_heads']} query / {env['num_key_value_heads']} "
         f"KV heads, head_dim {env['head_dim']}, {env['model_dtype']}, "
@@ -641,6 +661,13 @@ def main(argv: list[str] | None = None) -> int:
         "waiting for the CPU to quieten before each new attempt, and keep the least contended attempt "
         "(default 2, 0 with --quick)",
     )
+    parser.add_argument(
+        "--timer",
+        choices=sorted(TIMERS),
+        default="wall",
+        help="wall: elapsed time (default); cpu: CPU time of the process, for a machine shared with other "
+        "processes (use with --threads 1: with several threads, spin-waiting inflates CPU time)",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     args = parser.parse_args(argv)
 
@@ -652,8 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     decode_tokens = args.decode_tokens or (8 if quick else 64)
     decode_warmup = args.decode_warmup if args.decode_warmup is not None else (2 if quick else 8)
     decode_reps = args.decode_reps or (1 if quick else 2)
-    wait_idle = args.wait_idle if args.wait_idle is not None else (0.0 if quick else 1800.0)
-    retries = args.retries if args.retries is not None else (0 if quick else 2)
+    _timer["name"] = args.timer
+    wait_idle = args.wait_idle if args.wait_idle is not None else (0.0 if quick or args.timer == "cpu" else 1800.0)
+    retries = args.retries if args.retries is not None else (0 if quick or args.timer == "cpu" else 2)
     if args.threads:
         torch.set_num_threads(args.threads)
 

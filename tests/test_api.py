@@ -145,3 +145,10 @@ def test_session_reuses_one_prefill_for_many_methods(llama, tokenizer):
     assert b.answers == direct.answers
     with pytest.raises(InvalidParameterError, match="did not record"):
         kvtrim.Session(llama, tokenizer, CTX, methods=["knorm"]).run("snapkv", ratio=0.5, questions="q")
+
+
+def test_model_without_attention_interface_is_unsupported(tokenizer, monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(type(model), "_supports_attention_backend", False)
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        kvtrim.generate(model, tokenizer, CTX, "q?", ratio=0.5)

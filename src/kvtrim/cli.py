@@ -160,7 +160,7 @@ def demo(
     ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5,0.75",
     methods_: Annotated[
         str, typer.Option("--methods", help="comma-separated methods")
-    ] = "streaming_llm,snapkv,pyramidkv,h2o,knorm,tova,random",
+    ] = "streaming_llm,snapkv,pyramidkv,adakv,critical_adakv,h2o,knorm,tova,random",
 ) -> None:
     """Compress the embedded model's cache with several methods on passkey and needle prompts; print a table."""
     from .demo import run_demo
@@ -184,7 +184,7 @@ def eval_command(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
     methods_: Annotated[
         str, typer.Option("--methods", help="comma-separated methods (the full cache always runs too)")
-    ] = "streaming_llm,snapkv,pyramidkv,h2o,knorm,tova,random",
+    ] = "streaming_llm,snapkv,pyramidkv,adakv,critical_adakv,h2o,knorm,tova,random",
     ratios: Annotated[
         str | None, typer.Option(help="comma-separated fractions removed (default 0.5,0.75,0.9 unless --budgets)")
     ] = None,

@@ -14,6 +14,8 @@ from .eval.tasks import generate_task
 from .methods import get_method
 from .models import load_model
 
+DEFAULT_METHODS = ["streaming_llm", "snapkv", "pyramidkv", "adakv", "critical_adakv", "h2o", "knorm", "tova", "random"]
+
 
 def _fmt(value: float, spec: str) -> str:
     return "-" if value != value else format(value, spec)  # NaN-safe
@@ -33,7 +35,7 @@ def run_demo(
     compresses its own copy of that cache, so the table compares methods on identical inputs.
     """
     ratios = ratios or [0.5, 0.75]
-    methods = methods or ["streaming_llm", "snapkv", "pyramidkv", "h2o", "knorm", "tova", "random"]
+    methods = methods or DEFAULT_METHODS
     for name in methods:
         get_method(name)  # fail fast on unknown names
     started = time.perf_counter()

@@ -1,0 +1,125 @@
+"""Decode speed and bytes held: ragged per-head storage vs dense storage at equal total entries.
+
+AdaKV keeps a different number of entries per KV head (ragged storage, exact bytes); SnapKV at the same ratio
+keeps the same total number of entries, uniformly (dense storage). AdaKV forced into the dense layout pads every
+head to the widest one (what a masking implementation would hold at best). All three decode the same number of
+tokens from the same prefill.
+
+    .venv/bin/python benchmarks/bench_ragged_decode.py [--tokens 2048] [--steps 64] [--ratios 0.5,0.75,0.875]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import kvtrim
+from kvtrim.api import _feed
+from kvtrim.eval.tasks import generate_task
+from kvtrim.integration.attention import kvtrim_attention_enabled
+
+CONFIGS = [
+    ("snapkv", "dense (uniform per head)", {}),
+    ("adakv", "ragged (per-head counts)", {}),
+    ("adakv", "dense, padded to widest head", {"layout": "dense"}),
+]
+
+
+def decode_ms(model, cache, mask, first_token: torch.Tensor, steps: int) -> float:
+    """Median ms per single-token forward over ``steps`` greedy steps (after 4 warm-up steps)."""
+    token, times = first_token.view(1, 1), []
+    for step in range(steps + 4):
+        t0 = time.perf_counter()
+        logits, mask, _ = _feed(model, cache, mask, token, torch.ones(1, 1, dtype=mask.dtype))
+        if step >= 4:
+            times.append(time.perf_counter() - t0)
+        token = logits.argmax(-1).view(1, 1)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--ratios", default="0.5,0.75,0.875")
+    parser.add_argument("--out", default="benchmarks/results/ragged_decode.json")
+    args = parser.parse_args()
+    model, tok = kvtrim.load_model("smollm2-135m")
+    sample = generate_task("passkey", tok, args.tokens, 1, seed=0)[0]
+    session = kvtrim.Session(model, tok, sample.context, methods=["snapkv", "adakv"])
+    pre = session._pre
+    rows = []
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        full = pre.cache.clone(None, None)
+        first = pre.logits.argmax(-1)
+        base_ms = decode_ms(model, full, pre.mask, first, args.steps)
+        rows.append(
+            {
+                "method": "full",
+                "layout": "dense",
+                "ratio": 0.0,
+                "entries": pre.before.entries,
+                "kv_bytes": pre.before.kv_bytes,
+                "decode_ms": base_ms,
+            }
+        )
+        for ratio in [float(r) for r in args.ratios.split(",")]:
+            for method, label, overrides in CONFIGS:
+                pipeline = kvtrim.get_method(method)
+                for key, value in overrides.items():
+                    setattr(pipeline, key, value)
+                cache = pre.cache.clone(pipeline, kvtrim.BudgetSpec(ratio=ratio))
+                cache.compress()
+                stats = cache.stats()
+                layouts = sorted({layer.store.layout for layer in cache.layers})
+                ms = decode_ms(model, cache, pre.mask, first, args.steps)
+                rows.append(
+                    {
+                        "method": method,
+                        "layout": label,
+                        "store_layouts": layouts,
+                        "ratio": ratio,
+                        "entries": stats.entries,
+                        "kv_bytes": stats.kv_bytes,
+                        "decode_ms": ms,
+                    }
+                )
+                print(rows[-1], flush=True)
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "context_tokens": session.context_tokens_per_row[0],
+        "steps": args.steps,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average": list(os.getloadavg()),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    lines = [
+        f"context {env['context_tokens']} tokens, {args.steps} decode steps, load average {env['load_average']}",
+        "",
+        "| method | storage | ratio | entries | KV MiB | decode ms/token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['layout']} | {r['ratio']} | {r['entries']} | {r['kv_bytes'] / 2**20:.2f} "
+            f"| {r['decode_ms']:.1f} |"
+        )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

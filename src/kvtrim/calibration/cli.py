@@ -1,0 +1,141 @@
+"""``kvtrim calibrate ...``: produce and inspect offline calibration artifacts.
+
+Registered in the main CLI with ``app.add_typer(calibrate_app, name="calibrate")``; also runnable as
+``python -m kvtrim.calibration.cli``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvtrim.errors import KVTrimError
+
+calibrate_app = typer.Typer(
+    help="Produce and inspect offline calibration artifacts (keyed by the model's identity).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _fail(exc: Exception | str) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(float(x)) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        _fail(f"{what}={text!r}: expected comma-separated integers, e.g. 300,600,900,1200")
+    if not values:
+        _fail(f"{what}={text!r}: give at least one value")
+    return values
+
+
+def _load(model: str, threads: int | None):
+    import torch
+
+    from kvtrim.models import load_model
+
+    if threads is not None:
+        if threads <= 0:
+            _fail(f"threads={threads}: expected a positive integer")
+        torch.set_num_threads(threads)
+    return load_model(model)
+
+
+@calibrate_app.command("headkv")
+def headkv(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    lengths: Annotated[str, typer.Option(help="context lengths in tokens, comma-separated")] = "300,600,900,1200",
+    depths: Annotated[int, typer.Option(help="number of needle depths, round(linspace(0, 100, n))")] = 10,
+    seed: Annotated[int, typer.Option(help="where in the haystack the contexts start (0: the beginning)")] = 0,
+    min_f1: Annotated[float, typer.Option(help="keep tests whose QA-F1 exceeds this")] = 0.5,
+    haystack: Annotated[str, typer.Option(help="haystack text: 'jargon', 'noise' or file:PATH")] = "jargon",
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+) -> None:
+    """Detect HeadKV retrieval-reasoning heads on needle tests and save the `headkv` artifact."""
+    from kvtrim.calibration.artifacts import load_artifact
+    from kvtrim.calibration.headkv import calibrate_headkv
+
+    grid = _parse_ints(lengths, "lengths")
+    start = time.perf_counter()
+    try:
+        mdl, tok = _load(model, threads)
+        path = calibrate_headkv(
+            mdl,
+            tok,
+            lengths=grid,
+            depths=depths,
+            seed=seed,
+            out_dir=out,
+            min_f1=min_f1,
+            haystack=haystack,
+            progress=progress,
+        )
+        summary = load_artifact("headkv", mdl, path).meta.get("summary", {})
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"headkv artifact: {path}")
+    typer.echo(f"tests kept: {summary.get('kept')}/{summary.get('tests')} (per kind: {summary.get('kept_by_kind')})")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
+@calibrate_app.command("show")
+def show(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    kind: Annotated[str, typer.Option(help="artifact kind, e.g. headkv")] = "headkv",
+    path: Annotated[Path | None, typer.Option(help="artifact file or directory (default: search)")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write a layer x head heatmap (PNG)")] = None,
+    tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the first 2-D tensor)")] = None,
+) -> None:
+    """Print a summary of an artifact; optionally plot one of its layer x head tensors."""
+    from kvtrim.calibration.artifacts import describe_artifact, load_artifact
+
+    try:
+        mdl, _ = _load(model, None)
+        artifact = load_artifact(kind, mdl, path)
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(describe_artifact(artifact))
+    if plot is not None:
+        names = [n for n, t in artifact.tensors.items() if t.dim() == 2]
+        name = tensor or (names[0] if names else None)
+        if name is None or name not in artifact.tensors or artifact.tensors[name].dim() != 2:
+            _fail(f"tensor={name!r}: choose a 2-D tensor of this artifact ({names})")
+        _heatmap(artifact.tensors[name], f"{artifact.meta.get('model_key')}  {kind}:{name}", plot)
+        typer.echo(f"heatmap: {plot}")
+
+
+def _heatmap(values, title: str, target: Path) -> None:
+    """Layer (rows) x head (columns) heatmap with matplotlib's Agg backend."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _fail("--plot needs matplotlib (pip install 'kvtrim[eval]')")
+    data = values.float().numpy()
+    rows, cols = data.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * cols + 2.0), max(4.0, 0.22 * rows + 1.5)))
+    image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("query head")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize=9)
+    ax.set_xticks(range(cols))
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    calibrate_app()
