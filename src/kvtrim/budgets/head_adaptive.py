@@ -57,8 +57,9 @@ class HeadAdaptiveBudget:
 
     * ``rule="official"`` (AdaKV repository, the default): ``b_h = c_h·(1 − α) + α·B'``, rounded so the layer total
       stays exactly ``H·B'`` (largest remainder) with every head at least ``⌊α·B'⌋``.
-    * ``rule="kvpress"`` (kvpress AdaKVPress safeguard): each head's own top ``⌊α·B'⌋`` entries are forced into
-      the pool before the global top ``H·B'`` is taken; ``b_h`` is the count that lands in head ``h``.
+    * ``rule="kvpress"`` (kvpress AdaKVPress safeguard): each head's own top ``⌊α·keep⌋`` entries, window
+      included, are forced into the pool before the global top is taken; ``b_h`` is the count that lands in
+      head ``h``.
 
     Each head then keeps ``b_h`` entries plus the protected window (capped at what the head holds).
 
@@ -93,6 +94,10 @@ class HeadAdaptiveBudget:
         cand = scores.masked_fill(~candidate, float("-inf"))
         floor_n = int(self.alpha * per_head)
         total = heads * per_head
+        if self.rule == "kvpress":
+            # kvpress forces each head's top ⌊α·keep⌋ entries counting the window (scored at the maximum), so
+            # only what the window leaves of that safeguard protects selected entries.
+            floor_n = max(0, int(self.alpha * keep) - window)
         if self.rule == "kvpress" and floor_n > 0:
             top_own = cand.topk(min(floor_n, cand.shape[-1]), dim=-1).indices
             cand = cand.scatter(-1, top_own, float("inf")).masked_fill(~candidate, float("-inf"))
