@@ -16,7 +16,8 @@ repetition), and the median is reported, so slow drifts of the machine spread ov
 
 Usage::
 
-    python benchmarks/bench_speed_memory.py             # full run (~13 min on 2 CPU cores)
+    python benchmarks/bench_speed_memory.py             # full run (~15 min of CPU time)
+    python benchmarks/bench_speed_memory.py --threads 1 --timer cpu   # on a machine busy with other work
     python benchmarks/bench_speed_memory.py --quick     # smoke run (short prompts, 1 repetition)
 
 Results go to ``--out`` (JSON, default ``benchmarks/results/speed_memory.json``) and a markdown table next to

@@ -155,7 +155,7 @@ def generate(
 @app.command()
 def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "smollm2-135m",
-    samples: Annotated[int, typer.Option(help="prompts per task")] = 3,
+    samples: Annotated[int, typer.Option(help="prompts per task")] = 2,
     length: Annotated[int, typer.Option(help="prompt length in tokens")] = 1000,
     ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5,0.75",
     methods_: Annotated[

@@ -23,7 +23,7 @@ def _fmt(value: float, spec: str) -> str:
 
 def run_demo(
     model: str = "smollm2-135m",
-    samples: int = 3,
+    samples: int = 2,
     length: int = 1000,
     ratios: list[float] | None = None,
     methods: list[str] | None = None,
