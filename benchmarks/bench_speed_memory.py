@@ -210,7 +210,15 @@ def cpu_model() -> str:
 
 
 def git_revision() -> str | None:
+    """Short commit hash, with ``+dirty`` when ``src/`` has uncommitted changes."""
     try:
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent.parent,
+        ).stdout.strip()
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
@@ -218,7 +226,7 @@ def git_revision() -> str | None:
             check=True,
             cwd=Path(__file__).parent,
         )
-        return out.stdout.strip() or None
+        return (out.stdout.strip() + ("+dirty" if dirty else "")) or None
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -245,6 +253,10 @@ def environment(model) -> dict:
         "num_key_value_heads": model.config.num_key_value_heads,
         "head_dim": head_dim_of(model),
         "load_average_start": list(os.getloadavg()),
+        "methods": {
+            m: {"params": kvtrim.get_method(m).params, "layout": getattr(kvtrim.get_method(m), "layout", None)}
+            for m in dict.fromkeys(PREFILL_METHODS + DECODE_METHODS)
+        },
     }
 
 

@@ -57,10 +57,13 @@ def attention_probabilities(
     b, hq, tq, d = query.shape
     hkv = keys.shape[1]
     group = hq // hkv
-    q = query.reshape(b, hkv, group * tq, d).float()
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
-    logits = logits.view(b, hkv, group, tq, -1)
-    if mask is not None:
-        logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    q = query.reshape(b, hkv, group * tq, d).float() * scaling  # scale the queries, not the larger logits
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, hkv, group, tq, -1)
+    if mask is None:
+        return torch.softmax(logits, dim=-1).reshape(b, hq, tq, -1)
+    logits = logits.masked_fill_(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    seen = mask.any(-1)  # [b, hkv, tq]
+    if not bool(seen.all()):  # rows that see nothing are NaN after softmax: make them zero
+        probs = probs.masked_fill_(~seen[:, :, None, :, None], 0.0)
     return probs.reshape(b, hq, tq, -1)

@@ -87,14 +87,19 @@ def record(
     hkv = store.kv_heads
     group = query.shape[1] // hkv
     sums = {name: store.stat(name) for name in spec.accumulate}
+    # The queries are the store's last slots (appended just before this call, all rows in lockstep), so a chunk's
+    # queries can only see slots up to its own last one: the causally hidden rest is skipped.
+    first_query_slot = store.length - query.shape[2]
     for start in range(0, query.shape[2], spec.chunk):
         q = query[:, :, start : start + spec.chunk]
         qpos = query_positions[:, start : start + spec.chunk]
-        mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= qpos[:, None, :, None])
+        limit = first_query_slot + start + q.shape[2]
+        kp = kpos[..., :limit]
+        mask = (kp[:, :, None, :] >= 0) & (kp[:, :, None, :] <= qpos[:, None, :, None])
         mask = mask & (qpos >= 0)[:, None, :, None]
-        probs = attention_probabilities(q, store.keys, mask, scaling)  # [b, hq, c, s]
+        probs = attention_probabilities(q, store.keys[:, :, :limit], mask, scaling)  # [b, hq, c, limit]
         probs = probs.view(probs.shape[0], hkv, group, probs.shape[2], -1)
         if "attn_sum" in sums:
-            sums["attn_sum"] += probs.sum(dim=(2, 3))
+            sums["attn_sum"][..., :limit] += probs.sum(dim=(2, 3))
         if "attn_sq_sum" in sums:
-            sums["attn_sq_sum"] += probs.square().sum(dim=(2, 3))
+            sums["attn_sq_sum"][..., :limit] += probs.square().sum(dim=(2, 3))
