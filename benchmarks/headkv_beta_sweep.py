@@ -39,7 +39,7 @@ from kvtrim.scoring.window_attention import WindowAttentionScorer
 from kvtrim.selection.topk import TopKSelector
 
 BETAS = [1.005, 1.01, 1.1, 1.2, 1.5, 2.0, 5.0]
-RATIOS = [0.75, 0.9]
+RATIOS = [0.5, 0.75, 0.9]
 TASKS = ["passkey", "niah_single_2"]
 WINDOW = 8
 
@@ -59,7 +59,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--temperatures", default="0.5,2", help="extra temperatures (comma-separated, '' for none)")
+    parser.add_argument("--betas", default=",".join(f"{b:g}" for b in BETAS), help="betas at temperature 1")
+    parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS), help="compression ratios")
+    parser.add_argument("--temperatures", default="", help="extra temperatures at --temperature-beta")
     parser.add_argument("--temperature-beta", type=float, default=1.2)
     parser.add_argument("--quick", action="store_true", help="two betas, one ratio")
     parser.add_argument("--artifact", type=Path, default=None, help="headkv artifact (default: search)")
@@ -67,7 +69,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    betas, ratios = ([1.01, 5.0], [0.75]) if args.quick else (BETAS, RATIOS)
+    betas = [float(b) for b in args.betas.split(",") if b.strip()]
+    ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
+    if args.quick:
+        betas, ratios = [1.01, 5.0], [0.75]
     temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
 
     model, tok = kvtrim.load_model("smollm2-135m")
