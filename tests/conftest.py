@@ -97,3 +97,22 @@ def smollm2():
     import kvtrim
 
     return kvtrim.load_model("smollm2-135m")
+
+
+ARTIFACT_METHODS = {"headkv", "critical_headkv"}
+
+
+def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
+    """Point the kvtrim home at ``tmp_path`` and save random HeadKV head scores for ``model`` there."""
+    from kvtrim.calibration.artifacts import save_artifact
+
+    monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(cfg.num_hidden_layers, cfg.num_attention_heads, generator=g)
+    save_artifact(
+        "headkv",
+        model,
+        {"retrieval_reasoning": scores, "retrieval": scores.clone()},
+        {"settings": {"test": True}, "seconds": 0.0},
+    )

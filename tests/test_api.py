@@ -152,3 +152,13 @@ def test_model_without_attention_interface_is_unsupported(tokenizer, monkeypatch
     monkeypatch.setattr(type(model), "_supports_attention_backend", False)
     with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
         kvtrim.generate(model, tokenizer, CTX, "q?", ratio=0.5)
+
+
+def test_headkv_without_artifact_names_the_calibration_command(tokenizer, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    for method in ("headkv", "critical_headkv"):
+        with pytest.raises(kvtrim.MissingArtifactError, match="kvtrim calibrate headkv"):
+            kvtrim.generate(model, tokenizer, CTX, "q?", method=method, ratio=0.5)
+    assert model.config._attn_implementation == before

@@ -32,7 +32,7 @@ def test_parameter_override_and_defaults():
 
 
 def test_unknown_method_and_parameter():
-    with pytest.raises(kvtrim.InvalidParameterError, match="valid methods: .*h2o.*snapkv"):
+    with pytest.raises(kvtrim.InvalidParameterError, match=r"valid methods: .*h2o.*snapkv"):
         get_method("snap")
     with pytest.raises(kvtrim.InvalidParameterError, match="has no parameter"):
         get_method("knorm", window=3)

@@ -70,7 +70,7 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _resolve_method(method, ratio, budget, params: dict | None):
+def _resolve_method(method, ratio, budget, params: dict | None, model=None):
     """Validate everything up front so bad input changes nothing."""
     if method is None or method == FULL:
         if ratio is not None or budget is not None:
@@ -81,11 +81,15 @@ def _resolve_method(method, ratio, budget, params: dict | None):
     if isinstance(method, Pipeline):
         if params:
             raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
-        return method, BudgetSpec(ratio=ratio, budget=budget)
-    if not isinstance(method, str):
+        pipeline, spec = method, BudgetSpec(ratio=ratio, budget=budget)
+    elif not isinstance(method, str):
         raise InvalidParameterError(f"method must be a registry name or a Pipeline, got {method!r}")
-    spec = BudgetSpec(ratio=ratio, budget=budget)
-    return get_method(method, **(params or {})), spec
+    else:
+        spec = BudgetSpec(ratio=ratio, budget=budget)
+        pipeline = get_method(method, **(params or {}))
+    if model is not None:
+        pipeline.bind(model)  # loads offline artifacts; a missing one raises before any work
+    return pipeline, spec
 
 
 def _normalize_inputs(context, questions) -> tuple[list[str], list[list[str]], bool]:
@@ -269,7 +273,7 @@ class Session:
         method_params: dict | None = None,
     ) -> Result:
         """Compress a copy of the prefilled cache with ``method`` and answer (see :func:`generate`)."""
-        pipeline, spec = _resolve_method(method, ratio, budget, method_params)
+        pipeline, spec = _resolve_method(method, ratio, budget, method_params, self.model)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidParameterError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         rows = self._question_rows(questions)
@@ -362,7 +366,7 @@ def generate(
         are those of the first question's prompt and timings are summed.
     """
     check_supported(model)
-    pipeline, _ = _resolve_method(method, ratio, budget, method_params)
+    pipeline, _ = _resolve_method(method, ratio, budget, method_params, model)
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise InvalidParameterError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     contexts, rows, batched = _normalize_inputs(context, questions)
@@ -401,7 +405,7 @@ def make_cache(
     """A cache for ``model.generate(..., past_key_values=cache)`` that compresses the prompt after prefill
     (question-aware). Installs kvtrim attention on ``model`` (plain causal attention for other caches).
     One cache serves one ``generate`` call."""
-    pipeline, spec = _resolve_method(method, ratio, budget, method_params)
+    pipeline, spec = _resolve_method(method, ratio, budget, method_params, model)
     enable(model)
     return KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)
 
@@ -417,6 +421,6 @@ def compressing(
         with kvtrim.compressing(model, "snapkv", ratio=0.5) as cache:
             out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
     """
-    pipeline, spec = _resolve_method(method, ratio, budget, method_params)
+    pipeline, spec = _resolve_method(method, ratio, budget, method_params, model)
     with kvtrim_attention_enabled(model):
         yield KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)

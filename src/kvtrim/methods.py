@@ -11,7 +11,9 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .budgets.artifact_head_scores import ArtifactHeadScoreBudget
 from .budgets.head_adaptive import HeadAdaptiveBudget
+from .budgets.head_scores import DEFAULT_BETA, DEFAULT_TEMPERATURE
 from .budgets.pyramid import PyramidBudget
 from .budgets.uniform import UniformBudget
 from .errors import InvalidParameterError
@@ -182,6 +184,85 @@ def critical_adakv(
             "eps": eps,
             "safeguard": safeguard,
             "rule": rule,
+        },
+    )
+
+
+_HEADKV_PAPER = (
+    "Fu et al., Not All Heads Matter: A Head-Level KV Cache Compression Method with Integrated Retrieval and "
+    "Reasoning, ICLR 2025 (arXiv 2410.19258)"
+)
+
+
+@register(
+    "headkv",
+    "Per-head budgets from offline retrieval-reasoning head scores (calibration artifact), SnapKV selection "
+    "inside each head (stored ragged).",
+    _HEADKV_PAPER,
+    "HeadKV LongBench settings w=8, max-pool k=7, temperature 1; β from the sweep on the embedded model; "
+    "query-head capacities averaged within each GQA group (KVCache-Factory kv_head mode); needs "
+    "`kvtrim calibrate headkv`",
+)
+def headkv(
+    window: int = 8,
+    kernel: int = 7,
+    pooling: str = "max",
+    beta: float = DEFAULT_BETA,
+    temperature: float = DEFAULT_TEMPERATURE,
+    scores: str = "retrieval_reasoning",
+    artifact: str | None = None,
+) -> Pipeline:
+    """HeadKV (Fu et al., 2025, arXiv 2410.19258): head-level budgets from offline head scores."""
+    return Pipeline(
+        "headkv",
+        _snap_scorer(window, kernel, pooling),
+        ArtifactHeadScoreBudget(beta=beta, temperature=temperature, window=window, scores=scores, path=artifact),
+        TopKSelector(recent=window),
+        {
+            "window": window,
+            "kernel": kernel,
+            "pooling": pooling,
+            "beta": beta,
+            "temperature": temperature,
+            "scores": scores,
+            "artifact": artifact,
+        },
+    )
+
+
+@register(
+    "critical_headkv",
+    "CriticalKV two-stage selection inside HeadKV's per-head budgets (stored ragged).",
+    _CRITICAL_PAPER + "; " + _HEADKV_PAPER,
+    "α=0.5, ε=1e-4 inside each head's HeadKV budget (spec decision 3); HeadKV settings as in `headkv`",
+)
+def critical_headkv(
+    window: int = 8,
+    kernel: int = 7,
+    pooling: str = "max",
+    alpha: float = 0.5,
+    eps: float = 1e-4,
+    beta: float = DEFAULT_BETA,
+    temperature: float = DEFAULT_TEMPERATURE,
+    scores: str = "retrieval_reasoning",
+    artifact: str | None = None,
+) -> Pipeline:
+    """CriticalKV (arXiv 2502.03805) on HeadKV budgets (arXiv 2410.19258)."""
+    return Pipeline(
+        "critical_headkv",
+        _snap_scorer(window, kernel, pooling),
+        ArtifactHeadScoreBudget(beta=beta, temperature=temperature, window=window, scores=scores, path=artifact),
+        CriticalSelector(alpha=alpha, eps=eps, recent=window),
+        {
+            "window": window,
+            "kernel": kernel,
+            "pooling": pooling,
+            "alpha": alpha,
+            "eps": eps,
+            "beta": beta,
+            "temperature": temperature,
+            "scores": scores,
+            "artifact": artifact,
         },
     )
 

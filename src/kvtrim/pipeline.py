@@ -35,6 +35,14 @@ class Pipeline:
         if self.layout not in ("auto", "dense", "ragged"):
             raise ValueError(f"layout must be 'auto', 'dense' or 'ragged', got {self.layout!r}")
 
+    def bind(self, model) -> Pipeline:
+        """Let parts that depend on the model (offline artifacts) load what they need; returns self."""
+        for part in (self.scorer, self.budget, self.selector):
+            bind = getattr(part, "bind", None)
+            if bind is not None:
+                bind(model)
+        return self
+
     @property
     def observation(self) -> ObservationSpec:
         return self.scorer.observation

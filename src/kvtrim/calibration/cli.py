@@ -93,7 +93,7 @@ def show(
     kind: Annotated[str, typer.Option(help="artifact kind, e.g. headkv")] = "headkv",
     path: Annotated[Path | None, typer.Option(help="artifact file or directory (default: search)")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a layer x head heatmap (PNG)")] = None,
-    tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the first 2-D tensor)")] = None,
+    tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the artifact's primary one)")] = None,
 ) -> None:
     """Print a summary of an artifact; optionally plot one of its layer x head tensors."""
     from kvtrim.calibration.artifacts import describe_artifact, load_artifact
@@ -106,7 +106,7 @@ def show(
     typer.echo(describe_artifact(artifact))
     if plot is not None:
         names = [n for n, t in artifact.tensors.items() if t.dim() == 2]
-        name = tensor or (names[0] if names else None)
+        name = tensor or artifact.meta.get("primary_tensor") or (names[0] if names else None)
         if name is None or name not in artifact.tensors or artifact.tensors[name].dim() != 2:
             _fail(f"tensor={name!r}: choose a 2-D tensor of this artifact ({names})")
         _heatmap(artifact.tensors[name], f"{artifact.meta.get('model_key')}  {kind}:{name}", plot)

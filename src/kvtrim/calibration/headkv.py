@@ -484,6 +484,7 @@ def calibrate_headkv(
     }
     meta = {
         "description": "HeadKV retrieval-reasoning (R2) and retrieval head scores per (layer, query head)",
+        "primary_tensor": "retrieval_reasoning",
         "settings": det.settings,
         "summary": {
             "tests": det.n_tests,
