@@ -251,6 +251,10 @@ def report_command(
     typer.echo(text)
 
 
+from .calibration.cli import calibrate_app  # noqa: E402
+
+app.add_typer(calibrate_app, name="calibrate")
+
 analyze_app = typer.Typer(help="Analyses reproduced from the papers.", no_args_is_help=True)
 app.add_typer(analyze_app, name="analyze")
 
