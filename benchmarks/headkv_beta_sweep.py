@@ -11,8 +11,10 @@ prefilled once in a :class:`kvtrim.Session`; each configuration compresses a cop
 
 Usage::
 
-    .venv/bin/python benchmarks/headkv_beta_sweep.py --threads 1          # ~1 h on a shared 2-core CPU
+    .venv/bin/python benchmarks/headkv_beta_sweep.py --threads 1   # ~15 min on a shared 2-core CPU
     .venv/bin/python benchmarks/headkv_beta_sweep.py --samples 1 --quick  # smoke run
+    .venv/bin/python benchmarks/headkv_beta_sweep.py --threads 1 --betas '' --temperatures 0.5,2 \
+        --temperature-beta 1.5 --out benchmarks/results/headkv_temperature_sweep.json
 
 Writes ``benchmarks/results/headkv_beta_sweep.json`` (every record) and ``.md`` (the tables).
 """
@@ -177,7 +179,7 @@ def _summarise(records: list[dict], configs: list, ratios: list[float]) -> list[
 
 def _markdown(payload: dict) -> str:
     lines = [
-        "# HeadKV β sweep (smollm2-135m)",
+        "# HeadKV β / temperature sweep (smollm2-135m)",
         "",
         f"{payload['samples_per_task']} samples each of {', '.join(payload['tasks'])} at {payload['length']} tokens "
         f"(seed {payload['seed']}), context-only compression, scorer WindowAttention(w=8, k=7, max-pool), "

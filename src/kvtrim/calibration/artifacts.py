@@ -287,6 +287,7 @@ def save_artifact(
     clean = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     save_file(clean, str(tensor_path), metadata={"kind": kind, "format_version": str(FORMAT_VERSION), "model_key": key})
     meta_path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
+    tensor_path.chmod(meta_path.stat().st_mode & 0o777)  # safetensors writes 0600; follow the umask like the JSON
     return tensor_path
 
 
