@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,7 @@ def test_run_file_and_summary(swept):
     assert entry["tasks"] == TASKS and entry["methods"] == METHODS and entry["ratios"] == RATIOS
     assert entry["mode"] == "context-only" and entry["records_written"] == len(TASKS) * 2 * CONFIGS
     assert entry["wall_s"] > 0 and entry["environment"]["torch"]
+    assert entry["status"] == "finished" and entry["finished"]
     with (swept / SUMMARY_FILE).open() as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == len(TASKS) * CONFIGS
@@ -170,6 +173,27 @@ def test_resume_skips_finished_records(pair, swept, tmp_path, count_prefills):
     runs = json.loads((out / RUN_FILE).read_text())["runs"]
     assert [r["records_written"] for r in runs] == [len(lines), 2, 0]
     assert runs[1]["torn_lines_dropped"] == 1
+
+
+def test_sigterm_records_the_interrupted_run(pair, tmp_path, monkeypatch):
+    real = runner_mod._run_one
+    calls: list[int] = []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:  # in the second sample, after its first few records
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "_run_one", dying)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        _sweep(pair, tmp_path / "killed", tasks=["passkey"], length=300)
+    assert signal.getsignal(signal.SIGTERM) == handler  # restored
+    (entry,) = json.loads((tmp_path / "killed" / RUN_FILE).read_text())["runs"]
+    assert entry["status"] == "interrupted" and entry["finished"] is None and entry["wall_s"] > 0
+    records = load_records(tmp_path / "killed")
+    assert entry["records_written"] == len(records) == 7  # the record in progress is lost, nothing else
 
 
 def test_question_aware_and_budgets_are_new_records(pair, swept, tmp_path):

@@ -291,13 +291,26 @@ def _header(out: Path, records: list[dict[str, Any]]) -> list[str]:
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
     ]
     if runs:
-        wall = sum(float(r.get("wall_s") or 0.0) for r in runs)
+        timed = [r for r in runs if r.get("wall_s") is not None]
+        wall = sum(float(r["wall_s"]) for r in timed)
         written = sum(int(r.get("records_written") or 0) for r in runs)
         threads = sorted({str(r.get("threads")) for r in runs})
+        untimed = len(runs) - len(timed)
+        interrupted = sum(1 for r in runs if r.get("status") == "interrupted")
+        notes = []
+        if interrupted:
+            notes.append(f"{interrupted} interrupted")
+        if untimed:
+            notes.append(f"{untimed} killed before recording a wall time, not counted")
         lines.append(
-            f"- sweep wall time: {wall / 60:.1f} min over {len(runs)} invocation(s), {written} records computed "
-            f"(torch threads: {', '.join(threads)}; cpu: {runs[-1].get('environment', {}).get('cpu_count')})"
+            f"- sweep wall time (from `{RUN_FILE}`): {wall / 60:.1f} min over {len(runs)} invocation(s)"
+            + (f" ({'; '.join(notes)})" if notes else "")
+            + f", {written} records computed (torch threads: {', '.join(threads)}; "
+            f"cpu count: {runs[-1].get('environment', {}).get('cpu_count')})"
         )
+    stamps = sorted(str(r["timestamp"]) for r in records if r.get("timestamp"))
+    if stamps:
+        lines.append(f"- record timestamps: {stamps[0]} → {stamps[-1]} (UTC)")
     lines += [
         "- scores: mean ×100 of each task's metric over samples; `average` is the macro average over the task "
         "columns (`*`: some task missing for that row); `kept %` = KV entries after / before compression; "

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import time
 from collections import defaultdict
@@ -453,7 +454,9 @@ def run_sweep(
         "records_skipped": skipped,
         "records_written": 0,
         "torn_lines_dropped": dropped,
-        "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "started": _now(),
+        "status": "running",
+        "updated": None,
         "finished": None,
         "wall_s": None,
     }
@@ -467,6 +470,20 @@ def run_sweep(
         m: {"method_preset": method_info(m).preset, "method_params": method_info(m).defaults()} for m in methods_l
     }
     written = 0
+
+    def checkpoint(status: str) -> None:
+        run_entry.update(
+            records_written=written,
+            status=status,
+            updated=_now(),
+            wall_s=round(time.perf_counter() - started_wall, 2),
+        )
+        if status == "finished":
+            run_entry["finished"] = run_entry["updated"]
+        _write_json(run_path, run_data)
+
+    previous_handler = _install_sigterm()
+    status = "interrupted"
     bar = tqdm(total=total, initial=skipped, desc="kvtrim eval", unit="rec", disable=not progress, mininterval=2.0)
     try:
         with records_path.open("a", encoding="utf-8") as fh:
@@ -498,7 +515,7 @@ def run_sweep(
                             "haystack_info": hay(sample.meta.get("haystack", haystack)),
                             "versions": versions,
                             "metric_versions": m_versions,
-                            "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                            "timestamp": _now(),
                         }
                     )
                     fh.write(json.dumps(_clean(record), default=_json_default) + "\n")
@@ -506,15 +523,32 @@ def run_sweep(
                     done.add(record["key"])
                     written += 1
                     bar.update(1)
+                checkpoint("running")  # run.json stays current even if the process is killed hard
+        status = "finished"
     finally:
         bar.close()
-        run_entry["records_written"] = written
-        run_entry["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-        run_entry["wall_s"] = round(time.perf_counter() - started_wall, 2)
-        _write_json(run_path, run_data)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+        checkpoint(status)
         if records_path.is_file():
             write_summary(out)
     return out
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _install_sigterm() -> Any:
+    """Turn SIGTERM into ``SystemExit`` so the sweep records its state before exiting (main thread only)."""
+    try:
+        return signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    except ValueError:  # not the main thread
+        return None
 
 
 def _run_one(
