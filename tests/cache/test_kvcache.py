@@ -192,3 +192,21 @@ def test_cache_without_kvtrim_attention_is_refused(llama):
     cache = KVTrimCache(2)
     with pytest.raises(kvtrim.UnsupportedModelError, match="attn_implementation='kvtrim'"):
         llama(input_ids=ids, past_key_values=cache, use_cache=True)
+
+
+def test_cache_is_freed_without_the_cycle_collector(llama):
+    import gc
+    import weakref
+
+    ids = torch.randint(3, 200, (1, 30))
+    gc.disable()
+    try:
+        cache = KVTrimCache(2, get_method("snapkv", window=4), BudgetSpec(ratio=0.5), auto_compress=False)
+        with torch.inference_mode(), kvtrim_attention_enabled(llama):
+            llama(input_ids=ids, past_key_values=cache, use_cache=True)
+            clone = cache.clone(get_method("snapkv", window=4), BudgetSpec(ratio=0.5))
+        refs = [weakref.ref(cache), weakref.ref(clone)]
+        del cache, clone
+        assert all(r() is None for r in refs)  # freed by reference counting alone
+    finally:
+        gc.enable()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 import shutil
 import signal
+import weakref
 from pathlib import Path
 
 import pytest
@@ -194,6 +196,27 @@ def test_sigterm_records_the_interrupted_run(pair, tmp_path, monkeypatch):
     assert entry["status"] == "interrupted" and entry["finished"] is None and entry["wall_s"] > 0
     records = load_records(tmp_path / "killed")
     assert entry["records_written"] == len(records) == 7  # the record in progress is lost, nothing else
+
+
+def test_cache_clones_are_freed_during_the_sweep(pair, tmp_path, monkeypatch):
+    """KVTrimCache <-> layer reference cycles: the runner collects them itself (else a sweep grows to GBs)."""
+    from kvtrim.cache.kvcache import KVTrimCache
+
+    clones: list[weakref.ref] = []
+    real_clone = KVTrimCache.clone
+
+    def tracking(self, *args, **kwargs):
+        other = real_clone(self, *args, **kwargs)
+        clones.append(weakref.ref(other))
+        return other
+
+    monkeypatch.setattr(KVTrimCache, "clone", tracking)
+    gc.disable()
+    try:
+        _sweep(pair, tmp_path / "gc", tasks=["passkey"], length=300)
+        assert len(clones) == 2 * CONFIGS and all(ref() is None for ref in clones)
+    finally:
+        gc.enable()
 
 
 def test_question_aware_and_budgets_are_new_records(pair, swept, tmp_path):

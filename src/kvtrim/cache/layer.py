@@ -9,6 +9,7 @@ attention function, not to the cache.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,13 +48,17 @@ class CompressibleLayer(CacheLayerMixin):
 
     def __init__(self, cache: KVTrimCache, layer_idx: int):
         self.is_initialized = False
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # the cache owns its layers; a strong back-reference would form a cycle
         self.layer_idx = layer_idx
         self.store: DenseStore | RaggedStore | None = None
         self.seen = 0
         self.observation = LayerObservation()
         self.module: torch.nn.Module | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def cache(self) -> KVTrimCache:
+        return self._cache()
 
     # transformers reads .keys/.values on some code paths (device, dtype); expose the stored entries.
     @property
