@@ -193,6 +193,12 @@ class _Prefilled:
 
 def _prefill(model, tokenizer, texts: list[str], special: bool, observation: ObservationSpec) -> _Prefilled:
     ids, mask = _tokenize(tokenizer, texts, special)
+    return prefill_ids(model, ids, mask, observation)
+
+
+def prefill_ids(model, ids: torch.Tensor, mask: torch.Tensor, observation: ObservationSpec) -> _Prefilled:
+    """Prefill token ids ``[batch, n]`` (mask 1 = real token) into a fresh uncompressed cache, recording what
+    ``observation`` asks for. Call under kvtrim attention."""
     cache = KVTrimCache(model.config.num_hidden_layers, auto_compress=False)
     cache.observing = bool(observation.window or observation.accumulate)
     cache.observation_spec = observation

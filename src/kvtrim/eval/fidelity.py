@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..api import _positions, _resolve_method
+from ..api import _positions, _resolve_method, prefill_ids
 from ..cache.attention import grouped_attention
 from ..cache.kvcache import KVTrimCache
 from ..compressor import BudgetSpec
@@ -208,20 +208,9 @@ def prefill(model, context_ids: Any, methods: Sequence = (), context_mask: torch
     if mask.shape != ids.shape:
         raise InvalidParameterError(f"context_mask has shape {tuple(mask.shape)}, context_ids {tuple(ids.shape)}")
     observation = _observation_of(methods)
-    cache = KVTrimCache(model.config.num_hidden_layers, auto_compress=False)
-    cache.observing = bool(observation.window or observation.accumulate)
-    cache.observation_spec = observation
     with kvtrim_attention_enabled(model):
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=_positions(mask, ids.shape[1]),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    cache.observing = False
-    return Prefill(cache, mask, out.logits[:, -1].float(), observation)
+        pre = prefill_ids(model, ids, mask, observation)
+    return Prefill(pre.cache, pre.mask, pre.logits.float(), observation)
 
 
 # ---------------------------------------------------------------------------------------------------- NLL / KL
