@@ -99,7 +99,16 @@ def smollm2():
     return kvtrim.load_model("smollm2-135m")
 
 
-ARTIFACT_METHODS = {"headkv", "critical_headkv"}
+ARTIFACT_METHODS = {
+    "headkv",
+    "critical_headkv",
+    "compresskv",
+    "compresskv_srh_only",
+    "compresskv_trh",
+    "head_compresskv",
+    "ada_compresskv",
+}
+RATIO_ONLY_METHODS = {"lagkv", "localkv", "lag_knorm"}  # keep fractions per lag partition: no budget
 
 
 def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
@@ -116,3 +125,19 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
         {"retrieval_reasoning": scores, "retrieval": scores.clone()},
         {"settings": {"test": True}, "seconds": 0.0},
     )
+    install_compresskv_scores(model, seed=seed)
+
+
+def install_compresskv_scores(model, directory=None, seed: int = 0):
+    """Save random CompressKV head (SRH/TRH) and layer scores for ``model`` (default: in the kvtrim home)."""
+    from kvtrim.calibration.artifacts import save_artifact
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 1)
+    layer_scores = torch.rand(cfg.num_hidden_layers, generator=g) + 0.1
+    tensors = {
+        "srh": torch.rand(cfg.num_hidden_layers, cfg.num_attention_heads, generator=g),
+        "trh": torch.rand(cfg.num_hidden_layers, cfg.num_attention_heads, generator=g),
+        "layer_scores": layer_scores / layer_scores.sum(),
+    }
+    return save_artifact("compresskv", model, tensors, {"settings": {"test": True}, "seconds": 0.0}, directory)

@@ -27,6 +27,8 @@ class GenerationStats:
 
     ``kv_entries_*`` count stored (token, layer, KV head) entries over the batch; ``kv_bytes_*`` are the bytes
     of the key and value tensors. ``before`` is right after prefill, ``after`` right after compression.
+    ``peak_kv_bytes`` is the largest K/V size held at any forward-pass boundary (prefill chunks and decoding
+    included); ``compressions`` counts compressions of one answer (more than 1 with a decoding-time schedule).
     """
 
     method: str
@@ -45,6 +47,9 @@ class GenerationStats:
     decode_tokens: int
     context_tokens_per_row: list[int] = field(default_factory=list)
     layer_budgets: list | None = None
+    peak_kv_bytes: int = 0
+    compressions: int = 0
+    prefill_chunk: int | None = None
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -87,6 +92,7 @@ def _resolve_method(method, ratio, budget, params: dict | None, model=None):
     else:
         spec = BudgetSpec(ratio=ratio, budget=budget)
         pipeline = get_method(method, **(params or {}))
+    pipeline.check(spec.ratio, spec.budget)
     if model is not None:
         pipeline.bind(model)  # loads offline artifacts; a missing one raises before any work
     return pipeline, spec
@@ -207,6 +213,33 @@ def prefill_ids(model, ids: torch.Tensor, mask: torch.Tensor, observation: Obser
     return _Prefilled(cache, mask, logits, cache.stats(), prefill_s)
 
 
+def prefill_chunked(
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    chunk: int,
+    pipeline: Pipeline | None = None,
+    spec: BudgetSpec | None = None,
+) -> _Prefilled:
+    """Prefill ``ids`` ``[batch, n]`` ``chunk`` tokens at a time; each chunk attends to the cache as the previous
+    chunks left it. With a ``pipeline``, the cache is compressed between chunks (every time for a one-shot
+    method; when its schedule is due for a continuous one, e.g. LagKV's full tail), so the cache never holds
+    much more than the budget plus one chunk. The final compression is left to the caller. Call under kvtrim
+    attention."""
+    cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=False)
+    cache.observing = pipeline is not None
+    seen = mask[:, :0]
+    logits, total = None, 0.0
+    for start in range(0, ids.shape[1], chunk):
+        if start and pipeline is not None and (not pipeline.schedule.continuous or pipeline.schedule.due(cache)):
+            t0 = time.perf_counter()
+            cache.compress(keep_observing=True)
+            total += time.perf_counter() - t0
+        logits, seen, seconds = _feed(model, cache, seen, ids[:, start : start + chunk], mask[:, start : start + chunk])
+        total += seconds
+    return _Prefilled(cache, seen, logits, cache.stats(), total)
+
+
 class Session:
     """A prompt prefilled once; each :meth:`run` compresses a fresh copy of its cache and decodes from it.
 
@@ -227,8 +260,14 @@ class Session:
         methods: Sequence = (),
         answer_prefix: str | None = None,
         use_chat_template: bool = True,
+        prefill_chunk: int | None = None,
     ):
         check_supported(model)
+        if prefill_chunk is not None and (
+            isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0
+        ):
+            raise InvalidParameterError(f"prefill_chunk must be a positive integer (tokens), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         contexts = list(context) if isinstance(context, (list, tuple)) else [context]
         if not contexts or any(not isinstance(c, str) or not c.strip() for c in contexts):
             raise InvalidParameterError("context must be a non-empty string (or a list of non-empty strings)")
@@ -253,12 +292,24 @@ class Session:
         self.eos = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else next(iter(self.eos), 0)
-        with torch.inference_mode(), kvtrim_attention_enabled(model):
-            self._pre = _prefill(model, tokenizer, texts, self.special, observation)
+        if prefill_chunk is None:
+            with torch.inference_mode(), kvtrim_attention_enabled(model):
+                self._pre = _prefill(model, tokenizer, texts, self.special, observation)
+        else:  # every method prefills on its own: it compresses between the chunks
+            self._ids, self._mask = _tokenize(tokenizer, texts, self.special)
+            self._pre = None
+
+    def _prefilled(self, pipeline: Pipeline | None, spec: BudgetSpec | None) -> tuple[_Prefilled, KVTrimCache]:
+        """The prefill to answer from, and a cache of it that ``pipeline`` may compress."""
+        if self.prefill_chunk is None:
+            return self._pre, self._pre.cache.clone(pipeline, spec)
+        pre = prefill_chunked(self.model, self._ids, self._mask, self.prefill_chunk, pipeline, spec)
+        return pre, pre.cache
 
     @property
     def context_tokens_per_row(self) -> list[int]:
-        return [int(x) for x in self._pre.mask.sum(-1).tolist()]
+        mask = self._mask if self._pre is None else self._pre.mask
+        return [int(x) for x in mask.sum(-1).tolist()]
 
     def _check_covered(self, pipeline: Pipeline) -> None:
         need, have = pipeline.observation, self.observation
@@ -283,28 +334,35 @@ class Session:
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidParameterError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         rows = self._question_rows(questions)
-        if pipeline is not None:
+        if pipeline is not None and self.prefill_chunk is None:
             self._check_covered(pipeline)
-        pre = self._pre
         with kvtrim_attention_enabled(self.model):
-            cache = pre.cache.clone(pipeline, spec)
+            pre, cache = self._prefilled(pipeline, spec)
             t0 = time.perf_counter()
             report = cache.compress(logits=pre.logits) if pipeline is not None else None
             compress_s = time.perf_counter() - t0
             after = cache.stats()
             answers: list[list[str]] = [[] for _ in range(len(pre.mask))]
             timings = {"qprefill": 0.0, "decode": 0.0, "steps": 0}
+            peak, compressions = cache.peak_kv_bytes, cache.compressions
             if self.question_aware:
                 outcome = _decode(self.model, cache, pre.mask, pre.logits, max_new_tokens, self.eos, self.pad)
                 _collect(outcome, self.tokenizer, answers, timings)
+                peak, compressions = max(peak, cache.peak_kv_bytes, cache.stats().kv_bytes), cache.compressions
             else:
-                mark = cache.mark()
+                # A decoding-time schedule rewrites the cache while answering: answer from a copy, not a rollback.
+                continuous = pipeline is not None and pipeline.schedule.continuous
+                mark = None if continuous else cache.mark()
                 for qi in range(len(rows[0])):
+                    work = cache.clone(pipeline, spec) if continuous else cache
                     texts = [self.template.question_part(r[qi], self.answer_prefix) for r in rows]
                     q_ids, q_mask = _tokenize(self.tokenizer, texts, False)
-                    logits, mask, q_s = _feed(self.model, cache, pre.mask, q_ids, q_mask)
-                    outcome = _decode(self.model, cache, mask, logits, max_new_tokens, self.eos, self.pad, q_s)
-                    cache.rollback(mark)
+                    logits, mask, q_s = _feed(self.model, work, pre.mask, q_ids, q_mask)
+                    outcome = _decode(self.model, work, mask, logits, max_new_tokens, self.eos, self.pad, q_s)
+                    peak = max(peak, work.peak_kv_bytes, work.stats().kv_bytes)
+                    compressions = max(compressions, work.compressions)
+                    if not continuous:
+                        cache.rollback(mark)
                     _collect(outcome, self.tokenizer, answers, timings)
         per_row = self.context_tokens_per_row
         stats = GenerationStats(
@@ -324,11 +382,14 @@ class Session:
             decode_tokens=timings["steps"],
             context_tokens_per_row=per_row,
             layer_budgets=None if report is None or report.budgets is None else report.budgets[0].tolist(),
+            peak_kv_bytes=int(peak),
+            compressions=int(compressions),
+            prefill_chunk=self.prefill_chunk,
         )
         return Result(answers=answers if self.batched else answers[0], stats=stats)
 
     def _question_rows(self, questions) -> list[list[str]]:
-        n = len(self._pre.mask)
+        n = len(self.context_tokens_per_row)
         if self.question_aware:
             if questions is not None:
                 raise InvalidParameterError("this session is question-aware: its question was given at prefill")
@@ -352,6 +413,7 @@ def generate(
     answer_prefix: str | None = None,
     method_params: dict | None = None,
     use_chat_template: bool = True,
+    prefill_chunk: int | None = None,
 ) -> Result:
     """Compress the KV cache of ``context`` with ``method`` and answer ``questions`` from it (greedy decoding).
 
@@ -367,6 +429,7 @@ def generate(
         budget: entries kept per layer and KV head (> 0); at or above the context length keeps everything
         answer_prefix: text placed at the start of the assistant's answer (e.g. RULER answer prefixes)
         method_params: overrides of the method's defaults (e.g. ``{"window": 8}``)
+        prefill_chunk: prefill the prompt this many tokens at a time, compressing between chunks (bounded memory)
     Returns:
         :class:`Result` with ``answers`` and ``stats``. In question-aware mode with several questions, sizes
         are those of the first question's prompt and timings are summed.
@@ -378,13 +441,15 @@ def generate(
     contexts, rows, batched = _normalize_inputs(context, questions)
     methods_ = [pipeline] if pipeline is not None else []
     if not question_aware:
-        session = Session(model, tokenizer, context, None, methods_, answer_prefix, use_chat_template)
+        session = Session(model, tokenizer, context, None, methods_, answer_prefix, use_chat_template, prefill_chunk)
         return session.run(method, ratio, budget, questions, max_new_tokens, method_params)
     results = []
     for qi in range(len(rows[0])):
         qs = [r[qi] for r in rows]
         question = qs if batched else qs[0]
-        session = Session(model, tokenizer, context, question, methods_, answer_prefix, use_chat_template)
+        session = Session(
+            model, tokenizer, context, question, methods_, answer_prefix, use_chat_template, prefill_chunk
+        )
         results.append(session.run(method, ratio, budget, None, max_new_tokens, method_params))
     stats = results[0].stats
     for r in results[1:]:

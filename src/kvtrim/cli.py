@@ -85,13 +85,18 @@ def generate(
     context_file: Annotated[Path, typer.Option("--context-file", help="text file holding the context")],
     question: Annotated[list[str], typer.Option("--question", help="a question (repeatable)")],
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
-    method: Annotated[str, typer.Option(help="method name (see `kvtrim methods`), or 'full'")] = "snapkv",
+    method: Annotated[
+        str, typer.Option(help="method name (see `kvtrim methods`), optionally @schedule (snapkv@every:64), or 'full'")
+    ] = "snapkv",
     ratio: Annotated[float | None, typer.Option(help="fraction of entries removed, in [0, 1)")] = None,
     budget: Annotated[int | None, typer.Option(help="entries kept per layer and KV head (> 0)")] = None,
     question_aware: Annotated[bool, typer.Option("--question-aware", help="compress context and question")] = False,
     answer_prefix: Annotated[str | None, typer.Option(help="text starting the answer")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate per question")] = 64,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    prefill_chunk: Annotated[
+        int | None, typer.Option(help="prefill in chunks of this many tokens, compressing between chunks")
+    ] = None,
 ) -> None:
     """Compress the context's KV cache and answer the question(s) from it."""
     from . import api
@@ -101,8 +106,8 @@ def generate(
 
     try:
         if method != api.FULL:
-            get_method(method)
-            BudgetSpec(ratio=ratio, budget=budget)  # validate before loading anything
+            spec = BudgetSpec(ratio=ratio, budget=budget)  # validate before loading anything
+            get_method(method).check(spec.ratio, spec.budget)
         if not context_file.is_file():
             raise KVTrimError(f"--context-file {str(context_file)!r} does not exist")
         context = context_file.read_text(encoding="utf-8")
@@ -118,6 +123,7 @@ def generate(
             question_aware=question_aware,
             max_new_tokens=max_new_tokens,
             answer_prefix=answer_prefix,
+            prefill_chunk=prefill_chunk,
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
@@ -138,6 +144,9 @@ def generate(
             "prefill_s": s.prefill_s,
             "compress_s": s.compress_s,
             "decode_ms_per_token": _jsonable(s.decode_ms_per_token),
+            "peak_kv_bytes": s.peak_kv_bytes,
+            "compressions": s.compressions,
+            "prefill_chunk": s.prefill_chunk,
         }
         typer.echo(json.dumps(payload))
         return
@@ -160,7 +169,7 @@ def demo(
     ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5,0.75",
     methods_: Annotated[
         str, typer.Option("--methods", help="comma-separated methods")
-    ] = "streaming_llm,snapkv,pyramidkv,adakv,critical_adakv,h2o,knorm,tova,random",
+    ] = "streaming_llm,snapkv,pyramidkv,adakv,critical_adakv,h2o,knorm,tova,lagkv,random",
 ) -> None:
     """Compress the embedded model's cache with several methods on passkey and needle prompts; print a table."""
     from .demo import run_demo
@@ -203,6 +212,9 @@ def eval_command(
     threads: Annotated[int | None, typer.Option(help="torch threads (1 is fastest on a busy CPU)")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="cap on generated tokens (smoke tests)")] = None,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+    prefill_chunk: Annotated[
+        int | None, typer.Option(help="prefill in chunks of this many tokens, compressing between chunks")
+    ] = None,
 ) -> None:
     """Sweep tasks × methods × ratios (or budgets) on one model; one JSONL record per sample and config."""
     from .eval.runner import run_sweep
@@ -230,6 +242,7 @@ def eval_command(
             threads=threads,
             max_new_tokens=max_new_tokens,
             progress=progress,
+            prefill_chunk=prefill_chunk,
         )
     except (KVTrimError, ValueError, OSError) as exc:
         _fail(exc)
@@ -294,3 +307,44 @@ def main() -> None:  # pragma: no cover - console entry
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+@analyze_app.command("head-masking")
+def analyze_head_masking(
+    out: Annotated[Path, typer.Option(help="output directory (head_masking.json, head_masking.png)")],
+    model: Annotated[str, typer.Option(help="model to analyse")] = "smollm2-135m",
+    ks: Annotated[str, typer.Option(help="numbers of heads masked over the whole model, comma-separated")] = "5,10,20",
+    tasks: Annotated[str, typer.Option(help="retrieval tasks, comma-separated")] = "passkey,niah_single_2",
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 1024,
+    samples: Annotated[int, typer.Option(help="prompts per task")] = 10,
+    seed: Annotated[int, typer.Option(help="task seed")] = 42,
+    artifact: Annotated[Path | None, typer.Option(help="compresskv artifact (default: the model's)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+) -> None:
+    """CompressKV's masking ablation: zero the top-k SRH, top-k TRH or k random query heads and measure retrieval
+    accuracy with the full cache (needs the `compresskv` artifact)."""
+    import torch
+
+    from .analysis.head_masking import head_masking_analysis, write_report
+    from .models import load_model
+
+    try:
+        sizes = [int(k) for k in ks.split(",") if k.strip()]
+        if not sizes or any(k <= 0 for k in sizes):
+            raise KVTrimError(f"--ks must be positive integers, got {ks!r}")
+        if threads is not None:
+            if threads <= 0:
+                raise KVTrimError(f"--threads must be positive, got {threads}")
+            torch.set_num_threads(threads)
+        lm, tokenizer = load_model(model)
+        task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+        report = head_masking_analysis(
+            lm, tokenizer, sizes, task_list, length, samples, seed, artifact=artifact, progress=progress
+        )
+        files = write_report(report, out)
+    except (KVTrimError, ValueError) as exc:
+        _fail(exc)
+    for name, acc in report.accuracy.items():
+        typer.echo(f"{name:>12}: " + "  ".join(f"{task} {value:.2f}" for task, value in acc.items()))
+    typer.echo("written: " + ", ".join(str(f) for f in files))

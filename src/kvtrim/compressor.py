@@ -110,9 +110,13 @@ def compress_cache(
             module=layer.module,
             scaling=float(getattr(layer.module, "scaling", layer.store.keys.shape[-1] ** -0.5)),
             logits=logits,
+            compressed_until=layer.compressed_until,
         )
         for layer in layers
     ]
+    # Accumulated per-slot statistics live in dense stores only: a schedule that keeps accumulating after this
+    # compression needs the padded dense layout.
+    keep_dense = bool(pipeline.observation.accumulate) and pipeline.schedule.continuous
     scores = []
     for view in views:
         s = pipeline.scorer.score(view).float()
@@ -123,6 +127,8 @@ def compress_cache(
         num_layers=len(views),
         kv_heads=views[0].kv_heads,
         positions=[v.positions for v in views],
+        ratio=None if spec.ratio is None else float(spec.ratio),
+        compressed_until=[v.compressed_until for v in views],
     )
     budgets = pipeline.budget.allocate(request, scores)
     budgets = torch.minimum(budgets, context.view(-1, 1, 1))
@@ -130,7 +136,9 @@ def compress_cache(
         sel = pipeline.selector.select(view, s, budgets[:, view.layer_idx])
         counts = sel.keep_mask.sum(-1)
         uniform = bool((counts == counts.max()).all())
-        if pipeline.layout == "dense" or (pipeline.layout == "auto" and uniform):
+        if sel.compressed_until is not None:
+            layer.compressed_until = sel.compressed_until
+        if pipeline.layout == "dense" or (pipeline.layout == "auto" and uniform) or keep_dense:
             layer.store.keep(sel.indices, sel.keep_mask)
         else:  # a different number of entries per head: store exactly that many
             layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)

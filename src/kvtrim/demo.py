@@ -14,7 +14,18 @@ from .eval.tasks import generate_task
 from .methods import get_method
 from .models import load_model
 
-DEFAULT_METHODS = ["streaming_llm", "snapkv", "pyramidkv", "adakv", "critical_adakv", "h2o", "knorm", "tova", "random"]
+DEFAULT_METHODS = [
+    "streaming_llm",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "critical_adakv",
+    "h2o",
+    "knorm",
+    "tova",
+    "lagkv",
+    "random",
+]
 
 
 def _fmt(value: float, spec: str) -> str:

@@ -12,18 +12,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .budgets.artifact_head_scores import ArtifactHeadScoreBudget
+from .budgets.error_aware import (
+    DEFAULT_MAX_FACTOR,
+    DEFAULT_MIN_BUDGET,
+    ArtifactErrorAwareBudget,
+    LayerThenHeadBudget,
+)
 from .budgets.head_adaptive import HeadAdaptiveBudget
 from .budgets.head_scores import DEFAULT_BETA, DEFAULT_TEMPERATURE
+from .budgets.partition import PartitionBudget
 from .budgets.pyramid import PyramidBudget
 from .budgets.uniform import UniformBudget
 from .errors import InvalidParameterError
 from .pipeline import Pipeline
+from .schedule import TailFull, parse_schedule
 from .scoring.cumulative_attention import CumulativeAttentionScorer
+from .scoring.head_subset import ArtifactHeadSubsetScorer
 from .scoring.key_norm import KeyNormScorer
+from .scoring.lag_relative import LagRelativeScorer
 from .scoring.position import RecencyScorer
 from .scoring.random import RandomScorer
 from .scoring.window_attention import WindowAttentionScorer
 from .selection.critical import CriticalSelector
+from .selection.partition import PartitionTopKSelector
 from .selection.topk import TopKSelector
 
 
@@ -267,6 +278,211 @@ def critical_headkv(
     )
 
 
+_COMPRESSKV_PAPER = (
+    "Lin et al., CompressKV: Semantic Retrieval Heads Know What Tokens are Not Important Before Generation "
+    "(arXiv 2508.02401)"
+)
+_COMPRESSKV_PRESET = (
+    "authors' code: top-4 heads per layer, window w=8 (summed over the window queries, fp32 softmax, each head "
+    "against its own KV group), avg-pool k=5, mean over the heads, same indices for every KV head; "
+    "Algorithm 1 with m=32, M=3B (kvtrim: m=min(32,B), M capped at the context); budget/ratio = mean entries per "
+    "layer including the window; needs `kvtrim calibrate compresskv`"
+)
+
+
+def _compresskv_scorer(
+    ranking: str, heads_per_layer: int, window: int, kernel: int, pooling: str, artifact: str | None, per_kv: bool
+) -> ArtifactHeadSubsetScorer:
+    return ArtifactHeadSubsetScorer(
+        ranking=ranking,
+        heads_per_layer=heads_per_layer,
+        window=window,
+        kernel=kernel,
+        pooling=pooling,
+        per_kv_head=per_kv,
+        path=artifact,
+    )
+
+
+@register(
+    "compresskv",
+    "Per layer, the window attention of its top semantic retrieval heads (offline SRH scores), pooled and "
+    "shared by all KV heads; error-aware layer budgets (Algorithm 1) from an offline layer-error profile.",
+    _COMPRESSKV_PAPER,
+    _COMPRESSKV_PRESET,
+)
+def compresskv(
+    window: int = 8,
+    kernel: int = 5,
+    pooling: str = "avg",
+    heads_per_layer: int = 4,
+    min_budget: int = DEFAULT_MIN_BUDGET,
+    max_factor: float = DEFAULT_MAX_FACTOR,
+    heads: str = "srh",
+    artifact: str | None = None,
+) -> Pipeline:
+    """CompressKV (Lin et al., arXiv 2508.02401): SRH token selection under error-aware layer budgets.
+
+    Per layer, the top ``heads_per_layer`` query heads by offline SRH score (``heads="trh"``: copy-paste retrieval
+    heads) score the prompt with their window attention; every KV head of the layer keeps the same top
+    ``b_l − window`` tokens plus the window. ``b_l`` follows Algorithm 1 from the profiled layer errors ``e_l``
+    (mean ``B`` = the requested budget per layer). Both come from the ``compresskv`` artifact
+    (``kvtrim calibrate compresskv``; ``artifact=PATH`` for another file).
+    """
+    return Pipeline(
+        "compresskv",
+        _compresskv_scorer(heads, heads_per_layer, window, kernel, pooling, artifact, False),
+        ArtifactErrorAwareBudget(min_budget=min_budget, max_factor=max_factor, path=artifact),
+        TopKSelector(recent=window),
+        {
+            "window": window,
+            "kernel": kernel,
+            "pooling": pooling,
+            "heads_per_layer": heads_per_layer,
+            "min_budget": min_budget,
+            "max_factor": max_factor,
+            "heads": heads,
+            "artifact": artifact,
+        },
+    )
+
+
+@register(
+    "compresskv_srh_only",
+    "CompressKV ablation: SRH token selection with uniform layer budgets.",
+    _COMPRESSKV_PAPER,
+    "as `compresskv`, every layer keeps the requested budget (the paper's SRH-only ablation)",
+)
+def compresskv_srh_only(
+    window: int = 8,
+    kernel: int = 5,
+    pooling: str = "avg",
+    heads_per_layer: int = 4,
+    heads: str = "srh",
+    artifact: str | None = None,
+) -> Pipeline:
+    """CompressKV's selection alone (arXiv 2508.02401): top SRH heads' window attention, uniform budgets."""
+    return Pipeline(
+        "compresskv_srh_only",
+        _compresskv_scorer(heads, heads_per_layer, window, kernel, pooling, artifact, False),
+        UniformBudget(),
+        TopKSelector(recent=window),
+        {
+            "window": window,
+            "kernel": kernel,
+            "pooling": pooling,
+            "heads_per_layer": heads_per_layer,
+            "heads": heads,
+            "artifact": artifact,
+        },
+    )
+
+
+@register(
+    "compresskv_trh",
+    "CompressKV ablation: traditional (copy-paste) retrieval heads select the tokens; error-aware layer budgets.",
+    _COMPRESSKV_PAPER,
+    "as `compresskv` with the TRH ranking (Retrieval_Head criterion) instead of SRH",
+)
+def compresskv_trh(
+    window: int = 8,
+    kernel: int = 5,
+    pooling: str = "avg",
+    heads_per_layer: int = 4,
+    min_budget: int = DEFAULT_MIN_BUDGET,
+    max_factor: float = DEFAULT_MAX_FACTOR,
+    artifact: str | None = None,
+) -> Pipeline:
+    """CompressKV (arXiv 2508.02401) with TRH heads in place of SRH heads (the paper's head-type ablation)."""
+    pipeline = compresskv(window, kernel, pooling, heads_per_layer, min_budget, max_factor, "trh", artifact)
+    pipeline.name = "compresskv_trh"
+    pipeline.params.pop("heads")
+    return pipeline
+
+
+@register(
+    "head_compresskv",
+    "HeadKV per-head budgets (offline retrieval-reasoning head scores) with CompressKV's SRH token selection "
+    "(stored ragged).",
+    _COMPRESSKV_PAPER + "; " + _HEADKV_PAPER,
+    "SRH selection as `compresskv` (nested token sets across the KV heads of a layer); HeadKV budgets as "
+    "`headkv` (β, temperature); needs both `kvtrim calibrate compresskv` and `kvtrim calibrate headkv`",
+)
+def head_compresskv(
+    window: int = 8,
+    kernel: int = 5,
+    pooling: str = "avg",
+    heads_per_layer: int = 4,
+    beta: float = DEFAULT_BETA,
+    temperature: float = DEFAULT_TEMPERATURE,
+    artifact: str | None = None,
+    headkv_artifact: str | None = None,
+) -> Pipeline:
+    """CompressKV's SRH selection (arXiv 2508.02401) inside HeadKV budgets (arXiv 2410.19258)."""
+    return Pipeline(
+        "head_compresskv",
+        _compresskv_scorer("srh", heads_per_layer, window, kernel, pooling, artifact, False),
+        ArtifactHeadScoreBudget(beta=beta, temperature=temperature, window=window, path=headkv_artifact),
+        TopKSelector(recent=window),
+        {
+            "window": window,
+            "kernel": kernel,
+            "pooling": pooling,
+            "heads_per_layer": heads_per_layer,
+            "beta": beta,
+            "temperature": temperature,
+            "artifact": artifact,
+            "headkv_artifact": headkv_artifact,
+        },
+    )
+
+
+@register(
+    "ada_compresskv",
+    "Error-aware layer budgets (CompressKV), split among each layer's KV heads by AdaKV; SRH scores per KV "
+    "group select the tokens (stored ragged).",
+    _COMPRESSKV_PAPER + "; Feng et al., Ada-KV (arXiv 2407.11550)",
+    "Algorithm 1 layer budgets as `compresskv`; AdaKV official rule α=0.2 inside each layer; each KV head scored "
+    "by the top SRH heads of its own group (layer mean when its group has none)",
+)
+def ada_compresskv(
+    window: int = 8,
+    kernel: int = 5,
+    pooling: str = "avg",
+    heads_per_layer: int = 4,
+    min_budget: int = DEFAULT_MIN_BUDGET,
+    max_factor: float = DEFAULT_MAX_FACTOR,
+    alpha: float = 0.2,
+    rule: str = "official",
+    artifact: str | None = None,
+) -> Pipeline:
+    """CompressKV (arXiv 2508.02401) layer budgets with Ada-KV (arXiv 2407.11550) head budgets inside each layer.
+
+    AdaKV needs scores that differ between KV heads, so each KV head is scored by the chosen SRH heads of its
+    own GQA group (the layer's mean over all chosen heads when none of them is in the group).
+    """
+    return Pipeline(
+        "ada_compresskv",
+        _compresskv_scorer("srh", heads_per_layer, window, kernel, pooling, artifact, True),
+        LayerThenHeadBudget(
+            ArtifactErrorAwareBudget(min_budget=min_budget, max_factor=max_factor, path=artifact),
+            HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule),
+        ),
+        TopKSelector(recent=window),
+        {
+            "window": window,
+            "kernel": kernel,
+            "pooling": pooling,
+            "heads_per_layer": heads_per_layer,
+            "min_budget": min_budget,
+            "max_factor": max_factor,
+            "alpha": alpha,
+            "rule": rule,
+            "artifact": artifact,
+        },
+    )
+
+
 @register(
     "h2o",
     "Heavy hitters by attention accumulated over all prompt queries, plus recent tokens.",
@@ -322,28 +538,123 @@ def random_method(seed: int = 0) -> Pipeline:
     return Pipeline("random", RandomScorer(seed=seed), UniformBudget(), TopKSelector(), {"seed": seed})
 
 
+def _lag_pipeline(
+    name: str, statistic: str, sink: int, lag: int, value_weight: float, eps: float, skip_layers: tuple[int, ...]
+) -> Pipeline:
+    for label, value in (("sink", sink), ("lag", lag)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if label == "lag" else 0):
+            raise InvalidParameterError(f"{label} must be an integer >= {1 if label == 'lag' else 0}, got {value!r}")
+    skip = tuple(int(i) for i in skip_layers)
+    return Pipeline(
+        name,
+        LagRelativeScorer(sink=sink, lag=lag, statistic=statistic, value_weight=value_weight, eps=eps),
+        PartitionBudget(sink=sink, lag=lag, skip_layers=skip),
+        PartitionTopKSelector(sink=sink, lag=lag, skip_layers=skip),
+        {"sink": sink, "lag": lag, "value_weight": value_weight, "eps": eps, "skip_layers": list(skip)},
+        schedule=TailFull(lag=lag, sink=sink),
+    )
+
+
+_LAG_PAPER = (
+    "Liang et al., LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important, 2025 "
+    "(arXiv 2504.04704)"
+)
+
+
+@register(
+    "lagkv",
+    "Attention-free: min-max normalize each lag partition by the next one, keep the top r*L per KV head; "
+    "recursive in prefill and every L decoded tokens.",
+    _LAG_PAPER,
+    "authors' code: S=16, L=128, r=1-ratio (k x <-> ratio 1-1/k), K+V scores summed; kvtrim adds eps=1e-6 "
+    "to the min-max range and keeps kept entries in position order",
+)
+def lagkv(
+    sink: int = 16, lag: int = 128, value_weight: float = 1.0, eps: float = 1e-6, skip_layers: tuple = ()
+) -> Pipeline:
+    """LagKV (Liang et al., 2025, arXiv 2504.04704).
+
+    After ``sink`` tokens, the uncompressed tokens form partitions of ``lag`` tokens; each partition's keys and
+    values are min–max normalized per channel with the statistics of the *next* partition, the channel-wise
+    standard deviation of every token is softmaxed over the partition, key and value scores are summed
+    (``value_weight`` = γ), and each (KV head, partition) keeps its top ``⌊r·L⌋`` tokens, ``r = 1 − ratio``.
+    The last full partition and the remainder stay uncompressed; compressed tokens are never re-scored. The
+    schedule compresses after prefill and again whenever the tail reaches ``2·lag`` tokens (every ``lag`` decoded
+    tokens), and between the chunks of a chunked prefill. Differences from the authors' code (documented):
+    ``eps`` in the normalization (their code divides by the raw range), kept entries sorted by position.
+    ``skip_layers`` leaves some layers uncompressed (the code's ``skip_layer_idx``).
+    """
+    return _lag_pipeline("lagkv", "lag_std", sink, lag, value_weight, eps, skip_layers)
+
+
+@register(
+    "localkv",
+    "LagKV ablation: each partition normalized with its own min-max statistics.",
+    _LAG_PAPER,
+    "as lagkv, reference = the partition itself (the paper's LocalKV ablation)",
+)
+def localkv(
+    sink: int = 16, lag: int = 128, value_weight: float = 1.0, eps: float = 1e-6, skip_layers: tuple = ()
+) -> Pipeline:
+    """LocalKV, the ablation of LagKV (arXiv 2504.04704) without the lag: statistics of the partition itself."""
+    return _lag_pipeline("localkv", "local_std", sink, lag, value_weight, eps, skip_layers)
+
+
+@register(
+    "lag_knorm",
+    "Key L2 norm scored inside LagKV's recursive partition frame (lowest norms kept per partition).",
+    _LAG_PAPER + "; score from Devoto et al., EMNLP 2024 (arXiv 2406.11430)",
+    "as lagkv, score softmax(-||k||) per partition (the L2-norm baseline of the LagKV paper)",
+)
+def lag_knorm(sink: int = 16, lag: int = 128, skip_layers: tuple = ()) -> Pipeline:
+    """The key-L2-norm score (arXiv 2406.11430) in LagKV's recursive frame (arXiv 2504.04704)."""
+    return _lag_pipeline("lag_knorm", "key_norm", sink, lag, 0.0, 1e-6, skip_layers)
+
+
 def method_names() -> list[str]:
     """Names of all registered methods."""
     return sorted(_REGISTRY)
 
 
+def split_schedule(name: str) -> tuple[str, str | None]:
+    """``"snapkv@every:64"`` → ``("snapkv", "every:64")``; a plain name has no schedule."""
+    base, sep, schedule = name.partition("@")
+    return base, (schedule if sep else None)
+
+
 def method_info(name: str) -> MethodInfo:
-    """The registry entry for ``name`` (error lists the valid names)."""
-    if name not in _REGISTRY:
+    """The registry entry for ``name`` (a ``@schedule`` suffix is ignored; the error lists the valid names)."""
+    base, _ = split_schedule(name)
+    if base not in _REGISTRY:
         raise InvalidParameterError(f"method={name!r} is unknown; valid methods: {', '.join(method_names())}")
-    return _REGISTRY[name]
+    return _REGISTRY[base]
 
 
 def get_method(name: str, **params) -> Pipeline:
-    """Build the pipeline of method ``name`` with optional parameter overrides."""
+    """Build the pipeline of method ``name`` with optional parameter overrides.
+
+    ``name@schedule`` runs the method with a decoding-time schedule (see :mod:`kvtrim.schedule`), e.g.
+    ``"snapkv@every:64"`` re-compresses every 64 new tokens and ``"snapkv@over:0"`` caps every head at its budget.
+    """
     info = method_info(name)
+    _, schedule = split_schedule(name)
     allowed = info.defaults()
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise InvalidParameterError(
             f"method {name!r} has no parameter(s) {unknown}; its parameters are {sorted(allowed) or 'none'}"
         )
-    return info.factory(**params)
+    pipeline = info.factory(**params)
+    if schedule is not None:
+        parsed = parse_schedule(schedule, sink=int(pipeline.params.get("sink", 0)))
+        if isinstance(parsed, TailFull) and not isinstance(pipeline.selector, PartitionTopKSelector):
+            raise InvalidParameterError(
+                f"schedule 'tail:LAG' needs a lag-partition method (lagkv, localkv, lag_knorm), not {info.name!r}; "
+                "use 'every:N' or 'over:SLACK'"
+            )
+        pipeline.schedule = parsed
+        pipeline.name = name
+    return pipeline
 
 
 def methods() -> dict[str, str]:

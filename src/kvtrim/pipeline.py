@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .budgets.base import BudgetAllocator
+from .schedule import AfterPrefill, Schedule
 from .scoring.base import Scorer
 from .scoring.observation import ObservationSpec
 from .selection.base import Selector
@@ -22,6 +23,7 @@ class Pipeline:
         params: the configuration the method was built with (recorded in results)
         layout: storage after compression: ``auto`` (dense when every head keeps the same count, else ragged),
             ``dense`` (pad every head to the widest one), or ``ragged`` (exact counts per head)
+        schedule: when to compress (:mod:`kvtrim.schedule`); the default compresses once after prefill
     """
 
     name: str
@@ -30,6 +32,7 @@ class Pipeline:
     selector: Selector
     params: dict = field(default_factory=dict)
     layout: str = "auto"
+    schedule: Schedule = field(default_factory=AfterPrefill)
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):
@@ -42,6 +45,13 @@ class Pipeline:
             if bind is not None:
                 bind(model)
         return self
+
+    def check(self, ratio: float | None, budget: int | None) -> None:
+        """Raise :class:`~kvtrim.errors.InvalidParameterError` if a part cannot work with this ratio/budget."""
+        for part in (self.scorer, self.budget, self.selector):
+            check = getattr(part, "check", None)
+            if check is not None:
+                check(ratio, budget)
 
     @property
     def observation(self) -> ObservationSpec:

@@ -7,11 +7,12 @@ import torch
 from transformers import DynamicCache
 
 import kvtrim
-from conftest import ARTIFACT_METHODS, install_head_scores, random_text, tiny_model
+from conftest import ARTIFACT_METHODS, RATIO_ONLY_METHODS, install_head_scores, random_text, tiny_model
 from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method, method_names
+from kvtrim.scoring.partitions import kept_length
 
 
 def hf_greedy(model, ids, mask, n):
@@ -27,8 +28,10 @@ def test_budget_at_or_above_context_is_token_identical(family_model, method, mon
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     ref = hf_greedy(family_model, ids, mask, 12)
-    for budget in (40, 500):
-        with kvtrim.compressing(family_model, method, budget=budget) as cache:
+    # Ratio-only methods (LagKV) keep everything at ratio 0; the others at a budget >= the context.
+    specs = [{"ratio": 0.0}] if method in RATIO_ONLY_METHODS else [{"budget": 40}, {"budget": 500}]
+    for spec in specs:
+        with kvtrim.compressing(family_model, method, **spec) as cache:
             out = family_model.generate(
                 input_ids=ids,
                 attention_mask=mask,
@@ -38,7 +41,7 @@ def test_budget_at_or_above_context_is_token_identical(family_model, method, mon
                 eos_token_id=None,
                 past_key_values=cache,
             )
-        assert torch.equal(out, ref), (method, budget)
+        assert torch.equal(out, ref), (method, spec)
         assert cache.last_report is not None and cache.last_report.skipped
 
 
@@ -55,7 +58,11 @@ def test_kept_counts_and_bytes_match_budget(method, monkeypatch, tmp_path):
     if method in ARTIFACT_METHODS:
         install_head_scores(model, monkeypatch, tmp_path)
     ids = torch.randint(3, 200, (1, 64), generator=torch.Generator().manual_seed(2))
-    cache = KVTrimCache(3, get_method(method).bind(model), BudgetSpec(budget=20), auto_compress=False)
+    if method in RATIO_ONLY_METHODS:
+        pipeline, spec = get_method(method, sink=4, lag=8), BudgetSpec(ratio=0.5)
+    else:
+        pipeline, spec = get_method(method), BudgetSpec(budget=20)
+    cache = KVTrimCache(3, pipeline.bind(model), spec, auto_compress=False)
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         full = cache.stats()
@@ -74,6 +81,8 @@ def test_kept_counts_and_bytes_match_budget(method, monkeypatch, tmp_path):
         assert bool((per_head.sum(-1) == 20 * kv_heads).all())
     elif method in ARTIFACT_METHODS:  # heads and layers differ, the model's total is the uniform total
         assert int(per_head.sum()) == 20 * kv_heads * 3
+    elif method in RATIO_ONLY_METHODS:  # the paper's S + (n-1)*floor(rL) + L + rem
+        assert bool((per_head == kept_length(64, 4, 8, 4)).all())
     else:
         assert bool((per_head == 20).all())
     for layer in cache.layers:

@@ -9,6 +9,8 @@ from kvtrim.eval.metrics import (
     aggregate,
     classification_score,
     code_sim_score,
+    copy_item_recall,
+    copy_rouge_l,
     count_score,
     first_line,
     longbench_score,
@@ -42,6 +44,8 @@ def test_registry_and_range() -> None:
         "passkey_match",
         "passkey_digit_accuracy",
         "needle_recall",
+        "copy_rouge_l",
+        "copy_item_recall",
     }
     for name, fn in METRICS.items():
         kwargs = {"all_classes": ["x"]} if name == "classification_score" else {}
@@ -152,6 +156,31 @@ def test_needle_scores() -> None:
     assert needle_recall("", expected) == 0.0
     assert needle_rouge1("", expected) == 0.0
     assert needle_rouge1("eat a sandwich and sit in Dolores Park on a sunny day.", expected) == 1.0
+
+
+def test_long_copy_scores() -> None:
+    items = ["apple: 1234", "river: 5678", "candle: 9012", "pencil: 3456"]
+    reference = "1. apple: 1234\n2. river: 5678\n3. candle: 9012\n4. pencil: 3456"
+    for fn in (copy_rouge_l, copy_item_recall):
+        assert fn(reference, items) == 1.0
+        assert fn("Sure! APPLE 1234, river - 5678; candle: 9012 and pencil: 3456. Done.", items) == 1.0
+        assert fn("", items) == 0.0
+        assert fn("nothing relevant", items) == 0.0
+    # truncated: order-aware and order-free scores agree
+    assert copy_rouge_l("1. apple: 1234\n2. river: 5678", items) == 0.5
+    assert copy_item_recall("1. apple: 1234\n2. river: 5678", items) == 0.5
+    # swapped pairs: all items present, order partly lost (LCS keeps 2 of the 4 items = 4 of 8 tokens)
+    swapped = "river: 5678\napple: 1234\npencil: 3456\ncandle: 9012"
+    assert copy_item_recall(swapped, items) == 1.0
+    assert copy_rouge_l(swapped, items) == 0.5
+    # a word with the wrong code counts for ROUGE-L only; an item must be word then code, adjacent
+    assert copy_rouge_l("apple: 1111", items) == 1 / 8
+    assert copy_item_recall("apple: 1111", items) == 0.0
+    assert copy_item_recall("apple river 1234 5678", items) == 0.0
+    assert copy_rouge_l("apple river 1234 5678", items) == 3 / 8  # LCS: apple, river, 5678
+    assert copy_item_recall("apple: 1234", "apple: 1234") == 1.0  # a bare string is one item
+    with pytest.raises(InvalidParameterError, match="answers"):
+        copy_rouge_l("x", [])
 
 
 def test_score_sample_uses_meta() -> None:

@@ -17,6 +17,8 @@ class BudgetRequest:
         context_lengths: ``[batch]`` real tokens in each row
         num_layers, kv_heads: cache geometry
         positions: per layer ``[batch, kv_heads, seq]`` logical positions of the stored slots (-1 = empty)
+        ratio: the requested fraction removed, when the user gave a ratio (None for a budget)
+        compressed_until: per layer ``[batch]`` first position not yet compressed by a recursive method, or None
     """
 
     keep: torch.Tensor
@@ -24,6 +26,8 @@ class BudgetRequest:
     num_layers: int
     kv_heads: int
     positions: list[torch.Tensor] | None = None
+    ratio: float | None = None
+    compressed_until: list[torch.Tensor | None] | None = None
 
 
 class BudgetAllocator(Protocol):

@@ -68,30 +68,66 @@ class KVTrimCache(Cache):
         self.observing = pipeline is not None
         self.observation_spec: ObservationSpec = pipeline.observation if pipeline is not None else ObservationSpec()
         self.last_report: CompressionReport | None = None
+        self.reports: list[CompressionReport] = []  # every compression, in order (decode-time ones included)
+        self.compressions = 0
+        self.tokens_since_compression = 0
+        self.peak_kv_bytes = 0  # largest K/V bytes held at the start of a forward pass (or after a compression)
         self._prefilled_uncompressed = False
         self._unconsumed: int | None = None  # layer whose update was not yet consumed by kvtrim attention
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def schedule(self):
+        return None if self.pipeline is None else self.pipeline.schedule
+
     def _before_forward(self, new_tokens: int) -> None:
         """Called at layer 0 of every forward pass, before anything is stored."""
+        self._track_peak()
         if self._prefilled_uncompressed and self.auto_compress:
             self.compress()
-        if self.observing and new_tokens > 1:
+        elif self.compressions and self.schedule.continuous and self.schedule.due(self):
+            self.compress()  # decoding-time compression: the new tokens attend to the compressed cache
+        if self.observing and new_tokens > 1 and not self.compressions:
             self._prefilled_uncompressed = True
+        self.tokens_since_compression += new_tokens
 
-    def compress(self, logits: torch.Tensor | None = None) -> CompressionReport:
-        """Apply the method to everything stored so far, then stop observing."""
+    def compress(self, logits: torch.Tensor | None = None, keep_observing: bool = False) -> CompressionReport:
+        """Apply the method to everything stored so far.
+
+        Observation stops afterwards unless the method's schedule compresses again later (or ``keep_observing``,
+        used between the chunks of a chunked prefill).
+        """
         from ..compressor import compress_cache
 
         if self.pipeline is None:
             raise InvalidParameterError("this KVTrimCache has no compression method")
         report = compress_cache(self, self.pipeline, self.budget, logits=logits)
         self.last_report = report
-        self.observing = False
+        self.reports.append(report)
+        self.compressions += 1
+        self.tokens_since_compression = 0
         self._prefilled_uncompressed = False
-        for layer in self.layers:
-            layer.observation = LayerObservation()
+        self.observing = keep_observing or self.schedule.continuous
+        if not self.observing:
+            for layer in self.layers:
+                layer.observation = LayerObservation()
+        self._track_peak()
         return report
+
+    def _track_peak(self) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(layer.store.nbytes() for layer in self.kv_layers))
+
+    def context_lengths(self) -> torch.Tensor | None:
+        """``[batch]`` tokens seen per row (largest stored position + 1), or None while empty."""
+        layers = self.kv_layers
+        if not layers:
+            return None
+        store = layers[0].store
+        if store.layout == "dense":
+            latest = store.positions.amax(dim=(1, 2)) if store.length else torch.full((store.batch_size,), -1)
+        else:
+            latest = torch.tensor(store.row_max_positions()).view(store.batch_size, store.kv_heads).amax(dim=1)
+        return (latest + 1).clamp(min=0)
 
     def clone(self, pipeline: Pipeline | None = None, budget: BudgetSpec | None = None) -> KVTrimCache:
         """An independent copy (tensors copied) that may carry another method and budget.
@@ -102,9 +138,15 @@ class KVTrimCache(Cache):
         other = KVTrimCache(len(self.layers), pipeline, budget, auto_compress=self.auto_compress)
         other.observing = self.observing and pipeline is not None
         other._prefilled_uncompressed = self._prefilled_uncompressed and pipeline is not None
+        if pipeline is not None and pipeline is self.pipeline:  # a copy that carries on the same schedule
+            other.compressions = self.compressions
+            other.tokens_since_compression = self.tokens_since_compression
+        other.peak_kv_bytes = self.stats().kv_bytes if self.kv_layers else 0
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             theirs.seen = mine.seen
             theirs.module = mine.module
+            if pipeline is not None and pipeline is self.pipeline and mine.compressed_until is not None:
+                theirs.compressed_until = mine.compressed_until.clone()
             if mine.store is not None:
                 theirs.store = mine.store.copy()
                 theirs.is_initialized = True

@@ -54,6 +54,7 @@ class CompressibleLayer(CacheLayerMixin):
         self.seen = 0
         self.observation = LayerObservation()
         self.module: torch.nn.Module | None = None
+        self.compressed_until: torch.Tensor | None = None  # [batch], set by recursive methods (LagKV)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -151,6 +152,7 @@ class CompressibleLayer(CacheLayerMixin):
         self.seen = 0
         self.is_initialized = False
         self.observation = LayerObservation()
+        self.compressed_until = None
         self._pending = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -168,12 +170,18 @@ class CompressibleLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.store is not None:
             self.store.select_batch(beam_idx.to(self.store.positions.device))
+        if self.compressed_until is not None:
+            self.compressed_until = self.compressed_until[beam_idx.to(self.compressed_until.device)]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
             idx = torch.arange(self.store.batch_size, device=self.store.positions.device)
             self.store.select_batch(idx.repeat_interleave(repeats))
+        if self.compressed_until is not None:
+            self.compressed_until = self.compressed_until.repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.store is not None:
             self.store.select_batch(indices)
+        if self.compressed_until is not None:
+            self.compressed_until = self.compressed_until[indices]

@@ -1,4 +1,4 @@
-"""Scoring functions for RULER, LongBench v1, passkey and needle tasks.
+"""Scoring functions for RULER, LongBench v1, passkey, needle and long-copy tasks.
 
 Every function in :data:`METRICS` has the signature ``fn(prediction, answers, **kwargs) -> float`` and
 returns a per-sample score in ``[0, 1]`` (not x100). Benchmarks report the mean x100 rounded to two
@@ -18,6 +18,9 @@ Conventions reproduced from the reference code:
   summary-level LCS over "."-separated sentences; ``rouge-score`` lower-cases, keeps only ``[a-z0-9]``
   tokens and takes one LCS over the whole text. Scores therefore differ slightly from published
   LongBench numbers (an empty prediction scores 0 in both).
+* ``copy_rouge_l`` / ``copy_item_recall`` (``long_copy``) use the same ``rouge-score`` scorer and its
+  tokenizer (lower-case ``[a-z0-9]+`` tokens): ROUGE-L *recall* against the items joined in order, and the
+  share of items whose tokens occur contiguously in the prediction.
 * ``code_sim_score`` uses ``rapidfuzz.fuzz.ratio`` (the Indel similarity, identical to fuzzywuzzy with
   python-Levenshtein installed), rounded to an integer percent like fuzzywuzzy, then /100.
 * ``classification_score`` reproduces the reference's removal-while-iterating loop, which can skip the
@@ -44,6 +47,8 @@ __all__ = [
     "aggregate",
     "classification_score",
     "code_sim_score",
+    "copy_item_recall",
+    "copy_rouge_l",
     "count_score",
     "first_line",
     "longbench_score",
@@ -322,6 +327,60 @@ def needle_rouge1(prediction: str, answers: Sequence[str] | str, *, needle: str 
     return float(_rouge_1_scorer().score(reference, prediction)["rouge1"].fmeasure)
 
 
+# ---- long copy --------------------------------------------------------------------------------------
+
+
+def _copy_items(answers: Sequence[str] | str) -> list[str]:
+    items = [answers] if isinstance(answers, str) else list(answers)
+    if not items:
+        raise InvalidParameterError("answers=[]: the long-copy metrics need the list of items.")
+    return items
+
+
+@functools.lru_cache(maxsize=1)
+def _rouge_tokenizer() -> Any:
+    try:
+        from rouge_score import tokenizers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("the long-copy metrics need the `rouge-score` package: pip install 'kvtrim[eval]'") from exc
+    return tokenizers.DefaultTokenizer(use_stemmer=False)
+
+
+def _rouge_tokens(text: str) -> tuple[str, ...]:
+    """``rouge-score``'s tokens of ``text`` (lower-cased ``[a-z0-9]+`` runs, no stemming), as ROUGE-L sees them."""
+    return tuple(_rouge_tokenizer().tokenize(text))
+
+
+def copy_rouge_l(prediction: str, answers: Sequence[str] | str, **_: Any) -> float:
+    """ROUGE-L recall of the prediction against the items joined in order (``long_copy``); empty -> 0.
+
+    The reference is ``" ".join(answers)``: the share of its tokens that the prediction reproduces as a
+    common subsequence, so the score is order-aware and partial. Tokens not in the reference (list numbers,
+    chatter, text after the list) are not penalised.
+    """
+    reference = " ".join(_copy_items(answers))
+    if not prediction.strip() or not reference.strip():
+        return 0.0
+    return float(_rouge_l_scorer().score(reference, prediction)["rougeL"].recall)
+
+
+def copy_item_recall(prediction: str, answers: Sequence[str] | str, **_: Any) -> float:
+    """Fraction of the items reproduced anywhere in the prediction, in any order (``long_copy``).
+
+    An item counts when its ``rouge-score`` tokens (e.g. ``["village", "5104"]`` for ``"village: 5104"``)
+    occur as a contiguous run of the prediction's tokens; punctuation and case are ignored.
+    """
+    items = _copy_items(answers)
+    tokens = _rouge_tokens(prediction)
+    found = 0
+    for item in items:
+        wanted = _rouge_tokens(item)
+        width = len(wanted)
+        if width and any(tokens[i : i + width] == wanted for i in range(len(tokens) - width + 1)):
+            found += 1
+    return found / len(items)
+
+
 # ---- registry ---------------------------------------------------------------------------------------
 
 METRICS: dict[str, MetricFn] = {
@@ -337,6 +396,8 @@ METRICS: dict[str, MetricFn] = {
     "passkey_digit_accuracy": passkey_digit_accuracy,
     "needle_recall": needle_recall,
     "needle_rouge1": needle_rouge1,
+    "copy_rouge_l": copy_rouge_l,
+    "copy_item_recall": copy_item_recall,
 }
 """Metric name -> ``fn(prediction, answers, **kwargs) -> float in [0, 1]``."""
 

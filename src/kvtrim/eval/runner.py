@@ -73,7 +73,7 @@ SUMMARY_FILE = "summary.csv"
 CONTEXT_ONLY = "context-only"
 QUESTION_AWARE = "question-aware"
 # Settings that must match the earlier runs recorded in the same directory.
-_CONSISTENT = ("model", "seed", "haystack", "task_options", "max_new_tokens")
+_CONSISTENT = ("model", "seed", "haystack", "task_options", "max_new_tokens", "prefill_chunk")
 
 
 # ---------------------------------------------------------------------------------------------------- keys
@@ -346,6 +346,7 @@ def run_sweep(
     model_label: str | None = None,
     max_new_tokens: int | None = None,
     progress: bool = True,
+    prefill_chunk: int | None = None,
 ) -> Path:
     """Run (or resume) a sweep and return ``out_dir`` (see the module docstring for the files written).
 
@@ -361,6 +362,8 @@ def run_sweep(
         model_label: the name recorded for a ``(model, tokenizer)`` pair
         max_new_tokens: cap on generated tokens (default: each task's own; for smoke tests only)
         progress: show tqdm progress bars
+        prefill_chunk: prefill every prompt this many tokens at a time, compressing between chunks (each method
+            then prefills on its own); one output directory holds one setting
     """
     import torch
 
@@ -406,6 +409,7 @@ def run_sweep(
         "task_options": options,
         "threads": threads,
         "max_new_tokens": max_new_tokens,
+        "prefill_chunk": prefill_chunk,
     }
     for previous in run_data["runs"]:
         for name in _CONSISTENT:
@@ -500,6 +504,7 @@ def run_sweep(
                     methods=sorted({c.method for c in pending if c.method != FULL}),
                     answer_prefix=sample.answer_prefix or None,
                     use_chat_template=bool(sample.meta.get("chat_template", True)),
+                    prefill_chunk=prefill_chunk,
                 )
                 full_key = (sample.task, sample.index, mode, target)
                 for cfg in pending:
@@ -604,6 +609,9 @@ def _run_one(
         "decode_ms_per_token": stats.decode_ms_per_token,
         "run_s": run_s,
         "layer_budgets": stats.layer_budgets,
+        "peak_kv_bytes": stats.peak_kv_bytes,
+        "compressions": stats.compressions,
+        "prefill_chunk": stats.prefill_chunk,
         "meta": sample.meta,
     }
     record["key"] = record_key(record)

@@ -22,6 +22,8 @@ class LayerView:
         observation: window queries recorded during prefill
         stats: per-slot statistics accumulated during prefill (``attn_sum`` …), each ``[batch, kv_heads, seq]``
         module: the layer's attention module (``o_proj``, ``head_dim``, ``scaling`` …)
+        logits: the prompt's last-position logits when the caller passed them
+        compressed_until: ``[batch]`` first position a recursive method has not compressed yet (None: never ran)
     """
 
     layer_idx: int
@@ -35,6 +37,7 @@ class LayerView:
     module: torch.nn.Module | None
     scaling: float
     logits: torch.Tensor | None = None
+    compressed_until: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict)
 
     @property

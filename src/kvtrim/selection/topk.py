@@ -16,10 +16,12 @@ class Selection:
     Attributes:
         indices: ``[batch, kv_heads, k]`` slot indices, ascending (``k`` = the largest budget)
         keep_mask: ``[batch, kv_heads, k]`` False where a selected slot is beyond its head's budget or empty
+        compressed_until: ``[batch]`` for recursive methods: positions below it are final and never re-scored
     """
 
     indices: torch.Tensor
     keep_mask: torch.Tensor
+    compressed_until: torch.Tensor | None = None
 
 
 def protected_mask(

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtrim.errors import InvalidParameterError
 from kvtrim.eval.tasks.base import Sample, TaskSpec, length_tolerance
+from kvtrim.eval.tasks.long_copy import LONG_COPY_ITEMS, LONG_COPY_MAX_NEW_TOKENS, generate_long_copy
 from kvtrim.eval.tasks.needle import NEEDLE_MAX_NEW_TOKENS, generate_needle, needle_grid
 from kvtrim.eval.tasks.passkey import generate_passkey
 from kvtrim.eval.tasks.qa import generate_qa
@@ -128,6 +129,16 @@ def _build_registry() -> dict[str, TaskSpec]:
         options=("depths",),
         uses_haystack=True,
     )
+    tasks["long_copy"] = TaskSpec(
+        "long_copy",
+        f"Long-output copying: write out a hidden list of {LONG_COPY_ITEMS} 'word: code' items in order (noise "
+        "haystack; ~150-300 answer tokens, for decoding-time compression); ROUGE-L recall and item recall",
+        generate_long_copy,
+        "copy_rouge_l",
+        LONG_COPY_MAX_NEW_TOKENS,  # nominal: each sample uses ceil(1.3 x its reference's tokens)
+        "long_copy",
+        options=("depth",),
+    )
     return tasks
 
 
@@ -164,7 +175,7 @@ def generate_task(
     ``haystack`` selects the prose for tasks that use one (RULER's essay tasks, ``needle``; default
     ``"jargon"``); tasks with a fixed haystack ignore it and record theirs in ``meta["haystack"]``.
     ``options`` are task specific: ``squad_path`` (qa_1), ``hotpotqa_path`` (qa_2), ``depth`` (passkey,
-    percent), ``depths`` (needle). The same arguments always give the same samples.
+    long_copy; percent), ``depths`` (needle). The same arguments always give the same samples.
     """
     if name not in TASKS:
         raise InvalidParameterError(f"name={name!r}: unknown task; choose one of {list_tasks()}.")
