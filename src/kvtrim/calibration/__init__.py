@@ -12,17 +12,23 @@ from .artifacts import (
     register_artifact_kind,
     save_artifact,
 )
+from .compresskv import AnswerNeedle, HeadScores, LayerProfile, calibrate_compresskv, load_compresskv
 from .headkv import HeadDetection, NeedleSpec, calibrate_headkv, detect_heads
 
 __all__ = [
+    "AnswerNeedle",
     "Artifact",
     "ArtifactMismatchError",
     "HeadDetection",
+    "HeadScores",
+    "LayerProfile",
     "NeedleSpec",
+    "calibrate_compresskv",
     "calibrate_headkv",
     "describe_artifact",
     "detect_heads",
     "load_artifact",
+    "load_compresskv",
     "model_identity",
     "model_key",
     "register_artifact_kind",

@@ -87,10 +87,74 @@ def headkv(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+@calibrate_app.command("compresskv")
+def compresskv(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    lengths: Annotated[
+        str, typer.Option(help="needle context lengths in tokens, comma-separated")
+    ] = "300,600,900,1200",
+    depths: Annotated[int, typer.Option(help="number of needle depths, round(linspace(0, 100, n))")] = 10,
+    needles: Annotated[int | None, typer.Option(help="use the first N built-in needles (default: all 4)")] = None,
+    seed: Annotated[int, typer.Option(help="where in the haystack the contexts start (0: the beginning)")] = 0,
+    min_recall: Annotated[float, typer.Option(help="a needle test counts when ROUGE-1 recall exceeds this")] = 0.5,
+    max_new_tokens: Annotated[int, typer.Option(help="greedy decoding steps per needle test")] = 50,
+    haystack: Annotated[str, typer.Option(help="haystack text: 'jargon', 'noise' or file:PATH")] = "jargon",
+    tasks: Annotated[
+        str, typer.Option(help="layer-profile tasks (kvtrim eval task names), comma-separated")
+    ] = "passkey,niah_single_1,niah_single_2,niah_multikey_1,vt,fwe",
+    task_samples: Annotated[int, typer.Option(help="layer-profile prompts per task")] = 4,
+    task_length: Annotated[int, typer.Option(help="layer-profile prompt length in tokens")] = 1024,
+    task_seed: Annotated[int, typer.Option(help="layer-profile task seed (evaluation uses 42)")] = 1234,
+    heads_per_layer: Annotated[int, typer.Option(help="SRH heads per layer used by the layer profile")] = 4,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+) -> None:
+    """CompressKV: SRH/TRH head scores on needle tests and the error-aware layer profile; saves `compresskv`."""
+    from kvtrim.calibration.compresskv import DEFAULT_NEEDLES, calibrate_compresskv, load_compresskv
+
+    grid = _parse_ints(lengths, "lengths")
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not task_list:
+        _fail(f"tasks={tasks!r}: give at least one task")
+    if needles is not None and not 1 <= needles <= len(DEFAULT_NEEDLES):
+        _fail(f"needles={needles}: choose 1..{len(DEFAULT_NEEDLES)}")
+    start = time.perf_counter()
+    try:
+        mdl, tok = _load(model, threads)
+        path = calibrate_compresskv(
+            mdl,
+            tok,
+            lengths=grid,
+            depths=depths,
+            needles=DEFAULT_NEEDLES[: needles or len(DEFAULT_NEEDLES)],
+            haystack=haystack,
+            seed=seed,
+            min_recall=min_recall,
+            max_new_tokens=max_new_tokens,
+            tasks=task_list,
+            task_samples=task_samples,
+            task_length=task_length,
+            task_seed=task_seed,
+            heads_per_layer=heads_per_layer,
+            out_dir=out,
+            progress=progress,
+        )
+        summary = load_compresskv(mdl, path).meta.get("summary", {})
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"compresskv artifact: {path}")
+    typer.echo(f"needle tests succeeded: {summary.get('successes')}/{summary.get('tests')}")
+    typer.echo(
+        f"layer profile prompts: {summary.get('profile_prompts')} ({', '.join(summary.get('profile_tasks', []))})"
+    )
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
 @calibrate_app.command("show")
 def show(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
-    kind: Annotated[str, typer.Option(help="artifact kind, e.g. headkv")] = "headkv",
+    kind: Annotated[str, typer.Option(help="artifact kind: headkv or compresskv")] = "headkv",
     path: Annotated[Path | None, typer.Option(help="artifact file or directory (default: search)")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a layer x head heatmap (PNG)")] = None,
     tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the artifact's primary one)")] = None,
@@ -104,6 +168,17 @@ def show(
     except KVTrimError as exc:
         _fail(exc)
     typer.echo(describe_artifact(artifact))
+    if plot is not None and kind == "compresskv" and tensor is None:
+        from kvtrim.calibration.compresskv import plot_compresskv
+
+        try:
+            plot_compresskv(artifact, plot)
+        except ImportError:
+            _fail("--plot needs matplotlib (pip install 'kvtrim[eval]')")
+        except KeyError as exc:
+            _fail(f"the artifact lacks tensor {exc}")
+        typer.echo(f"heatmap: {plot}")
+        return
     if plot is not None:
         names = [n for n, t in artifact.tensors.items() if t.dim() == 2]
         name = tensor or artifact.meta.get("primary_tensor") or (names[0] if names else None)

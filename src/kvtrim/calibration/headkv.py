@@ -34,8 +34,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,14 @@ from typing import Any
 import torch
 
 from kvtrim.calibration.artifacts import model_display_name, save_artifact
+from kvtrim.calibration.needles import (
+    char_span_tokens,
+    depth_grid,
+    eos_ids,
+    greedy_decode_with_attention,
+    haystack_ids,
+    needle_prompt,
+)
 from kvtrim.errors import InvalidParameterError, KVTrimError
 
 __all__ = [
@@ -141,18 +148,6 @@ DEFAULT_NEEDLES: tuple[NeedleSpec, ...] = tuple(
 """Four two-person needles, each asked as a reasoning and as a direct question (kvtrim's own texts)."""
 
 
-def depth_grid(depths: int | Sequence[float]) -> list[float]:
-    """``n`` depths ``round(linspace(0, 100, n))`` for an int, else the given percentages."""
-    if isinstance(depths, int):
-        if depths <= 0:
-            raise InvalidParameterError(f"depths={depths}: give a positive number of depths")
-        return [0.0] if depths == 1 else [float(round(100 * i / (depths - 1))) for i in range(depths)]
-    out = [float(d) for d in depths]
-    if not out or any(not 0 <= d <= 100 for d in out):
-        raise InvalidParameterError(f"depths={depths!r}: give percentages in [0, 100]")
-    return out
-
-
 @dataclass
 class HeadDetection:
     """Scores from :func:`detect_heads`.
@@ -196,83 +191,7 @@ class HeadDetection:
         return out
 
 
-# ---------------------------------------------------------------------------------------------------- prompts
-def _haystack_ids(tokenizer: Any, text: str, needed: int, start: int) -> list[int]:
-    """Token ids of ``text`` from character ``start`` on, repeated as needed, longer than ``needed``."""
-    text = text[start:] + "\n\n" + text[:start] if start else text
-    chars = max(4096, needed * 8)
-    while True:
-        source = text * (chars // len(text) + 1) if chars > len(text) else text
-        ids = tokenizer(source[:chars], add_special_tokens=False)["input_ids"]
-        if len(ids) > needed + 1:
-            return list(ids)
-        chars *= 2
-
-
-def _insert(tokenizer: Any, hay: list[int], needle_len: int, length: int, depth: float, periods: dict) -> str:
-    """Haystack text of ``length - needle_len`` tokens with a ``{NEEDLE}`` marker at ``depth`` percent, moved back
-    to just after a sentence end (Kamradt / HeadKV)."""
-    base = hay[: max(0, length - needle_len)]
-    if depth >= 100:
-        cut = len(base)
-    else:
-        cut = int(len(base) * depth / 100)
-
-        def is_period(tok: int) -> bool:
-            if tok not in periods:
-                periods[tok] = tokenizer.decode([tok]).rstrip().endswith(".")
-            return periods[tok]
-
-        while cut > 0 and not is_period(base[cut - 1]):
-            cut -= 1
-    return tokenizer.decode(base[:cut]) + "\x00NEEDLE\x00" + tokenizer.decode(base[cut:])
-
-
-def _span_tokens(tokenizer: Any, prompt: str, ids: list[int], char_start: int, char_end: int, span: str) -> tuple:
-    """Token range ``[start, end)`` covering characters ``[char_start, char_end)`` of ``prompt``."""
-    try:
-        enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-        offsets = enc["offset_mapping"]
-        shift = len(ids) - len(enc["input_ids"])  # special tokens added in front
-        inside = [i for i, (a, b) in enumerate(offsets) if b > char_start and a < char_end and b > a]
-        if inside:
-            return inside[0] + shift, inside[-1] + 1 + shift
-    except (NotImplementedError, TypeError, ValueError, KeyError):
-        pass
-    # Slow tokenizers: the window of |span| tokens with the largest token overlap (reference method).
-    span_ids = tokenizer(span, add_special_tokens=False)["input_ids"]
-    want, best, start = set(span_ids), -1.0, 0
-    for i in range(len(ids) - len(span_ids) + 1):
-        overlap = len(want & set(ids[i : i + len(span_ids)])) / max(1, len(want))
-        if overlap >= best:
-            best, start = overlap, i
-    return start, start + len(span_ids)
-
-
-@contextmanager
-def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    previous = model.config._attn_implementation
-    if previous == name:
-        yield
-        return
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else list(eos))
-    return ids
-
-
 # ---------------------------------------------------------------------------------------------------- one test
-@torch.no_grad()
 def _run_test(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -286,37 +205,21 @@ def _run_test(
     """Decode greedily; return (generated ids, R2 scores ``[L, H]``, retrieval scores ``[L, H]``)."""
     start, end = span
     k = end - start
-    prompt = torch.tensor([ids])
-    out = model(input_ids=prompt[:, :-1], use_cache=True)
-    cache = out.past_key_values
     token_at = torch.tensor(ids + [-1] * (steps + 1))
-    r2 = ret = None
-    generated: list[int] = []
-    inp = prompt[:, -1:]
-    with _attention_implementation(model, "eager"):
-        for _ in range(steps):
-            out = model(input_ids=inp, past_key_values=cache, use_cache=True, output_attentions=True)
-            cache = out.past_key_values
-            att = torch.stack([a[0, :, -1, :] for a in out.attentions]).float()  # [L, H, kv]
-            token = int(out.logits[0, -1].argmax())
-            vals, idx = att.topk(min(k, att.shape[-1]), dim=-1)
-            inside = (idx >= start) & (idx < end)
-            step_r2 = (vals * inside).sum(-1) / (k * answer_tokens)
-            top1 = idx[..., 0]
-            copy = inside[..., 0] & (token_at[top1] == token)
-            step_ret = copy.float() / k
-            r2 = step_r2 if r2 is None else r2 + step_r2
-            ret = step_ret if ret is None else ret + step_ret
-            if token in eos:
-                break
-            generated.append(token)
-            if token not in newline:
-                newline[token] = "\n" in tokenizer.decode([token])
-            if newline[token] and tokenizer.decode(generated).strip():
-                break
-            inp = torch.tensor([[token]])
-    assert r2 is not None and ret is not None
-    return generated, r2, ret
+    totals: dict[str, torch.Tensor] = {}
+
+    def on_step(token: int, att: torch.Tensor) -> None:
+        vals, idx = att.topk(min(k, att.shape[-1]), dim=-1)
+        inside = (idx >= start) & (idx < end)
+        step_r2 = (vals * inside).sum(-1) / (k * answer_tokens)
+        top1 = idx[..., 0]
+        copy = inside[..., 0] & (token_at[top1] == token)
+        step_ret = copy.float() / k
+        totals["r2"] = step_r2 if "r2" not in totals else totals["r2"] + step_r2
+        totals["ret"] = step_ret if "ret" not in totals else totals["ret"] + step_ret
+
+    generated = greedy_decode_with_attention(model, tokenizer, ids, steps, eos, newline, on_step)
+    return generated, totals["r2"], totals["ret"]
 
 
 # ---------------------------------------------------------------------------------------------------- detection
@@ -366,9 +269,8 @@ def detect_heads(
         offset = random.Random(seed).randrange(len(text))
         offset = text.find("\n", offset) + 1 or 0
     template = prompt_template(tokenizer, use_chat_template)
-    special = template.prefix == ""
-    hay = _haystack_ids(tokenizer, text, max(lengths), offset)
-    eos = _eos_ids(model, tokenizer)
+    hay = haystack_ids(tokenizer, text, max(lengths), offset)
+    eos = eos_ids(model, tokenizer)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
     periods: dict[int, bool] = {}
@@ -381,12 +283,11 @@ def detect_heads(
     bar = tqdm(grid, desc="headkv calibration", unit="test", disable=not progress, dynamic_ncols=True)
     kept = 0
     for i, (length, depth, spec) in enumerate(bar):
-        needle_len = len(tokenizer(spec.needle, add_special_tokens=False)["input_ids"])
-        context = _insert(tokenizer, hay, needle_len, length, depth, periods).replace("\x00NEEDLE\x00", spec.needle)
-        prompt = template.context_part(context) + template.question_part(spec.question) + spec.answer_prefix
-        ids = list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
-        char_start = prompt.index(spec.needle, len(template.prefix)) + spec.needle.index(spec.span)
-        span = _span_tokens(tokenizer, prompt, ids, char_start, char_start + len(spec.span), spec.span)
+        prompt, ids, needle_at = needle_prompt(
+            tokenizer, template, hay, spec.needle, spec.question, spec.answer_prefix, length, depth, periods
+        )
+        char_start = needle_at + spec.needle.index(spec.span)
+        span = char_span_tokens(tokenizer, prompt, ids, char_start, char_start + len(spec.span), spec.span)
         answer_tokens = len(tokenizer(" " + spec.answer, add_special_tokens=False)["input_ids"])
         generated, r2, ret = _run_test(model, tokenizer, ids, span, answer_tokens, answer_tokens, eos, newline)
         response = tokenizer.decode(generated, skip_special_tokens=True).strip()

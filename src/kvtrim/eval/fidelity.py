@@ -628,6 +628,8 @@ class LayerErrors:
         kv_head_l1: ``[layers, kv_heads]`` the same for the summed contribution of each KV head's query group
         reference_mismatch: largest ``|a_full − a_run|`` between the recomputed full-cache attention and the
             one the model actually ran (a self-check; ~1e-6 in float32)
+        rel_per_query: ``[layers, n]`` ``‖Δo‖₂ / (‖o_full‖₂ + 1e-5)`` of each decoding query (CompressKV's
+            per-step error, summed over steps by its layer profile)
     """
 
     l1: torch.Tensor
@@ -636,6 +638,7 @@ class LayerErrors:
     head_l1: torch.Tensor
     kv_head_l1: torch.Tensor
     reference_mismatch: float
+    rel_per_query: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -671,7 +674,7 @@ def layer_errors(capture: QueryCapture, cache_compressed: KVTrimCache) -> LayerE
     comp_layers = cache_compressed.layers
     if len(comp_layers) != len(capture.layers) or any(layer.store is None for layer in comp_layers):
         raise InvalidParameterError("cache_compressed must be a prefilled KVTrimCache of the same model")
-    l1, rel, per_query, head_l1, kv_l1 = [], [], [], [], []
+    l1, rel, per_query, head_l1, kv_l1, rel_query = [], [], [], [], [], []
     mismatch = 0.0
     for cap, layer in zip(capture.layers, comp_layers, strict=True):
         a_full = _attend(cap, cap.context_keys, cap.context_values, cap.context_positions)
@@ -688,6 +691,7 @@ def layer_errors(capture: QueryCapture, cache_compressed: KVTrimCache) -> LayerE
         per_query.append(q_l1.mean(0))
         l1.append(q_l1.mean())
         rel.append((diff.flatten(1).norm(dim=1) / (o_full.flatten(1).norm(dim=1) + _EPS)).mean())
+        rel_query.append((diff.norm(dim=-1) / (o_full.norm(dim=-1) + _EPS)).mean(0))
         weight = o_proj.weight.float().view(-1, hq, d)  # [hidden, q_heads, head_dim]
         contrib = torch.einsum("bnhd,ohd->bnho", (a_comp - a_full).float(), weight)  # [b, n, q_heads, hidden]
         head_l1.append(contrib.abs().sum(-1).mean((0, 1)))
@@ -701,6 +705,7 @@ def layer_errors(capture: QueryCapture, cache_compressed: KVTrimCache) -> LayerE
         head_l1=torch.stack(head_l1).cpu(),
         kv_head_l1=torch.stack(kv_l1).cpu(),
         reference_mismatch=mismatch,
+        rel_per_query=torch.stack(rel_query).cpu(),
     )
 
 
