@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,11 +49,10 @@ from kvtrim.calibration.artifacts import (
     save_artifact,
 )
 from kvtrim.calibration.needles import (
-    depth_grid,
     eos_ids,
     greedy_decode_with_attention,
-    haystack_ids,
     needle_prompt,
+    prepare_needle_run,
 )
 from kvtrim.errors import InvalidParameterError, KVTrimError
 
@@ -283,35 +281,16 @@ def detect_retrieval_heads(
     """
     from tqdm.auto import tqdm
 
-    from kvtrim.eval.haystacks import get_haystack
-    from kvtrim.prompts import prompt_template
-
-    lengths = [int(x) for x in lengths]
-    depth_list = depth_grid(depths)
     needles = list(needles)
-    if not lengths or any(x <= 0 for x in lengths):
-        raise InvalidParameterError(f"lengths={lengths!r}: give positive context lengths in tokens")
-    if not needles:
-        raise InvalidParameterError("needles=[]: give at least one AnswerNeedle")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r}: give a positive integer")
     for spec in needles:
         if not spec.answer.strip() or spec.answer not in spec.needle:
             raise InvalidParameterError(f"needle {spec.name!r}: answer {spec.answer!r} is not part of its needle")
-    started = time.perf_counter()
-    text = get_haystack(haystack)
-    offset = 0
-    if seed:
-        offset = random.Random(seed).randrange(len(text))
-        offset = text.find("\n", offset) + 1 or 0
-    template = prompt_template(tokenizer, use_chat_template)
-    hay = haystack_ids(tokenizer, text, max(lengths), offset)
-    eos = eos_ids(model, tokenizer)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
-    periods: dict[int, bool] = {}
-    newline: dict[int, bool] = {}
-    grid = [(length, depth, spec) for spec in needles for length in lengths for depth in depth_list]
+    run = prepare_needle_run(model, tokenizer, lengths, depths, needles, haystack, seed, use_chat_template)
+    started, template, hay, eos = run.started, run.template, run.hay, run.eos
+    layers, heads, periods, newline, grid = run.layers, run.heads, run.periods, run.newline, run.grid
+    lengths, depth_list, offset = run.lengths, run.depths, run.haystack_start
     srh_all = torch.zeros(len(grid), layers, heads)
     trh_all = torch.zeros(len(grid), layers, heads)
     recall = torch.zeros(len(grid))

@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +24,7 @@ from kvtrim.errors import InvalidParameterError
 
 __all__ = [
     "NEEDLE_MARK",
+    "NeedleRun",
     "attention_implementation",
     "char_span_tokens",
     "depth_grid",
@@ -29,6 +33,7 @@ __all__ = [
     "haystack_ids",
     "insert_needle",
     "needle_prompt",
+    "prepare_needle_run",
 ]
 
 NEEDLE_MARK = "\x00NEEDLE\x00"
@@ -185,3 +190,63 @@ def greedy_decode_with_attention(
                 break
             inp = torch.tensor([[token]])
     return generated
+
+
+@dataclass
+class NeedleRun:
+    """What every test of a needle calibration shares: the ``(length, depth, needle)`` grid, the tokenized
+    haystack, the prompt template, end-of-sequence ids and the model's geometry."""
+
+    lengths: list[int]
+    depths: list[float]
+    haystack_start: int  # character offset in the haystack text where contexts start
+    grid: list[tuple[int, float, Any]]
+    hay: list[int]
+    template: Any
+    eos: set[int]
+    layers: int
+    heads: int
+    started: float
+    periods: dict = field(default_factory=dict)  # token id -> ends a sentence (cache for insert_needle)
+    newline: dict = field(default_factory=dict)  # token id -> contains a newline (cache for decoding)
+
+
+def prepare_needle_run(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    lengths: Sequence[int],
+    depths: int | Sequence[float],
+    needles: Sequence[Any],
+    haystack: str,
+    seed: int,
+    use_chat_template: bool,
+) -> NeedleRun:
+    """Validate the grid and load what the tests share; ``seed`` picks where in the haystack contexts start."""
+    from kvtrim.eval.haystacks import get_haystack
+    from kvtrim.prompts import prompt_template
+
+    lengths = [int(x) for x in lengths]
+    depth_list = depth_grid(depths)
+    if not lengths or any(x <= 0 for x in lengths):
+        raise InvalidParameterError(f"lengths={lengths!r}: give positive context lengths in tokens")
+    if not needles:
+        raise InvalidParameterError("needles=[]: give at least one needle")
+    started = time.perf_counter()
+    text = get_haystack(haystack)
+    offset = 0
+    if seed:
+        offset = random.Random(seed).randrange(len(text))
+        offset = text.find("\n", offset) + 1 or 0
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return NeedleRun(
+        lengths=lengths,
+        depths=depth_list,
+        haystack_start=offset,
+        grid=[(length, depth, spec) for spec in needles for length in lengths for depth in depth_list],
+        hay=haystack_ids(tokenizer, text, max(lengths), offset),
+        template=prompt_template(tokenizer, use_chat_template),
+        eos=eos_ids(model, tokenizer),
+        layers=int(config.num_hidden_layers),
+        heads=int(config.num_attention_heads),
+        started=started,
+    )
