@@ -76,6 +76,18 @@ def test_generate_json_has_documented_keys(saved_model, context_file):
     assert payload["kv_entries_after"] == payload["kv_entries_before"] // 2
 
 
+def test_generate_with_schedule_and_chunked_prefill(saved_model, context_file):
+    args = ["generate", "--model", str(saved_model), "--method", "snapkv@over:0", "--budget", "40"]
+    args += ["--context-file", str(context_file), "--question", "q?", "--max-new-tokens", "30"]
+    out = runner.invoke(app, [*args, "--prefill-chunk", "50", "--json"])
+    assert out.exit_code == 0, out.output
+    payload = json.loads(out.stdout.strip().splitlines()[-1])
+    assert payload["prefill_chunk"] == 50
+    assert payload["compressions"] > 1  # between chunks, after the prompt, and while decoding
+    per_entry = 2 * 16 * 4  # K and V, head_dim 16, fp32
+    assert payload["peak_kv_bytes"] < payload["context_tokens"] * 2 * 2 * per_entry  # never the whole prompt
+
+
 def test_generate_text_output(saved_model, context_file):
     out = runner.invoke(
         app,
@@ -108,6 +120,9 @@ def test_generate_text_output(saved_model, context_file):
         (["--budget", "0"], "budget must be a positive integer"),
         (["--method", "nope", "--ratio", "0.5"], "valid methods"),
         (["--ratio", "0.5", "--context-file", "/nonexistent/file.txt"], "does not exist"),
+        (["--method", "lagkv", "--budget", "10"], "takes ratio"),
+        (["--method", "snapkv@sometimes", "--ratio", "0.5"], "schedule='sometimes' is not understood"),
+        (["--method", "snapkv@tail:64", "--ratio", "0.5"], "lag-partition method"),
     ],
 )
 def test_generate_errors(saved_model, context_file, args, message):
