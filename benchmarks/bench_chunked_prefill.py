@@ -206,7 +206,8 @@ def _markdown(result: dict) -> str:
         "",
         f"Run {result['date']}, {result['threads']} torch thread(s), chunk {result['chunk']} tokens. "
         "Peak K/V = the largest key/value bytes held at a chunk boundary (from the tensors); peak RSS over "
-        "loaded = the process's resident high-water mark minus its resident size after loading the model.",
+        "loaded = the process's resident high-water mark minus its resident size after loading the model and "
+        "paging its weights in.",
         "",
         "| prompt tokens | config | peak K/V MiB | final K/V MiB | peak RSS over loaded MiB | compressions "
         "| prefill CPU s | first token = full |",

@@ -6,7 +6,7 @@ head to the widest one (what a masking implementation would hold at best). All t
 tokens from the same prefill.
 
     .venv/bin/python benchmarks/bench_ragged_decode.py [--tokens 2048] [--steps 64] [--ratios 0.5,0.75,0.875]
-        [--threads 1] [--timer cpu|wall]
+        [--threads 1] [--timer cpu|wall] [--reps 3]
 
 ``--timer cpu`` (default) times each step with the process's CPU time, which other jobs on a shared machine do
 not inflate (use it with ``--threads 1``).
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.5,0.75,0.875")
     parser.add_argument("--out", default="benchmarks/results/ragged_decode.json")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3, help="round-robin repetitions (median reported)")
     parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,43 +65,44 @@ def main() -> None:
     sample = generate_task("passkey", tok, args.tokens, 1, seed=0)[0]
     session = kvtrim.Session(model, tok, sample.context, methods=["snapkv", "adakv"])
     pre = session._pre
-    rows = []
+    configs = [("full", "dense", {}, 0.0)]
+    configs += [(m, label, o, float(r)) for r in args.ratios.split(",") for m, label, o in CONFIGS]
     with torch.inference_mode(), kvtrim_attention_enabled(model):
-        full = pre.cache.clone(None, None)
         first = pre.logits.argmax(-1)
-        base_ms = decode_ms(model, full, pre.mask, first, args.steps, clock)
-        rows.append(
-            {
-                "method": "full",
-                "layout": "dense",
-                "ratio": 0.0,
-                "entries": pre.before.entries,
-                "kv_bytes": pre.before.kv_bytes,
-                "decode_ms": base_ms,
-            }
-        )
-        for ratio in [float(r) for r in args.ratios.split(",")]:
-            for method, label, overrides in CONFIGS:
-                pipeline = kvtrim.get_method(method)
-                for key, value in overrides.items():
-                    setattr(pipeline, key, value)
-                cache = pre.cache.clone(pipeline, kvtrim.BudgetSpec(ratio=ratio))
-                cache.compress()
-                stats = cache.stats()
-                layouts = sorted({layer.store.layout for layer in cache.layers})
-                ms = decode_ms(model, cache, pre.mask, first, args.steps, clock)
-                rows.append(
-                    {
-                        "method": method,
-                        "layout": label,
-                        "store_layouts": layouts,
-                        "ratio": ratio,
-                        "entries": stats.entries,
-                        "kv_bytes": stats.kv_bytes,
-                        "decode_ms": ms,
-                    }
-                )
-                print(rows[-1], flush=True)
+        compressed = []
+        for method, _label, overrides, ratio in configs:
+            if method == "full":
+                compressed.append((None, None, pre.cache.clone(None, None)))
+                continue
+            pipeline = kvtrim.get_method(method)
+            for key, value in overrides.items():
+                setattr(pipeline, key, value)
+            spec = kvtrim.BudgetSpec(ratio=ratio)
+            cache = pre.cache.clone(pipeline, spec)
+            cache.compress()
+            compressed.append((pipeline, spec, cache))
+        # Round-robin: every configuration once per repetition, each time from a fresh copy of its compressed cache,
+        # so slow drifts of a shared machine spread over all of them; the median over repetitions is reported.
+        times: list[list[float]] = [[] for _ in configs]
+        for _ in range(args.reps):
+            for i, (pipeline, spec, cache) in enumerate(compressed):
+                times[i].append(decode_ms(model, cache.clone(pipeline, spec), pre.mask, first, args.steps, clock))
+        rows = []
+        for (method, label, _, ratio), (_, _, cache), ms in zip(configs, compressed, times, strict=True):
+            stats = cache.stats()
+            rows.append(
+                {
+                    "method": method,
+                    "layout": label,
+                    "store_layouts": sorted({layer.store.layout for layer in cache.layers}),
+                    "ratio": ratio,
+                    "entries": stats.entries,
+                    "kv_bytes": stats.kv_bytes,
+                    "decode_ms": statistics.median(ms),
+                    "decode_ms_reps": ms,
+                }
+            )
+            print(rows[-1], flush=True)
     env = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -109,6 +111,7 @@ def main() -> None:
         "context_tokens": session.context_tokens_per_row[0],
         "steps": args.steps,
         "timer": args.timer,
+        "reps": args.reps,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "load_average": list(os.getloadavg()),
     }
@@ -116,7 +119,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     lines = [
-        f"context {env['context_tokens']} tokens, {args.steps} decode steps, {args.timer} time per step "
+        f"context {env['context_tokens']} tokens, {args.steps} decode steps x {args.reps} round-robin repetitions "
+        f"(median), {args.timer} time per step "
         f"({env['threads']} thread), load average {env['load_average']}",
         "",
         "| method | storage | ratio | entries | KV MiB | decode ms/token |",
