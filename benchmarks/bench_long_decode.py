@@ -147,8 +147,8 @@ def _markdown(result: dict) -> str:
         f"Run {result['date']}, {result['threads']} torch thread(s); prompt {result['prompt_tokens']} tokens "
         f"(a long_copy prompt, question included), {result['generated_tokens']} tokens generated greedily with "
         "end-of-sequence ignored. ms/token is CPU time of the process divided by decoding steps (wall time next "
-        "to it); decoding-time compression time is included in both. Peak K/V is the largest size held at a step boundary, "
-        "the uncompressed prompt before its first compression included.",
+        "to it); decoding-time compression time is included in both. Peak K/V is the largest size held at a step "
+        "boundary, the uncompressed prompt before its first compression included.",
         "",
         "| config | ratio | budget | CPU ms/token | wall ms/token | K/V MiB after prefill | K/V MiB at end "
         "| peak K/V MiB (incl. prompt) | decode compressions | their time s | tokens = full | first difference |",
