@@ -348,7 +348,7 @@ class Session:
             if self.question_aware:
                 outcome = _decode(self.model, cache, pre.mask, pre.logits, max_new_tokens, self.eos, self.pad)
                 _collect(outcome, self.tokenizer, answers, timings)
-                peak, compressions = max(peak, cache.peak_kv_bytes, cache.stats().kv_bytes), cache.compressions
+                peak, compressions = max(peak, cache.peak_kv_bytes, cache.kv_nbytes()), cache.compressions
             else:
                 # A decoding-time schedule rewrites the cache while answering: answer from a copy, not a rollback.
                 continuous = pipeline is not None and pipeline.schedule.continuous
@@ -359,7 +359,7 @@ class Session:
                     q_ids, q_mask = _tokenize(self.tokenizer, texts, False)
                     logits, mask, q_s = _feed(self.model, work, pre.mask, q_ids, q_mask)
                     outcome = _decode(self.model, work, mask, logits, max_new_tokens, self.eos, self.pad, q_s)
-                    peak = max(peak, work.peak_kv_bytes, work.stats().kv_bytes)
+                    peak = max(peak, work.peak_kv_bytes, work.kv_nbytes())
                     compressions = max(compressions, work.compressions)
                     if not continuous:
                         cache.rollback(mark)

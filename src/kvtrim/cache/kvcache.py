@@ -115,7 +115,11 @@ class KVTrimCache(Cache):
         return report
 
     def _track_peak(self) -> None:
-        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(layer.store.nbytes() for layer in self.kv_layers))
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_nbytes())
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the key and value tensors held right now (append slack included)."""
+        return sum(layer.store.nbytes() for layer in self.kv_layers)
 
     def context_lengths(self) -> torch.Tensor | None:
         """``[batch]`` tokens seen per row (largest stored position + 1), or None while empty."""
@@ -141,7 +145,7 @@ class KVTrimCache(Cache):
         if pipeline is not None and pipeline is self.pipeline:  # a copy that carries on the same schedule
             other.compressions = self.compressions
             other.tokens_since_compression = self.tokens_since_compression
-        other.peak_kv_bytes = self.stats().kv_bytes if self.kv_layers else 0
+        other.peak_kv_bytes = self.kv_nbytes()
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             theirs.seen = mine.seen
             theirs.module = mine.module
@@ -176,7 +180,7 @@ class KVTrimCache(Cache):
         layers = self.kv_layers
         return CacheStats(
             entries=sum(layer.store.entries() for layer in layers),
-            kv_bytes=sum(layer.store.nbytes() for layer in layers),
+            kv_bytes=self.kv_nbytes(),
             index_bytes=sum(layer.store.index_nbytes() for layer in layers),
             seen_tokens=self.layers[0].seen,
         )
