@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[eval,dev]"
+	$(PY) -m pip install -q -e ".[eval,serve,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
