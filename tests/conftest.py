@@ -107,8 +107,17 @@ ARTIFACT_METHODS = {
     "compresskv_trh",
     "head_compresskv",
     "ada_compresskv",
+    "compilerkv",
+    "compilerkv_elastic",
+    "compilerkv_raw_attention",
+    "compilerkv_static_threshold",
 }
+# Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
+ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
 RATIO_ONLY_METHODS = {"lagkv", "localkv", "lag_knorm"}  # keep fractions per lag partition: no budget
+# one budget for the whole sequence, ranked in blocks of 16 across layers and heads: per-head counts vary and the
+# total kept is ceil(M·L·H / 16) blocks (KV-Compress)
+GLOBAL_BLOCK_METHODS = {"kvcompress", "kvc_w8", "kvc_full"}
 
 
 def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
@@ -126,6 +135,25 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
         {"settings": {"test": True}, "seconds": 0.0},
     )
     install_compresskv_scores(model, seed=seed)
+    install_compilerkv_tables(model, seed=seed)
+
+
+def install_compilerkv_tables(model, directory=None, seed: int = 0, budgets=(20, 40)):
+    """Save random CompilerKV tables for ``model`` (default: in the kvtrim home) and return the path."""
+    from kvtrim.calibration.artifacts import save_artifact
+    from kvtrim.calibration.compilerkv_tables import HEAD_ACTIONS, THRESHOLD_ACTIONS, CompiledTables
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 2)
+    nb, layers, heads = len(budgets), cfg.num_hidden_layers, cfg.num_attention_heads
+    tables = CompiledTables(
+        budgets=list(budgets),
+        head_weights=HEAD_ACTIONS[torch.randint(0, len(HEAD_ACTIONS), (nb, layers, heads), generator=g)],
+        thresholds=THRESHOLD_ACTIONS[torch.randint(0, len(THRESHOLD_ACTIONS), (nb, layers, 4, 2), generator=g)],
+        entropy_edges=torch.tensor([3.0, 3.5, 4.0]),
+        ppl_edges=torch.tensor([50.0]),
+    )
+    return save_artifact("compilerkv", model, tables.tensors(), {"settings": {"test": True}, "seconds": 0.0}, directory)
 
 
 def install_compresskv_scores(model, directory=None, seed: int = 0):

@@ -50,6 +50,7 @@ class GenerationStats:
     peak_kv_bytes: int = 0
     compressions: int = 0
     prefill_chunk: int | None = None
+    compression_metadata: dict = field(default_factory=dict)
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -152,6 +153,7 @@ class _DecodeOutcome:
 def _feed(model, cache, mask, input_ids, input_mask):
     """Feed ``input_ids`` after what ``cache`` holds; returns (last logits, extended mask, seconds)."""
     mask = torch.cat([mask, input_mask], dim=1)
+    window = cache.observation_spec.token_logprobs if isinstance(cache, KVTrimCache) and cache.observing else 0
     t0 = time.perf_counter()
     out = model(
         input_ids=input_ids,
@@ -159,9 +161,33 @@ def _feed(model, cache, mask, input_ids, input_mask):
         position_ids=_positions(mask, input_ids.shape[1]),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=min(window + 1, input_ids.shape[1]) if window else 1,
     )
+    if window:
+        _record_prompt_logprobs(cache, out.logits, input_ids, input_mask, window)
     return out.logits[:, -1], mask, time.perf_counter() - t0
+
+
+def _record_prompt_logprobs(cache, logits, input_ids, input_mask, window: int) -> None:
+    """Append log p(x_j | x_<j) of the fed tokens to ``cache.prompt_logprobs`` (last ``window`` kept, NaN where
+    padding or where the predicting logits are not available). ``logits`` ``[batch, k, vocab]`` are the last ``k``
+    positions of this feed; the first fed token is predicted by the previous feed's last position."""
+    n, k = input_ids.shape[1], logits.shape[1]
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [b, k, V]
+    take = min(n, window)
+    got = torch.full((input_ids.shape[0], take), float("nan"))
+    for col in range(take):  # token index n - take + col is predicted by the position before it
+        j = n - take + col
+        src = j - 1 - (n - k)  # index of position j-1 among the kept logits
+        tok = input_ids[:, j : j + 1]
+        if src >= 0:
+            got[:, col] = logp[:, src].gather(-1, tok).squeeze(-1)
+        elif j == 0 and cache._last_logprobs is not None:
+            got[:, col] = cache._last_logprobs.gather(-1, tok).squeeze(-1)
+    got = got.masked_fill(~input_mask[:, -take:].to(torch.bool), float("nan"))
+    prev = cache.prompt_logprobs
+    cache.prompt_logprobs = (got if prev is None else torch.cat([prev, got], dim=1))[:, -window:]
+    cache._last_logprobs = logp[:, -1]
 
 
 def _decode(model, cache, mask, logits, max_new_tokens: int, eos: set[int], pad: int, prefill_s: float = 0.0):
@@ -313,7 +339,12 @@ class Session:
 
     def _check_covered(self, pipeline: Pipeline) -> None:
         need, have = pipeline.observation, self.observation
-        if need.window > have.window or not set(need.accumulate) <= set(have.accumulate):
+        if (
+            need.window > have.window
+            or not set(need.accumulate) <= set(have.accumulate)
+            or need.token_logprobs > have.token_logprobs
+            or ("attn_band_sum" in need.accumulate and need.band > have.band)
+        ):
             raise InvalidParameterError(
                 f"method {pipeline.name!r} needs observations this session did not record; "
                 "list it in Session(methods=...)"
@@ -385,6 +416,7 @@ class Session:
             peak_kv_bytes=int(peak),
             compressions=int(compressions),
             prefill_chunk=self.prefill_chunk,
+            compression_metadata={} if report is None else dict(report.metadata),
         )
         return Result(answers=answers if self.batched else answers[0], stats=stats)
 

@@ -97,6 +97,7 @@ def compress_cache(
         report.seconds = time.perf_counter() - start
         return report
 
+    shared: dict = {"keep": keep}
     views = [
         LayerView(
             layer_idx=layer.layer_idx,
@@ -111,9 +112,14 @@ def compress_cache(
             scaling=float(getattr(layer.module, "scaling", layer.store.keys.shape[-1] ** -0.5)),
             logits=logits,
             compressed_until=layer.compressed_until,
+            prompt_logprobs=cache.prompt_logprobs,
+            shared=shared,
         )
         for layer in layers
     ]
+    prepare = getattr(pipeline.scorer, "prepare", None)
+    if prepare is not None:
+        prepare(views)
     # Accumulated per-slot statistics live in dense stores only: a schedule that keeps accumulating after this
     # compression needs the padded dense layout.
     keep_dense = bool(pipeline.observation.accumulate) and pipeline.schedule.continuous
@@ -143,6 +149,10 @@ def compress_cache(
         else:  # a different number of entries per head: store exactly that many
             layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)
     report.budgets = budgets
+    for part in (pipeline.scorer, pipeline.budget, pipeline.selector):
+        describe = getattr(part, "describe_compression", None)
+        if describe is not None:
+            report.metadata.update(describe(shared))
     report.entries_after = sum(layer.store.entries() for layer in layers)
     report.seconds = time.perf_counter() - start
     return report

@@ -18,11 +18,13 @@ from .budgets.error_aware import (
     ArtifactErrorAwareBudget,
     LayerThenHeadBudget,
 )
+from .budgets.global_blocks import GlobalBlockBudget
 from .budgets.head_adaptive import HeadAdaptiveBudget
 from .budgets.head_scores import DEFAULT_BETA, DEFAULT_TEMPERATURE
 from .budgets.partition import PartitionBudget
 from .budgets.pyramid import PyramidBudget
 from .budgets.uniform import UniformBudget
+from .calibration.compilerkv_tables import TableSource
 from .errors import InvalidParameterError
 from .pipeline import Pipeline
 from .schedule import TailFull, parse_schedule
@@ -30,11 +32,15 @@ from .scoring.cumulative_attention import CumulativeAttentionScorer
 from .scoring.head_subset import ArtifactHeadSubsetScorer
 from .scoring.key_norm import KeyNormScorer
 from .scoring.lag_relative import LagRelativeScorer
+from .scoring.observation import ObservationSpec
 from .scoring.position import RecencyScorer
 from .scoring.random import RandomScorer
+from .scoring.squared_attention import SquaredAttentionScorer
+from .scoring.stabilized_utility import StabilizedUtilityScorer
 from .scoring.window_attention import WindowAttentionScorer
 from .selection.critical import CriticalSelector
 from .selection.partition import PartitionTopKSelector
+from .selection.threshold import ThresholdGateSelector
 from .selection.topk import TopKSelector
 
 
@@ -609,6 +615,237 @@ def localkv(
 def lag_knorm(sink: int = 16, lag: int = 128, skip_layers: tuple = ()) -> Pipeline:
     """The key-L2-norm score (arXiv 2406.11430) in LagKV's recursive frame (arXiv 2504.04704)."""
     return _lag_pipeline("lag_knorm", "key_norm", sink, lag, 0.0, 1e-6, skip_layers)
+
+_COMPILERKV_PAPER = (
+    "CompilerKV: Risk-Adaptive KV Compression via Offline Experience Compilation (arXiv 2602.08686)"
+)
+_COMPILERKV_PRESET = (
+    "v2 operator (per-head ρ, cross-layer α, weighted max over heads, quantile risk bins, absolute threshold), "
+    "W=64, pad-to-budget (kvtrim decision 2); tables compiled by `kvtrim calibrate compilerkv`"
+)
+
+
+def _compilerkv(
+    name: str,
+    tables: TableSource,
+    *,
+    window: int,
+    mode: str,
+    utility: str = "stabilized",
+    alpha: str = "cross_layer",
+    rho: str = "per_head",
+    normalize: str = "none",
+    keep_window: int = 0,
+    static_threshold: float | None = None,
+    missing_logprobs: str = "error",
+) -> Pipeline:
+    return Pipeline(
+        name,
+        StabilizedUtilityScorer(tables, window=window, utility=utility, alpha=alpha, rho=rho),
+        UniformBudget(),
+        ThresholdGateSelector(
+            tables,
+            mode=mode,
+            static_threshold=static_threshold,
+            normalize=normalize,
+            keep_window=keep_window,
+            missing_logprobs=missing_logprobs,
+        ),
+        {
+            "window": window,
+            "mode": mode,
+            "utility": utility,
+            "alpha": alpha,
+            "rho": rho,
+            "normalize": normalize,
+            "keep_window": keep_window,
+            "static_threshold": static_threshold,
+            "neutral": tables.neutral,
+            "exact_budget": tables.exact_budget,
+            "artifact": tables.path,
+        },
+    )
+
+
+@register(
+    "compilerkv",
+    "Stabilized utility (cross-layer window attention × relative value norm), max over heads weighted by the "
+    "compiled head reliability table; risk-adaptive threshold from the compiled risk table, top-k corrected to "
+    "the budget (padded).",
+    _COMPILERKV_PAPER,
+    _COMPILERKV_PRESET,
+)
+def compilerkv(
+    window: int = 64,
+    mode: str = "pad",
+    utility: str = "stabilized",
+    alpha: str = "cross_layer",
+    rho: str = "per_head",
+    normalize: str = "none",
+    keep_window: int = 0,
+    exact_budget: bool = False,
+    missing_logprobs: str = "error",
+    artifact: str | None = None,
+) -> Pipeline:
+    """CompilerKV (arXiv 2602.08686), prefill-only: the v2 operator with compiled tables.
+
+    Every layer keeps ``B`` tokens (the same set for all its KV heads) ranked by û = max_h W[l,h]·α·ρ^{(l,h)}.
+    ``mode="pad"`` (default) keeps exactly B, so the threshold gate is reported but cannot change the kept set;
+    ``mode="elastic"`` keeps only the candidates above τ (at most B). v1 switches: ``alpha="window_cumulative"``,
+    ``rho="head_mean"``, ``normalize="max"``, ``keep_window=64``. The tables come from the ``compilerkv`` artifact
+    (``kvtrim calibrate compilerkv``); a budget that was not compiled uses the nearest compiled one (reported in
+    the compression metadata) unless ``exact_budget=True``.
+    """
+    tables = TableSource(path=artifact, exact_budget=exact_budget)
+    return _compilerkv(
+        "compilerkv", tables, window=window, mode=mode, utility=utility, alpha=alpha, rho=rho, normalize=normalize,
+        keep_window=keep_window, missing_logprobs=missing_logprobs,
+    )
+
+
+@register(
+    "compilerkv_elastic",
+    "CompilerKV with the elastic budget clamp: only tokens above the risk-adaptive threshold are kept (≤ budget).",
+    _COMPILERKV_PAPER,
+    "as compilerkv, mode='elastic' (the v2 paper's clamp, no padding)",
+)
+def compilerkv_elastic(
+    window: int = 64, exact_budget: bool = False, missing_logprobs: str = "error", artifact: str | None = None
+) -> Pipeline:
+    """CompilerKV (arXiv 2602.08686) with the elastic clamp: memory below the budget when the gate allows."""
+    tables = TableSource(path=artifact, exact_budget=exact_budget)
+    return _compilerkv(
+        "compilerkv_elastic", tables, window=window, mode="elastic", missing_logprobs=missing_logprobs
+    )
+
+
+@register(
+    "compilerkv_neutral",
+    "CompilerKV ablation without compiled tables: all head weights 1 and one fixed threshold.",
+    _COMPILERKV_PAPER,
+    "as compilerkv with W_head ≡ 1 and τ ≡ 0.8 (the uncompiled operator); needs no artifact",
+)
+def compilerkv_neutral(window: int = 64, mode: str = "pad", threshold: float = 0.8) -> Pipeline:
+    """The CompilerKV operator (arXiv 2602.08686) with neutral tables: an explicitly named ablation."""
+    tables = TableSource(neutral=True, neutral_threshold=threshold)
+    return _compilerkv("compilerkv_neutral", tables, window=window, mode=mode)
+
+
+@register(
+    "compilerkv_neutral_elastic",
+    "CompilerKV ablation: neutral tables (weights 1, τ ≡ 0.8) with the elastic clamp.",
+    _COMPILERKV_PAPER,
+    "as compilerkv_neutral, mode='elastic'",
+)
+def compilerkv_neutral_elastic(window: int = 64, threshold: float = 0.8) -> Pipeline:
+    """The CompilerKV operator (arXiv 2602.08686), neutral tables, elastic clamp."""
+    tables = TableSource(neutral=True, neutral_threshold=threshold)
+    return _compilerkv("compilerkv_neutral_elastic", tables, window=window, mode="elastic")
+
+
+@register(
+    "compilerkv_raw_attention",
+    "CompilerKV ablation: the layer's raw window attention per head replaces the stabilized utility.",
+    _COMPILERKV_PAPER,
+    "as compilerkv with utility='raw' (no cross-layer mean, no value term); compiled head table",
+)
+def compilerkv_raw_attention(window: int = 64, mode: str = "pad", artifact: str | None = None) -> Pipeline:
+    """CompilerKV (arXiv 2602.08686) with raw per-layer attention in place of α·ρ (the utility ablation)."""
+    tables = TableSource(path=artifact)
+    return _compilerkv("compilerkv_raw_attention", tables, window=window, mode=mode, utility="raw")
+
+
+@register(
+    "compilerkv_static_threshold",
+    "CompilerKV ablation: elastic clamp with one static threshold instead of the compiled risk table.",
+    _COMPILERKV_PAPER,
+    "as compilerkv_elastic with τ ≡ 0.8 for every layer and prompt; compiled head table",
+)
+def compilerkv_static_threshold(window: int = 64, threshold: float = 0.8, artifact: str | None = None) -> Pipeline:
+    """CompilerKV (arXiv 2602.08686), elastic, with a static threshold (the risk-gating ablation)."""
+    tables = TableSource(path=artifact)
+    return _compilerkv(
+        "compilerkv_static_threshold", tables, window=window, mode="elastic", static_threshold=threshold
+    )
+
+
+_KVC_PAPER = (
+    "Rehg, KV-Compress: Paged KV-Cache Compression with Variable Compression Rates per Attention Head "
+    "(arXiv 2410.00161)"
+)
+
+
+class _SquaredAttentionPipeline(Pipeline):
+    """A pipeline whose continuous schedules also accumulate decoding queries' squared attention per entry."""
+
+    @property
+    def observation(self) -> ObservationSpec:
+        spec = self.scorer.observation
+        if self.schedule.continuous:
+            spec = spec.merge(ObservationSpec(accumulate=("attn_sq_sum",), chunk=spec.chunk))
+        return spec
+
+
+def _kvcompress(
+    name: str, window: int | None, protected_window: int, kernel: int, buffer: int, block_size: int
+) -> Pipeline:
+    return _SquaredAttentionPipeline(
+        name,
+        SquaredAttentionScorer(window=window, kernel=kernel, buffer=buffer),
+        GlobalBlockBudget(block_size=block_size, protected_window=protected_window),
+        TopKSelector(recent=protected_window),
+        {
+            "window": window,
+            "protected_window": protected_window,
+            "kernel": kernel,
+            "buffer": buffer,
+            "block_size": block_size,
+        },
+    )
+
+
+@register(
+    "kvcompress",
+    "Squared attention of the last w queries (max-pooled), blocks ranked across all layers and heads.",
+    _KVC_PAPER,
+    "KVC-w with w=32: L2-sum metric, max-pool k=7 per query head then sum over the group, protected window 32, "
+    "block size 16, budget M = per-head mean incl. the window rounded up to whole blocks; with a continuous "
+    "schedule (kvcompress@every:64) decoding queries' squared attention is added to the metric",
+)
+def kvcompress(
+    window: int = 32, protected_window: int = 32, kernel: int = 7, buffer: int = 0, block_size: int = 16
+) -> Pipeline:
+    """KV-Compress (Rehg, arXiv 2410.00161), KVC-w: variable compression rates per layer and KV head.
+
+    The paged engine (:mod:`kvtrim.serve`) runs the same ranking on real paged storage; here the kept entries are
+    stored ragged. Continual compression: use a schedule (``kvcompress@every:64``).
+    """
+    return _kvcompress("kvcompress", window, protected_window, kernel, buffer, block_size)
+
+
+@register(
+    "kvc_w8",
+    "KV-Compress with an 8-query observation window and an 8-token protected window.",
+    _KVC_PAPER,
+    "KVC-w with w=8 (the authors' LongBench scripts): protected window 8, max-pool k=7, block size 16",
+)
+def kvc_w8(
+    window: int = 8, protected_window: int = 8, kernel: int = 7, buffer: int = 0, block_size: int = 16
+) -> Pipeline:
+    """KV-Compress (Rehg, arXiv 2410.00161), the KVC-w preset with w = 8."""
+    return _kvcompress("kvc_w8", window, protected_window, kernel, buffer, block_size)
+
+
+@register(
+    "kvc_full",
+    "KV-Compress with squared attention summed over every prompt query (10 nearest keys excluded), no pooling.",
+    _KVC_PAPER,
+    "KVC-full: all prompt queries, v=10 nearest keys excluded per query, no max-pool, protected window 32, "
+    "block size 16",
+)
+def kvc_full(protected_window: int = 32, buffer: int = 10, kernel: int = 1, block_size: int = 16) -> Pipeline:
+    """KV-Compress (Rehg, arXiv 2410.00161), the KVC-full preset (metric over all prompt queries)."""
+    return _kvcompress("kvc_full", None, protected_window, kernel, buffer, block_size)
 
 
 def method_names() -> list[str]:

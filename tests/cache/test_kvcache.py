@@ -7,7 +7,15 @@ import torch
 from transformers import DynamicCache
 
 import kvtrim
-from conftest import ARTIFACT_METHODS, RATIO_ONLY_METHODS, install_head_scores, random_text, tiny_model
+from conftest import (
+    ARTIFACT_METHODS,
+    ELASTIC_METHODS,
+    GLOBAL_BLOCK_METHODS,
+    RATIO_ONLY_METHODS,
+    install_head_scores,
+    random_text,
+    tiny_model,
+)
 from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
@@ -60,6 +68,8 @@ def test_kept_counts_and_bytes_match_budget(method, monkeypatch, tmp_path):
     ids = torch.randint(3, 200, (1, 64), generator=torch.Generator().manual_seed(2))
     if method in RATIO_ONLY_METHODS:
         pipeline, spec = get_method(method, sink=4, lag=8), BudgetSpec(ratio=0.5)
+    elif method == "compilerkv_elastic":  # a bare forward records no prompt log-probs for the perplexity bin
+        pipeline, spec = get_method(method, missing_logprobs="median_bin"), BudgetSpec(budget=20)
     else:
         pipeline, spec = get_method(method), BudgetSpec(budget=20)
     cache = KVTrimCache(3, pipeline.bind(model), spec, auto_compress=False)
@@ -69,6 +79,10 @@ def test_kept_counts_and_bytes_match_budget(method, monkeypatch, tmp_path):
         report = cache.compress()
     per_head = cache.entries_per_layer_head()
     budgets = report.budgets
+    if method in ELASTIC_METHODS:  # only candidates above the threshold: at most the budget, one set per layer
+        assert bool((per_head <= budgets).all()) and bool((per_head >= 1).all())
+        assert bool((per_head == per_head[..., :1]).all())
+        return
     assert torch.equal(per_head, budgets)
     head_dim, kv_heads = 16, 2
     stats = cache.stats()
@@ -83,6 +97,11 @@ def test_kept_counts_and_bytes_match_budget(method, monkeypatch, tmp_path):
         assert int(per_head.sum()) == 20 * kv_heads * 3
     elif method in RATIO_ONLY_METHODS:  # the paper's S + (n-1)*floor(rL) + L + rem
         assert bool((per_head == kept_length(64, 4, 8, 4)).all())
+    elif method in GLOBAL_BLOCK_METHODS:  # KV-Compress: whole blocks of 16 across layers and heads, ⌈M·L·H/16⌉,
+        protected = pipeline.params["protected_window"]  # but never below the protected window of every head
+        expected = max(-(-20 * kv_heads * 3 // 16), 3 * kv_heads * -(-protected // 16))
+        assert int((-(-per_head // 16)).sum()) == expected
+        assert bool((per_head >= min(protected, 64)).all())
     else:
         assert bool((per_head == 20).all())
     for layer in cache.layers:

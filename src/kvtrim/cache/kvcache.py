@@ -74,6 +74,10 @@ class KVTrimCache(Cache):
         self.peak_kv_bytes = 0  # largest K/V bytes held at the start of a forward pass (or after a compression)
         self._prefilled_uncompressed = False
         self._unconsumed: int | None = None  # layer whose update was not yet consumed by kvtrim attention
+        # [batch, w] log p(x_j | x_<j) of the last prompt tokens (NaN: padding or not recorded); set by kvtrim.api
+        # when the method's observation asks for token_logprobs
+        self.prompt_logprobs: torch.Tensor | None = None
+        self._last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last prefill position
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -146,6 +150,7 @@ class KVTrimCache(Cache):
             other.compressions = self.compressions
             other.tokens_since_compression = self.tokens_since_compression
         other.peak_kv_bytes = self.kv_nbytes()
+        other.prompt_logprobs = None if self.prompt_logprobs is None else self.prompt_logprobs.clone()
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             theirs.seen = mine.seen
             theirs.module = mine.module

@@ -151,10 +151,62 @@ def compresskv(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+@calibrate_app.command("compilerkv")
+def compilerkv(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    budgets: Annotated[str, typer.Option(help="budgets to compile (entries per layer), comma-separated")] = (
+        "64,128,256"
+    ),
+    documents: Annotated[int, typer.Option(help="calibration prompts")] = 32,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length T in tokens")] = 1000,
+    continuation_tokens: Annotated[int, typer.Option(help="continuation tokens scored by the NLL")] = 128,
+    head_rollouts: Annotated[int, typer.Option(help="random joint head-weight actions per document and budget")] = 10,
+    gate_rollouts: Annotated[int, typer.Option(help="random joint threshold actions per document and budget")] = 6,
+    rounds: Annotated[int, typer.Option(help="head/gate alternations (stops early when both policies hold)")] = 1,
+    corpus: Annotated[str, typer.Option(help="'pydoc' (CPython's bundled docs) or a directory of .txt/.md")] = "pydoc",
+    seed: Annotated[int, typer.Option(help="document order and action logging seed")] = 1234,
+    epochs: Annotated[int, typer.Option(help="CQL epochs")] = 60,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    progress: Annotated[bool, typer.Option(help="print progress to stderr")] = True,
+) -> None:
+    """CompilerKV: collect rollouts on a calibration corpus and compile the head and threshold tables with CQL."""
+    from kvtrim.calibration.compilerkv import CompilerKVCalibration, calibrate_compilerkv
+    from kvtrim.calibration.compilerkv_tables import load_compilerkv
+    from kvtrim.calibration.cql import CQLSettings
+
+    start = time.perf_counter()
+    try:
+        settings = CompilerKVCalibration(
+            budgets=tuple(_parse_ints(budgets, "budgets")),
+            documents=documents,
+            prompt_tokens=prompt_tokens,
+            continuation_tokens=continuation_tokens,
+            head_rollouts=head_rollouts,
+            gate_rollouts=gate_rollouts,
+            rounds=rounds,
+            corpus=corpus,
+            seed=seed,
+            cql=CQLSettings(epochs=epochs),
+        )
+        mdl, tok = _load(model, threads)
+        path = calibrate_compilerkv(mdl, tok, settings, out_dir=out, progress=progress)
+        tables = load_compilerkv(mdl, str(path))
+    except KVTrimError as exc:
+        _fail(exc)
+    summary = tables.meta.get("summary", {})
+    typer.echo(f"compilerkv artifact: {path}")
+    typer.echo(
+        f"rollouts: {summary.get('rollouts')}; head states visited {summary.get('head_states_visited')}; "
+        f"gate states visited {summary.get('gate_states_visited')}/{summary.get('gate_states')}"
+    )
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
 @calibrate_app.command("show")
 def show(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
-    kind: Annotated[str, typer.Option(help="artifact kind: headkv or compresskv")] = "headkv",
+    kind: Annotated[str, typer.Option(help="artifact kind: headkv, compresskv or compilerkv")] = "headkv",
     path: Annotated[Path | None, typer.Option(help="artifact file or directory (default: search)")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a layer x head heatmap (PNG)")] = None,
     tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the artifact's primary one)")] = None,
@@ -168,6 +220,15 @@ def show(
     except KVTrimError as exc:
         _fail(exc)
     typer.echo(describe_artifact(artifact))
+    if plot is not None and kind == "compilerkv" and tensor is None:
+        from kvtrim.calibration.compilerkv_tables import CompiledTables, plot_compilerkv
+
+        try:
+            plot_compilerkv(CompiledTables.from_tensors(artifact.tensors, artifact.meta), plot)
+        except ImportError:
+            _fail("--plot needs matplotlib (pip install 'kvtrim[eval]')")
+        typer.echo(f"policy plots: {plot}")
+        return
     if plot is not None and kind == "compresskv" and tensor is None:
         from kvtrim.calibration.compresskv import plot_compresskv
 

@@ -612,6 +612,7 @@ def _run_one(
         "peak_kv_bytes": stats.peak_kv_bytes,
         "compressions": stats.compressions,
         "prefill_chunk": stats.prefill_chunk,
+        "compression_metadata": stats.compression_metadata,
         "meta": sample.meta,
     }
     record["key"] = record_key(record)

@@ -24,6 +24,9 @@ class LayerView:
         module: the layer's attention module (``o_proj``, ``head_dim``, ``scaling`` …)
         logits: the prompt's last-position logits when the caller passed them
         compressed_until: ``[batch]`` first position a recursive method has not compressed yet (None: never ran)
+        prompt_logprobs: ``[batch, w]`` log p(x_j | x_<j) of the last prompt tokens (NaN: padding), when the
+            method's observation asked for them and the prefill ran through :mod:`kvtrim.api`
+        shared: one dict shared by the views of all layers in a compression, for cross-layer quantities
     """
 
     layer_idx: int
@@ -38,6 +41,8 @@ class LayerView:
     scaling: float
     logits: torch.Tensor | None = None
     compressed_until: torch.Tensor | None = None
+    prompt_logprobs: torch.Tensor | None = None
+    shared: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -72,7 +77,11 @@ class LayerView:
 
 
 class Scorer(Protocol):
-    """Scores how much each stored entry matters: ``score(view) -> [batch, kv_heads, seq]`` (higher = keep)."""
+    """Scores how much each stored entry matters: ``score(view) -> [batch, kv_heads, seq]`` (higher = keep).
+
+    A scorer that needs quantities across layers may also define ``prepare(views)``, called once per compression
+    with every layer's view before any ``score`` call (results go in ``view.shared``).
+    """
 
     observation: ObservationSpec
 

@@ -20,19 +20,26 @@ class ObservationSpec:
     Attributes:
         window: keep the last ``window`` queries of the prompt (observation window), 0 for none
         accumulate: per-slot attention statistics summed over all prompt queries, computed in query chunks:
-            ``"attn_sum"`` (attention mass received) and/or ``"attn_sq_sum"`` (squared attention)
+            ``"attn_sum"`` (attention mass received), ``"attn_sq_sum"`` (squared attention) and/or
+            ``"attn_band_sum"`` (attention received from the queries at most ``band`` positions after the key)
         chunk: number of queries per chunk when accumulating (bounds memory to ``chunk × seq`` per head)
+        token_logprobs: keep the teacher-forced log-probabilities of the last ``token_logprobs`` prompt tokens
+            (from the prefill logits; recorded by :mod:`kvtrim.api`, which owns the LM head's output)
     """
 
     window: int = 0
     accumulate: tuple[str, ...] = ()
     chunk: int = 256
+    token_logprobs: int = 0
+    band: int = 32
 
     def merge(self, other: ObservationSpec) -> ObservationSpec:
         return ObservationSpec(
             window=max(self.window, other.window),
             accumulate=tuple(sorted(set(self.accumulate) | set(other.accumulate))),
             chunk=min(self.chunk, other.chunk),
+            token_logprobs=max(self.token_logprobs, other.token_logprobs),
+            band=max(self.band, other.band),
         )
 
 
@@ -103,3 +110,6 @@ def record(
             sums["attn_sum"][..., :limit] += probs.sum(dim=(2, 3))
         if "attn_sq_sum" in sums:
             sums["attn_sq_sum"][..., :limit] += probs.square().sum(dim=(2, 3))
+        if "attn_band_sum" in sums:
+            near = (kp[:, :, None, :] >= (qpos[:, None, :, None] - spec.band))[:, :, None]  # [b, hkv, 1, c, limit]
+            sums["attn_band_sum"][..., :limit] += (probs * near).sum(dim=(2, 3))

@@ -1,0 +1,76 @@
+"""Global, block-granular budgets across all layers and KV heads (KV-Compress)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidParameterError
+from ..selection.block_eviction import block_eviction_counts, budget_blocks, evicted_entries
+from .base import BudgetRequest
+
+
+@dataclass
+class GlobalBlockBudget:
+    """KV-Compress allocation (Rehg, arXiv 2410.00161, §4.a steps 5-7) for kvtrim's pipeline.
+
+    Per sequence, the requested mean ``M`` entries per (layer, KV head) — the protected window included — becomes a
+    total of ``⌈M·L·H / block_size⌉`` blocks. Each head's entries are cut into chunks of ``block_size`` by ascending
+    score and the lowest chunks of all layers and heads are evicted until that many blocks remain (the same ranking
+    as the paged cache: :func:`~kvtrim.selection.block_eviction.block_eviction_counts`). Entries of the last
+    ``protected_window`` positions are never evicted. A head keeps ``length − evicted`` entries, so rates vary freely
+    per layer and head; with whole-block rounding the total kept may exceed ``M·L·H`` by less than one block.
+
+    Args:
+        block_size: entries per block (16)
+        protected_window: the most recent tokens that are never evicted (32)
+    """
+
+    block_size: int = 16
+    protected_window: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise InvalidParameterError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if isinstance(self.protected_window, bool) or self.protected_window < 0:
+            raise InvalidParameterError(f"protected_window must be an integer >= 0, got {self.protected_window!r}")
+
+    def head_counts(self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int) -> torch.Tensor:
+        """Entries kept per row for one sequence.
+
+        Args:
+            scores, positions: ``[rows, seq]`` (rows = layers × KV heads; empty slots at position ``-1``)
+            keep: mean entries per row ``M``
+            context: tokens seen (positions run ``0..context-1``)
+        Returns:
+            ``[rows]`` entries kept
+        """
+        valid = positions >= 0
+        lengths = valid.sum(-1)
+        shielded = ~valid | (positions > context - 1 - self.protected_window)
+        metric = scores.float().masked_fill(shielded, float("inf"))
+        if int(lengths.max()) <= keep:
+            return lengths  # every head is within the budget: block rounding alone never evicts
+        held = int((-(-lengths // self.block_size)).sum())
+        to_evict = held - budget_blocks(keep, scores.shape[0], self.block_size)
+        blocks = block_eviction_counts(metric.sort(dim=-1).values, lengths, self.block_size, max(0, to_evict))
+        return lengths - evicted_entries(blocks, lengths, self.block_size)
+
+    def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
+        if request.positions is None:
+            raise ValueError("GlobalBlockBudget needs slot positions in the budget request")
+        b, layers, heads = len(request.keep), request.num_layers, request.kv_heads
+        width = max(s.shape[-1] for s in scores)
+        out = torch.zeros(b, layers, heads, dtype=torch.long)
+        for row, (keep, context) in enumerate(
+            zip(request.keep.tolist(), request.context_lengths.tolist(), strict=True)
+        ):
+            s = torch.full((layers, heads, width), float("-inf"), device=scores[0].device)
+            p = torch.full((layers, heads, width), -1, dtype=torch.long, device=scores[0].device)
+            for layer, (sc, pos) in enumerate(zip(scores, request.positions, strict=True)):
+                s[layer, :, : sc.shape[-1]] = sc[row]
+                p[layer, :, : pos.shape[-1]] = pos[row]
+            counts = self.head_counts(s.view(layers * heads, width), p.view(layers * heads, width), keep, context)
+            out[row] = counts.view(layers, heads).cpu()
+        return out.to(request.keep.device)

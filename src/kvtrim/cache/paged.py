@@ -1,0 +1,519 @@
+"""Paged per-head KV storage (KV-Compress layout) and a transformers ``Cache`` over a batch of paged sequences.
+
+Every (sequence, layer, KV head) owns a block table: a list of blocks from a shared :class:`BlockPool`, filled
+front to back, and its own length. Heads of the same sequence may therefore hold different numbers of entries,
+and memory is exactly the entries plus at most one partial block per (layer, head).
+
+A forward pass of the model with ``attn_implementation="kvtrim"`` and a :class:`PagedBatchCache` writes the new
+keys and values into the sequences' blocks and attends through the block tables, the same protocol as
+:class:`~kvtrim.cache.layer.CompressibleLayer`: ``update`` hands the pending K/V over, kvtrim's attention function
+calls :meth:`PagedLayer.attend`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import InvalidParameterError, UnsupportedModelError
+from ..scoring.squared_attention import squared_attention
+from .attention import attention_probabilities, grouped_attention
+from .block_pool import EMPTY, BlockPool, OutOfBlocks
+from .layer import _CURRENT
+
+__all__ = [
+    "PAGED_METHODS",
+    "BlockPool",
+    "OutOfBlocks",
+    "PagedBatchCache",
+    "PagedLayer",
+    "PagedMethod",
+    "PagedSequence",
+    "prefill_metric",
+]
+
+
+@dataclass(frozen=True)
+class PagedMethod:
+    """Metric settings of a KV-Compress preset for the paged engine (the registry entries' defaults).
+
+    Attributes:
+        window: prefill queries observed (None: every prompt query, KVC-full)
+        kernel: max-pool kernel of the prefill metric (1 = none)
+        buffer: keys within ``buffer`` positions of a query are left out of its metric
+        protected_window: default protected window
+    """
+
+    window: int | None
+    kernel: int
+    buffer: int
+    protected_window: int
+
+    def observe_window(self, prompt_tokens: int) -> int:
+        """The ``observe_window`` to give :class:`PagedBatchCache` for a prefill of ``prompt_tokens``."""
+        return prompt_tokens if self.window is None else self.window
+
+
+PAGED_METHODS = {
+    "kvcompress": PagedMethod(window=32, kernel=7, buffer=0, protected_window=32),
+    "kvc_w8": PagedMethod(window=8, kernel=7, buffer=0, protected_window=8),
+    "kvc_full": PagedMethod(window=None, kernel=1, buffer=10, protected_window=32),
+}
+
+
+def _ceil_div(a: torch.Tensor | int, b: int):
+    return -(-a // b)
+
+
+class PagedSequence:
+    """Block tables of one sequence: one table and one length per (layer, KV head).
+
+    Row ``r = layer * kv_heads + head`` indexes the tables. Entries of a row occupy logical slots ``0..length-1``;
+    logical slot ``i`` lives in block ``table[i // block_size]`` at offset ``i % block_size``.
+
+    Attributes:
+        seen: tokens seen (the next token's logical position)
+        tables: per row, the block ids in logical order
+    """
+
+    def __init__(self, pool: BlockPool, num_layers: int, kv_heads: int):
+        if num_layers <= 0 or kv_heads <= 0:
+            raise InvalidParameterError(f"num_layers and kv_heads must be positive, got {num_layers}, {kv_heads}")
+        self.pool = pool
+        self.num_layers, self.kv_heads = num_layers, kv_heads
+        self.seen = 0
+        self.tables: list[list[int]] = [[] for _ in range(num_layers * kv_heads)]
+        self._length = torch.zeros(num_layers * kv_heads, dtype=torch.long)
+        self._nblocks = torch.zeros(num_layers * kv_heads, dtype=torch.long)
+        self._table_tensor: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_layers * self.kv_heads
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def lengths(self) -> torch.Tensor:
+        """``[layers, kv_heads]`` stored entries."""
+        return self._length.view(self.num_layers, self.kv_heads).clone()
+
+    def row_lengths(self) -> torch.Tensor:
+        """``[layers * kv_heads]`` stored entries per row (a copy)."""
+        return self._length.clone()
+
+    def blocks_held(self) -> int:
+        return int(self._nblocks.sum())
+
+    def entries(self) -> int:
+        return int(self._length.sum())
+
+    def blocks_needed(self, new_tokens: int) -> int:
+        """Extra blocks an append of ``new_tokens`` to every row would allocate."""
+        need = _ceil_div(self._length + new_tokens, self.block_size) - self._nblocks
+        return int(need.clamp(min=0).sum())
+
+    def kv_nbytes(self) -> int:
+        """Key and value bytes of the entries actually stored (no slack)."""
+        return self.entries() * 2 * self.pool.head_dim * self.pool.keys.element_size()
+
+    def held_nbytes(self) -> int:
+        """Key and value bytes of the blocks this sequence holds (entries plus partial-block slack)."""
+        return self.blocks_held() * self.pool.block_nbytes()
+
+    # ------------------------------------------------------------------ block management
+    def reserve(self, new_tokens: int) -> None:
+        """Allocate the blocks an append of ``new_tokens`` per row needs (all or nothing: :class:`OutOfBlocks`)."""
+        need = (_ceil_div(self._length + new_tokens, self.block_size) - self._nblocks).clamp(min=0)
+        total = int(need.sum())
+        if total == 0:
+            return
+        ids = self.pool.allocate(total)
+        at = 0
+        for r, n in enumerate(need.tolist()):
+            if n:
+                self.tables[r].extend(ids[at : at + n])
+                at += n
+        self._nblocks += need
+        self._table_tensor = None
+
+    def release(self) -> None:
+        """Free every block back to the pool (finish, preemption, cancellation); the sequence becomes empty."""
+        ids = [b for table in self.tables for b in table]
+        self.pool.free(ids)
+        self.tables = [[] for _ in range(self.num_rows)]
+        self._length.zero_()
+        self._nblocks.zero_()
+        self._table_tensor = None
+        self.seen = 0
+
+    def _set_row(self, row: int, length: int) -> list[int]:
+        """Shrink ``row`` to ``length`` entries; returns the now-unneeded trailing blocks (not yet freed)."""
+        keep = _ceil_div(length, self.block_size)
+        dropped = self.tables[row][keep:]
+        del self.tables[row][keep:]
+        self._length[row] = length
+        self._nblocks[row] = keep
+        if dropped:
+            self._table_tensor = None
+        return dropped
+
+    def table_tensor(self) -> torch.Tensor:
+        """``[layers * kv_heads, max_blocks]`` block ids, padded with 0 (padding is masked by the lengths)."""
+        if self._table_tensor is None:
+            width = max(1, int(self._nblocks.max()))
+            t = torch.zeros(self.num_rows, width, dtype=torch.long)
+            for r, table in enumerate(self.tables):
+                if table:
+                    t[r, : len(table)] = torch.tensor(table, dtype=torch.long)
+            self._table_tensor = t.to(self.pool.device)
+        return self._table_tensor
+
+    def slots(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat pool slot ids of every logical slot: ``([rows, max_blocks * block_size], valid mask)``.
+
+        ``slot = block * block_size + offset`` indexes ``pool.keys.view(-1, head_dim)`` and the flattened
+        ``pool.positions`` / ``pool.metric``.
+        """
+        table = self.table_tensor()
+        lengths = self._length.to(table.device)
+        if rows is not None:
+            table, lengths = table[rows], lengths[rows]
+        bs = self.block_size
+        slot = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).reshape(table.shape[0], -1)
+        valid = torch.arange(slot.shape[1], device=table.device)[None, :] < lengths[:, None]
+        return slot, valid
+
+    def gather(self) -> dict[str, torch.Tensor]:
+        """Copies of every row's entries in logical order, padded: keys/values ``[layers, kv_heads, S, head_dim]``,
+        positions ``[layers, kv_heads, S]`` (-1 beyond the length), metric ``[layers, kv_heads, S]``."""
+        slot, valid = self.slots()
+        d = self.pool.head_dim
+        shape = (self.num_layers, self.kv_heads, slot.shape[1])
+        pos = self.pool.positions.view(-1)[slot].masked_fill(~valid, EMPTY)
+        return {
+            "keys": self.pool.keys.view(-1, d)[slot].view(*shape, d),
+            "values": self.pool.values.view(-1, d)[slot].view(*shape, d),
+            "positions": pos.view(shape),
+            "metric": self.pool.metric.view(-1)[slot].view(shape),
+            "valid": valid.view(shape),
+        }
+
+    def __repr__(self) -> str:
+        return f"PagedSequence(seen={self.seen}, entries={self.entries()}, blocks={self.blocks_held()})"
+
+
+class PagedLayer(CacheLayerMixin):
+    """One model layer of a :class:`PagedBatchCache`: hands new K/V to kvtrim attention and attends over blocks."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: PagedBatchCache, layer_idx: int):
+        self.is_initialized = True
+        self._cache = weakref.ref(cache)
+        self.layer_idx = layer_idx
+        self.keys = self.values = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def cache(self) -> PagedBatchCache:
+        return self._cache()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        cache = self.cache
+        if cache._unconsumed is not None:
+            cache._unconsumed = None
+            raise UnsupportedModelError(
+                "a PagedBatchCache was updated but kvtrim's attention function never consumed the entries: run the "
+                "model with attn_implementation='kvtrim' (kvtrim.integration.attention.kvtrim_attention_enabled)"
+            )
+        if self.layer_idx == 0:
+            cache._begin_forward(key_states.shape[0], key_states.shape[2])
+        self._pending = (key_states, value_states)
+        cache._unconsumed = self.layer_idx
+        _CURRENT.layer = self
+        return key_states, value_states
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        padding_mask: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Write the pending K/V into the blocks, attend over each (sequence, head)'s entries.
+
+        Args:
+            query: ``[n_seqs, q_heads, q, head_dim]`` post-rotary
+            position_ids: ``[1 or n_seqs, q]`` or None (positions continue from each sequence's ``seen``)
+            padding_mask: must be None or all True (paged batches are never padded)
+        Returns:
+            ``[n_seqs, q, q_heads, head_dim]``
+        """
+        keys, values = self._pending
+        self._pending = None
+        cache = self.cache
+        cache._unconsumed = None
+        if padding_mask is not None and not bool(padding_mask[:, -keys.shape[2] :].to(torch.bool).all()):
+            raise InvalidParameterError("PagedBatchCache does not support padding: batch sequences of equal length")
+        try:
+            return cache._attend(self.layer_idx, query, keys, values, position_ids, scaling)
+        finally:
+            if self.layer_idx == cache.num_layers - 1:
+                cache._step = None
+
+    # transformers Cache protocol
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._pending = None
+
+
+class PagedBatchCache(Cache):
+    """A transformers ``Cache`` over a list of :class:`PagedSequence` for forward passes of the model with
+    ``attn_implementation="kvtrim"`` (see :func:`kvtrim.integration.attention.kvtrim_attention_enabled`).
+
+    Prefill: ``input_ids [n, T]`` for ``n`` sequences of equal length (usually one, empty); decode:
+    ``input_ids [n, 1]`` with ``position_ids [n, 1]`` = each sequence's ``seen`` (required when the sequences'
+    ``seen`` differ). At layer 0 the blocks for the new tokens of every sequence are allocated at once; if the pool
+    is short, :class:`OutOfBlocks` is raised before anything is written. Attention reads through the block tables
+    and equals dense attention over the same entries.
+
+    Args:
+        model_config: the model's config (number of layers, KV heads, head size)
+        pool: the shared block pool (its ``head_dim`` must match the model's)
+        sequences: the batch, in input row order
+        observe_window: record the last ``w`` queries of a prefill per layer in :attr:`observations` (for
+            :func:`prefill_metric`); 0 records nothing
+        accumulate_decode_metric: each decode step adds every query head's squared attention, summed over the
+            group, to ``pool.metric`` of each cached key (the paper's continual metric)
+        buffer: keys within ``buffer`` positions of the query are left out of that accumulation
+    """
+
+    def __init__(
+        self,
+        model_config,
+        pool: BlockPool,
+        sequences: list[PagedSequence],
+        *,
+        observe_window: int = 0,
+        accumulate_decode_metric: bool = False,
+        buffer: int = 0,
+    ):
+        num_layers = model_config.num_hidden_layers
+        heads = model_config.num_attention_heads
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        if head_dim != pool.head_dim:
+            raise InvalidParameterError(f"pool head_dim={pool.head_dim} does not match the model's head_dim={head_dim}")
+        if not sequences:
+            raise InvalidParameterError("sequences must hold at least one PagedSequence")
+        for s in sequences:
+            if s.pool is not pool or s.num_layers != num_layers or s.kv_heads != kv_heads:
+                raise InvalidParameterError(
+                    f"every sequence must use this pool with num_layers={num_layers} and kv_heads={kv_heads}"
+                )
+        if len({id(s) for s in sequences}) != len(sequences):
+            raise InvalidParameterError("a sequence appears twice in the batch")
+        if isinstance(observe_window, bool) or not isinstance(observe_window, int) or observe_window < 0:
+            raise InvalidParameterError(f"observe_window must be an integer >= 0, got {observe_window!r}")
+        if buffer < 0:
+            raise InvalidParameterError(f"buffer must be >= 0, got {buffer}")
+        super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
+        self.pool = pool
+        self.sequences = list(sequences)
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.observe_window = observe_window
+        self.accumulate_decode_metric = accumulate_decode_metric
+        self.buffer = buffer
+        # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill
+        self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.scaling: float | None = None
+        self._unconsumed: int | None = None
+        self._step: dict | None = None  # per-forward state set at layer 0
+
+    # ------------------------------------------------------------------ transformers protocol
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self._step is not None:
+            return self._step["seen_before"]
+        return max(s.seen for s in self.sequences)
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        q = query_length if isinstance(query_length, int) else int(query_length.shape[-1])
+        return self.get_seq_length() + q, 0
+
+    # ------------------------------------------------------------------ forward
+    def _begin_forward(self, n: int, q: int) -> None:
+        """Layer 0: allocate every block this forward needs (all sequences, all layers), or raise."""
+        if n != len(self.sequences):
+            raise InvalidParameterError(f"the input has {n} rows but the PagedBatchCache holds {len(self.sequences)}")
+        need = sum(s.blocks_needed(q) for s in self.sequences)
+        if need > self.pool.num_free:
+            raise OutOfBlocks(need, self.pool.num_free)
+        before = [s.seen for s in self.sequences]
+        base = torch.stack([s._length.view(s.num_layers, s.kv_heads) for s in self.sequences])  # [n, L, H]
+        for s in self.sequences:
+            s.reserve(q)
+        tables = [s.table_tensor() for s in self.sequences]
+        width = max(t.shape[1] for t in tables)
+        table = torch.zeros(n, self.num_layers * self.kv_heads, width, dtype=torch.long, device=self.pool.device)
+        for i, t in enumerate(tables):
+            table[i, :, : t.shape[1]] = t
+        self._step = {
+            "q": q,
+            "seen_before": max(before),
+            "seen": torch.tensor(before, dtype=torch.long, device=self.pool.device),
+            "base": base.to(self.pool.device),
+            "table": table.view(n, self.num_layers, self.kv_heads, width),
+            "fresh": bool((base == 0).all()),
+        }
+        for s in self.sequences:
+            s.seen += q
+
+    def _positions(self, position_ids: torch.Tensor | None, n: int, q: int) -> torch.Tensor:
+        step = self._step
+        expected = step["seen"][:, None] + torch.arange(q, device=step["seen"].device)
+        if position_ids is None:
+            return expected
+        pos = position_ids.to(expected.device).long().expand(n, q)
+        if "checked" not in step:
+            if not torch.equal(pos, expected):
+                raise InvalidParameterError(
+                    f"position_ids must continue each sequence from its `seen` ({step['seen'].tolist()}), "
+                    f"got {pos[:, 0].tolist()}"
+                )
+            step["checked"] = True
+        return pos
+
+    def _attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        step = self._step
+        pool = self.pool
+        n, h, q, d = keys.shape
+        bs = pool.block_size
+        self.scaling = scaling
+        qpos = self._positions(position_ids, n, q)  # [n, q]
+        base = step["base"][:, layer_idx]  # [n, H] lengths before this forward
+        table = step["table"][:, layer_idx]  # [n, H, width]
+
+        # Write the new entries into their slots.
+        logical = base[:, :, None] + torch.arange(q, device=base.device)  # [n, H, q]
+        block = torch.gather(table, 2, logical // bs)
+        slot = (block * bs + logical % bs).reshape(-1)
+        pool.keys.view(-1, d)[slot] = keys.to(pool.dtype).reshape(-1, d)
+        pool.values.view(-1, d)[slot] = values.to(pool.dtype).reshape(-1, d)
+        pool.positions.view(-1)[slot] = qpos[:, None, :].expand(n, h, q).reshape(-1)
+        pool.metric.view(-1)[slot] = 0.0
+        for s in self.sequences:
+            s._length[layer_idx * h : (layer_idx + 1) * h] += q
+
+        if self.observe_window and q > 1:
+            w = min(self.observe_window, q)
+            self.observations[layer_idx] = (query[:, :, -w:].detach().clone(), qpos[:, -w:].clone())
+
+        if step["fresh"] and not (self.accumulate_decode_metric and q == 1):
+            # An empty sequence's prefill: the stored entries are exactly the new tokens, in order.
+            return grouped_attention(query, keys, values, None, scaling, causal=True)
+
+        # Gather every (sequence, head)'s entries through its block table: [n, H, S, d].
+        length = base + q
+        nb = int(_ceil_div(length.max(), bs))
+        slots = (table[:, :, :nb, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, nb * bs)
+        k = pool.keys.view(-1, d)[slots]
+        v = pool.values.view(-1, d)[slots]
+        kpos = pool.positions.view(-1)[slots]
+        stored = torch.arange(nb * bs, device=table.device)[None, None, :] < length[:, :, None]  # [n, H, S]
+        mask = stored[:, :, None, :] & (kpos[:, :, None, :] <= qpos[:, None, :, None])  # [n, H, q, S]
+        if not (self.accumulate_decode_metric and q == 1):
+            return grouped_attention(query, k.to(query.dtype), v.to(query.dtype), mask, scaling)
+
+        probs = attention_probabilities(query, k, mask, scaling)  # [n, hq, 1, S] fp32
+        hq = query.shape[1]
+        group = hq // h
+        out = torch.matmul(probs.view(n, h, group * q, -1), v.float()).view(n, hq, q, d)
+        sq = probs.view(n, h, group, q, -1).square().sum(dim=(2, 3))  # [n, H, S]
+        counted = stored & (kpos <= qpos[:, -1:, None] - self.buffer) if self.buffer else stored
+        flat = pool.metric.view(-1)
+        flat.index_add_(0, slots[counted], sq[counted])
+        return out.to(query.dtype).transpose(1, 2)
+
+    # ------------------------------------------------------------------ accounting
+    def kv_nbytes(self) -> int:
+        """Key and value bytes of the blocks the batch's sequences hold."""
+        return sum(s.held_nbytes() for s in self.sequences)
+
+
+def prefill_metric(
+    cache: PagedBatchCache,
+    *,
+    window: int | None = None,
+    kernel: int = 7,
+    buffer: int = 0,
+    chunk: int = 512,
+) -> None:
+    """Fill ``pool.metric`` of the sequences just prefilled through ``cache`` from the recorded queries.
+
+    KVC-w: squared attention of the last ``window`` prompt queries, max-pooled per query head (``kernel`` 7),
+    summed over each query group. KVC-full: record every prompt query (``observe_window`` >= the prompt length),
+    ``buffer=10`` (keys within 10 positions of a query excluded), ``kernel=1`` (no pooling).
+
+    Args:
+        cache: the cache of the prefill forward, built with ``observe_window > 0``
+        window: queries to use (default: all recorded)
+    """
+    if cache.observe_window <= 0:
+        raise InvalidParameterError("prefill_metric needs a PagedBatchCache built with observe_window > 0")
+    if kernel < 1 or kernel % 2 == 0:
+        raise InvalidParameterError(f"kernel must be an odd integer >= 1, got {kernel}")
+    if window is not None and window <= 0:
+        raise InvalidParameterError(f"window must be positive or None, got {window}")
+    pool = cache.pool
+    scaling = cache.scaling if cache.scaling is not None else cache.head_dim**-0.5
+    for i, seq in enumerate(cache.sequences):
+        slot, valid = seq.slots()
+        flat_pos = pool.positions.view(-1)
+        for layer in range(seq.num_layers):
+            obs = cache.observations[layer]
+            if obs is None:
+                raise RuntimeError(f"layer {layer}: no prefill queries were recorded")
+            queries, qpos = obs
+            w = queries.shape[2] if window is None else min(window, queries.shape[2])
+            rows = slice(layer * seq.kv_heads, (layer + 1) * seq.kv_heads)
+            s, ok = slot[rows], valid[rows]  # [H, S]
+            kpos = flat_pos[s].masked_fill(~ok, EMPTY)
+            keys = pool.keys.view(-1, pool.head_dim)[s]
+            metric = squared_attention(
+                queries[i : i + 1, :, -w:],
+                qpos[i : i + 1, -w:],
+                keys[None],
+                kpos[None],
+                scaling,
+                buffer=buffer,
+                kernel=kernel,
+                chunk=chunk,
+            )[0]
+            pool.metric.view(-1)[s[ok]] = metric[ok]

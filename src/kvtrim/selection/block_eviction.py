@@ -1,0 +1,205 @@
+"""Block-granular, variable-rate eviction across all layers and KV heads of a sequence (KV-Compress).
+
+KV-Compress (Rehg, arXiv 2410.00161, §4.a steps 5-8):
+
+* per (layer, KV head), sort the entries by metric ascending and cut the sorted list into chunks of
+  ``block_size``; the *block metric* of chunk ``k`` (0-based) is the metric of the ``(k·bs + hanging − 1)``-th
+  smallest entry, ``hanging`` being the fill of the head's last, partial block. Evicting ``k + 1`` chunks of a head
+  removes ``k·bs + hanging`` entries and frees exactly ``k + 1`` blocks;
+* rank the chunks of every layer and head of the sequence together and evict the lowest ones, never a chunk whose
+  block metric is +inf (protected window, empty slots);
+* MoveCache: move surviving tail entries into the evicted slots (two pointers), so each head stays contiguous, and
+  free the trailing blocks.
+
+:func:`block_eviction_counts` is the one ranking implementation; the paged cache (:func:`schedule_evictions`) and
+the pipeline budget (:class:`kvtrim.budgets.global_blocks.GlobalBlockBudget`) both call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..cache.block_pool import EMPTY
+from ..errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from ..cache.paged import PagedSequence
+
+
+def _nonneg_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidParameterError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def hanging_entries(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[rows]`` entries in each row's last block (``block_size`` when full, 0 for an empty row)."""
+    return torch.where(lengths > 0, lengths - (-(-lengths // block_size) - 1) * block_size, 0)
+
+
+def evicted_entries(blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[rows]`` entries removed when ``blocks`` chunks are evicted per row: ``(blocks − 1)·bs + hanging``."""
+    hanging = hanging_entries(lengths, block_size)
+    return torch.where(blocks > 0, (blocks - 1) * block_size + hanging, 0)
+
+
+def block_eviction_counts(
+    sorted_metric: torch.Tensor, lengths: torch.Tensor, block_size: int, blocks_to_evict: int
+) -> torch.Tensor:
+    """How many blocks to evict from each row, ranking chunks of all rows together.
+
+    Args:
+        sorted_metric: ``[rows, seq]`` each row's entry metrics sorted ascending (entries beyond the row's length
+            and protected entries are +inf)
+        lengths: ``[rows]`` entries per row
+        blocks_to_evict: the number of lowest-ranked chunks to evict over all rows (fewer if +inf is reached)
+    Returns:
+        ``[rows]`` blocks evicted per row (a prefix of each row's chunks)
+    """
+    rows, seq = sorted_metric.shape
+    lengths = lengths.to(sorted_metric.device).long()
+    counts = torch.zeros(rows, dtype=torch.long, device=sorted_metric.device)
+    if blocks_to_evict <= 0 or rows == 0 or seq == 0:
+        return counts
+    nblocks = -(-lengths // block_size)
+    hanging = hanging_entries(lengths, block_size)
+    width = int(nblocks.max())
+    if width == 0:
+        return counts
+    k = torch.arange(width, device=sorted_metric.device)
+    index = (k[None, :] * block_size + hanging[:, None] - 1).clamp(0, seq - 1)
+    chunk = torch.gather(sorted_metric.float(), 1, index)
+    chunk = chunk.masked_fill(k[None, :] >= nblocks[:, None], float("inf")).reshape(-1)
+    # Order by block metric, ties by chunk number, so a head's evicted chunks are always a prefix of its chunks.
+    by_k = torch.argsort(k.repeat(rows), stable=True)
+    order = by_k[torch.argsort(chunk[by_k], stable=True)]
+    take = order[:blocks_to_evict]
+    take = take[torch.isfinite(chunk[take])]
+    counts += torch.bincount(take // width, minlength=rows)
+    return counts
+
+
+@dataclass
+class EvictionPlan:
+    """What :func:`schedule_evictions` decided for one sequence.
+
+    Attributes:
+        evicted: per row (``layer * kv_heads + head``) the evicted logical slot indices, ascending
+        blocks: ``[rows]`` blocks freed per row
+    """
+
+    evicted: list[torch.Tensor]
+    blocks: torch.Tensor
+
+    @property
+    def total_blocks(self) -> int:
+        return int(self.blocks.sum())
+
+    @property
+    def total_entries(self) -> int:
+        return sum(len(e) for e in self.evicted)
+
+
+def protected_metric(
+    metric: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, seen: int, protected_window: int
+) -> torch.Tensor:
+    """``metric`` with the last ``protected_window`` positions (``> seen − 1 − window``) and empty slots at +inf."""
+    shielded = ~valid | (positions > seen - 1 - protected_window)
+    return metric.float().masked_fill(shielded, float("inf"))
+
+
+def schedule_evictions(sequence: PagedSequence, *, blocks_to_evict: int, protected_window: int) -> EvictionPlan:
+    """Choose the ``blocks_to_evict`` lowest-ranked blocks of ``sequence`` over all its layers and KV heads.
+
+    Never evicts an entry of the protected window; fewer blocks are evicted if not enough are evictable.
+    """
+    _nonneg_int("blocks_to_evict", blocks_to_evict)
+    _nonneg_int("protected_window", protected_window)
+    pool = sequence.pool
+    slot, valid = sequence.slots()
+    lengths = sequence.row_lengths().to(slot.device)
+    metric = protected_metric(
+        pool.metric.view(-1)[slot], pool.positions.view(-1)[slot], valid, sequence.seen, protected_window
+    )
+    sorted_metric, order = metric.sort(dim=1, stable=True)
+    blocks = block_eviction_counts(sorted_metric, lengths, pool.block_size, blocks_to_evict)
+    n_evict = evicted_entries(blocks, lengths, pool.block_size).tolist()
+    evicted = [order[r, :n].sort().values if n else order.new_zeros(0) for r, n in enumerate(n_evict)]
+    return EvictionPlan(evicted=evicted, blocks=blocks.cpu())
+
+
+def apply_evictions(sequence: PagedSequence, plan: EvictionPlan) -> int:
+    """MoveCache: compact every row after evicting ``plan``'s entries; returns the number of blocks freed.
+
+    Per row, surviving entries at the tail move into the evicted slots (the last survivor into the earliest hole),
+    carrying key, value, position and metric; the row becomes contiguous and its now-empty trailing blocks are
+    freed to the pool at once. Order inside a row is not preserved (rotary is already in the keys).
+    """
+    if len(plan.evicted) != sequence.num_rows:
+        raise InvalidParameterError(f"the plan has {len(plan.evicted)} rows, the sequence {sequence.num_rows}")
+    pool = sequence.pool
+    slot, _ = sequence.slots()
+    lengths = sequence.row_lengths().tolist()
+    src, dst, vacated, new_lengths = [], [], [], []
+    for r, gone in enumerate(plan.evicted):
+        n = lengths[r]
+        gone = gone.to(slot.device)
+        if len(gone) and (int(gone.min()) < 0 or int(gone.max()) >= n or len(gone.unique()) != len(gone)):
+            raise InvalidParameterError(f"row {r}: evicted slots must be distinct and in [0, {n}), got {gone}")
+        new_len = n - len(gone)
+        new_lengths.append(new_len)
+        if not len(gone):
+            continue
+        holes = gone[gone < new_len]  # ascending
+        tail = torch.ones(n - new_len, dtype=torch.bool, device=slot.device)
+        tail[gone[gone >= new_len] - new_len] = False
+        movers = (torch.nonzero(tail).flatten() + new_len).flip(0)  # survivors at the tail, last one first
+        src.append(slot[r, movers])
+        dst.append(slot[r, holes])
+        vacated.append(slot[r, new_len:n])
+    if src:
+        s, d = torch.cat(src), torch.cat(dst)
+        hd = pool.head_dim
+        for t in (pool.keys.view(-1, hd), pool.values.view(-1, hd)):
+            t[d] = t[s]
+        for t in (pool.positions.view(-1), pool.metric.view(-1)):
+            t[d] = t[s]
+        gone_slots = torch.cat(vacated)
+        pool.positions.view(-1)[gone_slots] = EMPTY
+        pool.metric.view(-1)[gone_slots] = 0.0
+    dropped: list[int] = []
+    for r, new_len in enumerate(new_lengths):
+        if new_len != lengths[r]:
+            dropped.extend(sequence._set_row(r, new_len))
+    pool.free(dropped)
+    return len(dropped)
+
+
+def budget_blocks(max_cache_tokens: int, num_rows: int, block_size: int) -> int:
+    """Blocks a sequence may hold for a per-head average of ``max_cache_tokens``: ``⌈M·L·H / bs⌉``."""
+    return -(-max_cache_tokens * num_rows // block_size)
+
+
+def blocks_over_budget(sequence: PagedSequence, *, max_cache_tokens: int) -> int:
+    """Blocks held beyond ``⌈M·L·H/bs⌉`` for a per-head average budget ``M = max_cache_tokens``.
+
+    0 when within that, or when no head holds more than ``M`` entries (nothing to compress).
+    """
+    if isinstance(max_cache_tokens, bool) or not isinstance(max_cache_tokens, int) or max_cache_tokens <= 0:
+        raise InvalidParameterError(f"max_cache_tokens must be a positive integer, got {max_cache_tokens!r}")
+    if int(sequence.row_lengths().max()) <= max_cache_tokens:
+        return 0  # every head is within the budget: block rounding alone never evicts
+    allowed = budget_blocks(max_cache_tokens, sequence.num_rows, sequence.block_size)
+    return max(0, sequence.blocks_held() - allowed)
+
+
+def compress_sequence(sequence: PagedSequence, *, max_cache_tokens: int, protected_window: int) -> int:
+    """Evict down to the budget (as far as the protected window allows); returns the blocks freed."""
+    over = blocks_over_budget(sequence, max_cache_tokens=max_cache_tokens)
+    if over == 0:
+        return 0
+    plan = schedule_evictions(sequence, blocks_to_evict=over, protected_window=protected_window)
+    return apply_evictions(sequence, plan)
