@@ -40,6 +40,38 @@ METHODS = (
     "adakv",
 )
 OUT = Path(__file__).parent / "results" / "compilerkv_nll"
+# (method, reference): paired ΔNLL differences over the same windows
+PAIRS = (
+    ("compilerkv", "compilerkv_neutral"),
+    ("compilerkv_elastic", "compilerkv_neutral_elastic"),
+    ("compilerkv_elastic", "compilerkv_static_threshold"),
+    ("compilerkv_raw_attention", "compilerkv"),
+    ("compilerkv", "snapkv"),
+)
+
+
+def paired_table(rows: list[dict], budgets: list[int]) -> str:
+    """Mean paired ΔNLL difference (method − reference) ± its standard error, and windows where the method wins."""
+
+    def per_window(method: str, budget: int) -> dict:
+        return {r["window_start_char"]: r for r in rows if r["method"] == method and r["budget"] == budget}
+
+    lines = ["| method − reference | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for method, reference in PAIRS:
+        cells = []
+        for b in budgets:
+            x, y = per_window(method, b), per_window(reference, b)
+            if not x or not y:
+                cells.append("–")
+                continue
+            diff = [x[k]["delta_nll"] - y[k]["delta_nll"] for k in x]
+            kept = statistics.fmean(x[k]["kept_fraction"] - y[k]["kept_fraction"] for k in x)
+            se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
+            wins = sum(d < 0 for d in diff)
+            mean = statistics.fmean(diff)
+            cells.append(f"{mean:+.4f} ± {se:.4f} ({wins}/{len(diff)} better; kept {100 * kept:+.1f} pt)")
+        lines.append(f"| {method} − {reference} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -95,7 +127,7 @@ def main() -> None:
         "s.e. = standard error over windows; kept = entries kept / entries before. "
         f"{elapsed:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU, {args.threads} thread(s).\n\n"
     )
-    table = intro + "\n".join(lines) + "\n"
+    table = intro + "\n".join(lines) + "\n\n## Paired differences (same windows)\n\n" + paired_table(rows, budgets)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -264,6 +264,80 @@ def report_command(
     typer.echo(text)
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_SIZE_UNITS |= {f"{u}ib": 2 ** (10 * i) for i, u in enumerate("kmgt", 1)}
+_SIZE_UNITS |= {f"{u}b": 1000**i for i, u in enumerate("kmgt", 1)}
+
+
+def _parse_bytes(text: str) -> int:
+    """``256MiB``, ``1GiB``, ``1.5G`` (binary), ``500MB`` (decimal) or a plain number of bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS or (value := float(match.group(1)) * _SIZE_UNITS[unit]) < 1:
+        raise KVTrimError(f"--kv-memory must be a positive size such as 256MiB, 1GiB or 1000000 (bytes), got {text!r}")
+    return int(value)
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    kv_memory: Annotated[
+        str | None, typer.Option(help="KV cache pool size, e.g. 256MiB, 1GiB or bytes (default 256MiB)")
+    ] = None,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV cache pool size in blocks (instead of --kv-memory)")] = None,
+    compression_rate: Annotated[float, typer.Option(help="KV-Compress rate: 1 keeps everything, 8 keeps ~1/8")] = 1.0,
+    method: Annotated[str, typer.Option(help="kvcompress | kvc_w8 | kvc_full")] = "kvcompress",
+    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
+    protected_window: Annotated[int, typer.Option(help="newest tokens per head never evicted")] = 32,
+    max_batch: Annotated[int | None, typer.Option(help="running sequences at most (default: memory decides)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
+    """Serve a model with an OpenAI-compatible HTTP API (continuous batching over a paged, compressed KV cache)."""
+    try:
+        from .serve.http import serve as run_server
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        _fail(KVTrimError(f"the server needs FastAPI and uvicorn: pip install 'kvtrim[serve]' ({exc})"))
+    from .models import load_model
+    from .serve.engine import Engine
+
+    try:
+        if kv_memory is not None and kv_blocks is not None:
+            raise KVTrimError("give at most one of --kv-memory and --kv-blocks")
+        kv_bytes = _parse_bytes(kv_memory or "256MiB") if kv_blocks is None else None
+        if threads is not None:
+            if threads <= 0:
+                raise KVTrimError(f"--threads must be positive, got {threads}")
+            import torch
+
+            torch.set_num_threads(threads)
+        lm, tokenizer = load_model(model)
+        engine = Engine(
+            lm,
+            tokenizer,
+            kv_memory_bytes=kv_bytes,
+            kv_blocks=kv_blocks,
+            block_size=block_size,
+            compression_rate=compression_rate,
+            method=method,
+            protected_window=protected_window,
+            max_batch=max_batch,
+            model_name=model,
+        )
+    except (KVTrimError, ValueError) as exc:
+        _fail(exc)
+    typer.echo(
+        f"kvtrim: serving {model} on http://{host}:{port}/v1 "
+        f"(KV pool {engine.pool.num_blocks} blocks of {block_size} tokens, compression rate {compression_rate:g})",
+        err=True,
+    )
+    run_server(engine, host=host, port=port, log_level=log_level)
+
+
 from .calibration.cli import calibrate_app  # noqa: E402
 
 app.add_typer(calibrate_app, name="calibrate")

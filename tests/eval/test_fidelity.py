@@ -380,3 +380,15 @@ def test_error_grows_when_the_budget_shrinks_on_the_embedded_model(smollm2, jarg
         assert bool((window[0.9][1:] > window[0.5][1:]).all()) and bool((window[0.5][1:] > 0).all()), window
     assert bool((totals[0.9] > totals[0.5]).all()), totals
     assert bool((totals[0.5] > 0).all()), totals
+
+
+def test_methods_with_offline_artifacts_are_bound_to_the_model(models, text_ids, monkeypatch, tmp_path):
+    from conftest import install_head_scores
+
+    model = models["llama"]
+    install_head_scores(model, monkeypatch, tmp_path)  # headkv, compresskv and compilerkv artifacts
+    ctx, cont = text_ids
+    pre = prefill(model, ctx, ["headkv", "compilerkv"])
+    for method in ("headkv", "compilerkv"):
+        result = continuation_fidelity(model, None, None, cont, method, budget=20, full=pre)
+        assert result.kept_fraction < 1.0 and result.delta_nll == result.delta_nll  # ran, finite

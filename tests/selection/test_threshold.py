@@ -78,7 +78,7 @@ def test_padding_makes_the_threshold_irrelevant():
 
 def test_max_normalization_and_kept_window():
     # û / max û = UTILITY / 2: only 2.0 (1.0) and 1.3 (0.65) pass 0.6
-    kept, meta = _run(ThresholdGateSelector(_neutral(0.6), mode="elastic", normalize="max"), budget=8)
+    kept, _ = _run(ThresholdGateSelector(_neutral(0.6), mode="elastic", normalize="max"), budget=8)
     assert kept == [1, 4]
     kept, _ = _run(ThresholdGateSelector(_neutral(0.9), mode="elastic", keep_window=2), budget=4)
     assert kept == [1, 4, 6, 7]  # window {6, 7} always; then the best candidates for the remaining 2 slots

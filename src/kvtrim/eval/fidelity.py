@@ -148,7 +148,11 @@ class Prefill:
 
     def covers(self, pipeline: Pipeline) -> bool:
         need, have = pipeline.observation, self.observation
-        return need.window <= have.window and set(need.accumulate) <= set(have.accumulate)
+        return (
+            need.window <= have.window
+            and set(need.accumulate) <= set(have.accumulate)
+            and need.token_logprobs <= have.token_logprobs
+        )
 
     def full_cache(self) -> KVTrimCache:
         """An independent uncompressed copy."""
@@ -374,9 +378,9 @@ def continuation_fidelity(
     if isinstance(method, Pipeline):
         if method_params:
             raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
-        pipeline = method
+        pipeline = method.bind(model)
     else:
-        pipeline, _ = _resolve_method(method, ratio, budget, method_params)
+        pipeline, _ = _resolve_method(method, ratio, budget, method_params, model)  # binds offline artifacts
     if full is None:
         ctx = _as_ids(context_ids, "context_ids", tokenizer, special=True)
         pre = prefill(model, ctx, [pipeline] if pipeline is not None else [])

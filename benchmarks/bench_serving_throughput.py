@@ -1,0 +1,247 @@
+"""Serving throughput vs. KV-Compress compression rate at a fixed KV memory budget (SmolLM2-135M, CPU).
+
+The paper's throughput experiment (KV-Compress, arXiv 2410.00161, §5 / vLLM ``benchmark_throughput.py``) on this
+machine: for each input length, the same prompts (real prose from the jargon haystack, cut to exactly that many
+tokens, fed as token ids) are all submitted at once to a :class:`kvtrim.serve.engine.Engine` with one fixed pool
+of KV blocks and decoded for a fixed number of tokens (end-of-sequence ignored). Compression lets more sequences
+share the pool, so the decode batch grows; the engine runs one batched forward over all running sequences per
+step. The pool is sized so that at 1x only a few of the longest sequences fit.
+
+Per (input length, compression rate) it records output tokens per second (wall and CPU time of this process,
+prefill included), decode-only tokens per second, the largest and the mean decode batch, preemptions,
+compressions and evicted blocks, and writes ``serving_throughput.json``, ``serving_throughput.md`` and
+``serving_throughput.png`` (throughput vs. compression rate per input length) to the results directory.
+
+Usage::
+
+    python benchmarks/bench_serving_throughput.py             # full run (see NOTES.md for time and command)
+    python benchmarks/bench_serving_throughput.py --quick     # smoke run: short prompts, ~1-2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kvtrim
+from kvtrim.eval.haystacks import get_haystack
+from kvtrim.serve.engine import Engine
+from kvtrim.serve.types import SamplingParams
+
+MODEL = "smollm2-135m"
+OUT_DIR = Path(__file__).parent / "results" / "serving_throughput"
+
+
+def make_prompts(tokenizer, length: int, count: int, haystack: str = "jargon") -> list[list[int]]:
+    """``count`` prompts of exactly ``length`` tokens, from different places of the haystack."""
+    stride = 997
+    need_tokens = stride * (count - 1) + length
+    text = get_haystack(haystack)
+    ids: list[int] = []
+    chars = 6 * need_tokens
+    while len(ids) < need_tokens:
+        ids = tokenizer(text[:chars])["input_ids"]
+        if chars >= len(text):
+            raise RuntimeError(f"the {haystack} haystack is too short for {count} prompts of {length} tokens")
+        chars *= 2
+    return [ids[i * stride : i * stride + length] for i in range(count)]
+
+
+def pool_blocks(model, longest: int, output_tokens: int, fit: float, block_size: int) -> int:
+    """Blocks holding ``fit`` uncompressed sequences of the longest input (one table per layer and KV head)."""
+    cfg = model.config
+    tables = cfg.num_hidden_layers * cfg.num_key_value_heads
+    return int(fit * tables * math.ceil((longest + output_tokens) / block_size))
+
+
+def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: int, args) -> dict:
+    engine = Engine(
+        model,
+        tok,
+        kv_blocks=blocks,
+        block_size=args.block_size,
+        compression_rate=rate,
+        method=args.method,
+        protected_window=args.protected_window,
+        min_cache_tokens=args.min_cache_tokens,
+    )
+    gc.collect()
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    handles = [engine.submit(p, params) for p in prompts]
+    engine.run_until_idle()
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    outs = [h.result(timeout=0) for h in handles]
+    bad = [o.request_id for o in outs if o.finish_reason != "length" or len(o.token_ids) != output_tokens]
+    if bad:
+        raise RuntimeError(f"requests did not produce {output_tokens} tokens: {bad} ({outs[0].error})")
+    s = engine.stats
+    generated = sum(len(o.token_ids) for o in outs)
+    return {
+        "input_len": len(prompts[0]),
+        "compression_rate": rate,
+        "prompts": len(prompts),
+        "output_tokens": output_tokens,
+        "pool_blocks": blocks,
+        "pool_mib": blocks * engine.pool.block_nbytes() / 2**20,
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "out_tok_per_s_wall": generated / wall,
+        "out_tok_per_s_cpu": generated / cpu,
+        "total_tok_per_s_wall": (generated + sum(len(p) for p in prompts)) / wall,
+        "decode_tok_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
+        "max_decode_batch": s.max_decode_batch,
+        "mean_decode_batch": s.decode_tokens / max(1, s.decode_steps),
+        "decode_steps": s.decode_steps,
+        "preemptions": s.preemptions,
+        "prefills": s.prefills,
+        "prefill_tokens": s.prefill_tokens,
+        "compressions": s.compressions,
+        "blocks_evicted": s.blocks_evicted,
+        "peak_blocks_used": s.peak_blocks_used,
+        "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s,
+        "compress_s": s.compress_s,
+    }
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
+    lines = [
+        "# Serving throughput vs. compression rate (KV-Compress, fixed KV memory)",
+        "",
+        f"Model {meta['model']}, {meta['method']}, pool {meta['pool_blocks']} blocks of {meta['block_size']} tokens "
+        f"({meta['pool_mib']:.0f} MiB of K/V, fp32) = {meta['fit']:.2f} uncompressed sequences of the longest input; "
+        f"{meta['output_tokens']} output tokens per request (EOS ignored), protected window "
+        f"{meta['protected_window']}, min cache tokens {meta['min_cache_tokens']}, continual compression; "
+        f"torch threads {meta['threads']}. Prompts per input length: {meta['prompts_per_length']}.",
+        "",
+        "Throughput counts generated tokens over the whole run (prefills included); `decode tok/s` counts only "
+        "the batched decode forwards.",
+        "",
+        "| input | cr | prompts | out tok/s (wall) | out tok/s (CPU) | vs 1x | decode tok/s | max batch | mean batch "
+        "| preempt | compressions | evicted blocks | prefill s | decode s | compress s | wall s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {r["input_len"]: r["out_tok_per_s_wall"] for r in rows if r["compression_rate"] == 1}
+    for r in rows:
+        ref = base.get(r["input_len"])
+        speedup = f"{r['out_tok_per_s_wall'] / ref:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r['input_len']} | {r['compression_rate']:g} | {r['prompts']} | {r['out_tok_per_s_wall']:.1f} "
+            f"| {r['out_tok_per_s_cpu']:.1f} | {speedup} | {r['decode_tok_per_s']:.1f} | {r['max_decode_batch']} "
+            f"| {r['mean_decode_batch']:.1f} | {r['preemptions']} | {r['compressions']} | {r['blocks_evicted']} "
+            f"| {r['prefill_s']:.1f} | {r['decode_s']:.1f} | {r['compress_s']:.1f} | {r['wall_s']:.1f} |"
+        )
+    lines += ["", f"Total wall time {meta.get('total_wall_s', float('nan')):.0f} s.", ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for length in sorted({r["input_len"] for r in rows}):
+        sel = sorted((r for r in rows if r["input_len"] == length), key=lambda r: r["compression_rate"])
+        rates = [r["compression_rate"] for r in sel]
+        axes[0].plot(rates, [r["out_tok_per_s_wall"] for r in sel], marker="o", label=f"{length} input tokens")
+        axes[1].plot(rates, [r["max_decode_batch"] for r in sel], marker="o", label=f"{length} input tokens")
+    for ax, title in zip(axes, ("output tokens/s (wall, prefill included)", "max decode batch"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compression rate")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("KV-Compress serving throughput at a fixed KV memory budget (SmolLM2-135M, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: short prompts, few tokens, three rates")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[500, 1000, 2000])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[10, 6, 4], help="prompts per input length")
+    ap.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--output-tokens", type=int, default=256)
+    ap.add_argument("--fit", type=float, default=2.0, help="uncompressed longest sequences the pool holds")
+    ap.add_argument("--pool-blocks", type=int, default=None, help="pool size in blocks (overrides --fit)")
+    ap.add_argument("--method", default="kvcompress")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--protected-window", type=int, default=32)
+    ap.add_argument("--min-cache-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out-dir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if args.quick:
+        args.lengths, args.prompts, args.rates, args.output_tokens = [128, 256], [4, 4], [1, 4, 16], 24
+        args.min_cache_tokens, args.protected_window = 32, 16
+    if len(args.prompts) == 1:
+        args.prompts = args.prompts * len(args.lengths)
+    if len(args.prompts) != len(args.lengths):
+        ap.error("--prompts takes one count, or one per input length")
+    out_dir = args.out_dir or (OUT_DIR / "quick" if args.quick else OUT_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+
+    model, tok = kvtrim.load_model(MODEL)
+    blocks = args.pool_blocks or pool_blocks(model, max(args.lengths), args.output_tokens, args.fit, args.block_size)
+    block_mib = 2 * args.block_size * model.config.head_dim * 4 / 2**20
+    meta = {
+        "model": MODEL,
+        "method": args.method,
+        "block_size": args.block_size,
+        "pool_blocks": blocks,
+        "pool_mib": blocks * block_mib,
+        "fit": blocks / pool_blocks(model, max(args.lengths), args.output_tokens, 1.0, args.block_size),
+        "output_tokens": args.output_tokens,
+        "protected_window": args.protected_window,
+        "min_cache_tokens": args.min_cache_tokens,
+        "threads": args.threads,
+        "prompts_per_length": dict(zip(args.lengths, args.prompts, strict=True)),
+        "rates": args.rates,
+        "quick": args.quick,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "command": " ".join(["python", "benchmarks/bench_serving_throughput.py", *argv]),
+    }
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for length, count in zip(args.lengths, args.prompts, strict=True):
+        prompts = make_prompts(tok, length, count)
+        for rate in args.rates:
+            row = run_setting(model, tok, prompts, args.output_tokens, rate, blocks, args)
+            rows.append(row)
+            print(
+                f"input {length:5d} cr {rate:4g}: {row['out_tok_per_s_wall']:6.1f} out tok/s wall "
+                f"({row['out_tok_per_s_cpu']:.1f} CPU), max batch {row['max_decode_batch']:2d}, "
+                f"preemptions {row['preemptions']}, {row['wall_s']:.0f} s",
+                flush=True,
+            )
+            meta["total_wall_s"] = time.perf_counter() - t0
+            (out_dir / "serving_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            write_markdown(out_dir / "serving_throughput.md", meta, rows)
+    plot(out_dir / "serving_throughput.png", rows)
+    print(f"total {meta['total_wall_s']:.0f} s; results in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,346 @@
+"""An OpenAI-compatible HTTP server over :class:`kvtrim.serve.engine.Engine` (FastAPI + uvicorn).
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
+with ``stream: true`` as server-sent events ending in ``data: [DONE]``). The engine decodes in its own thread; the
+handlers only submit, await :meth:`RequestHandle.stream` and cancel, so the event loop never blocks. A client that
+disconnects before its request finished has the request cancelled in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ..errors import InvalidParameterError
+from .openai_schema import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    RequestError,
+    Sampling,
+    parse_chat,
+    parse_completion,
+)
+from .types import RequestHandle, SamplingParams, TokenEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+CHAT_DEFAULT_MAX_TOKENS = 512
+DISCONNECT_POLL_S = 0.2
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _sse(payload: Any) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def _usage(handles: list[RequestHandle]) -> dict[str, int]:
+    prompt = sum(h.prompt_tokens for h in handles)
+    completion = sum(len(h.output.token_ids) for h in handles)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _engine_param(message: str) -> str | None:
+    """Best guess at the parameter an engine rejection is about (its message names the limit)."""
+    for name in ("max_tokens", "prompt", "temperature", "top_p", "seed", "stop"):
+        if name in message:
+            return name
+    return None
+
+
+def _failure(handles: list[RequestHandle]) -> RequestError | None:
+    for h in handles:
+        if h.output.finish_reason == "error":
+            return RequestError(f"generation failed: {h.output.error}", None, status=500, type="server_error")
+    return None
+
+
+async def _events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """Events of several requests, interleaved as they arrive, tagged with the request's index."""
+    if len(handles) == 1:
+        async for event in handles[0].stream():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        async for event in handle.stream():
+            await queue.put((index, event))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        for _ in range(len(handles)):
+            while True:
+                index, event = await queue.get()
+                yield index, event
+                if event.finished:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Server:
+    """Route implementations bound to one engine."""
+
+    def __init__(self, engine: Engine, chat_default_max_tokens: int):
+        self.engine = engine
+        self.chat_default_max_tokens = chat_default_max_tokens
+        self.model_name: str = getattr(engine, "model_name", None) or "kvtrim"
+        config = getattr(getattr(engine, "model", None), "config", None)
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.vocab_size: int | None = getattr(config, "vocab_size", None)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+
+    # -- engine access: submit and cancel run in worker threads (they may wait on the engine's lock)
+    async def submit(
+        self, prompts: list, params: SamplingParams, base_id: str, prompt_param: str = "prompt"
+    ) -> list[RequestHandle]:
+        """Submit one request per prompt; an engine rejection cancels the ones already submitted (HTTP 400)."""
+        handles: list[RequestHandle] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                handles.append(await run_in_threadpool(self.engine.submit, prompt, params, request_id=rid))
+        except InvalidParameterError as exc:
+            self.cancel(handles)
+            param = _engine_param(str(exc))
+            raise RequestError(str(exc), prompt_param if param == "prompt" else param) from exc
+        return handles
+
+    def cancel(self, handles: list[RequestHandle]) -> None:
+        """Cancel unfinished requests without blocking the caller (also safe inside a cancelled task)."""
+        loop = asyncio.get_running_loop()
+        for h in handles:
+            if not h.finished:
+                loop.run_in_executor(None, self.engine.cancel, h.request_id)
+
+    async def watch(self, request: Request, handles: list[RequestHandle]) -> None:
+        """Cancel ``handles`` when the client goes away before they finish."""
+        while not all(h.finished for h in handles):
+            if await request.is_disconnected():
+                self.cancel(handles)
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    def streaming(self, request: Request, handles: list[RequestHandle], body: AsyncIterator[str]) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            watcher = asyncio.create_task(self.watch(request, handles))
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:
+                watcher.cancel()
+                self.cancel(handles)
+
+        return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def wait(self, request: Request, handles: list[RequestHandle]) -> None:
+        watcher = asyncio.create_task(self.watch(request, handles))
+        try:
+            for h in handles:
+                async for _ in h.stream():
+                    pass
+        finally:
+            watcher.cancel()
+            self.cancel(handles)
+        failure = _failure(handles)
+        if failure is not None:
+            raise failure
+
+    # -- /v1/completions
+    async def completions(self, request: Request) -> Any:
+        req = parse_completion(await _json(request), self.vocab_size)
+        self.check_model(req.model)
+        params = req.sampling.params(COMPLETION_DEFAULT_MAX_TOKENS)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        handles = await self.submit(req.prompts, params, rid)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return self.streaming(request, handles, self._completion_chunks(head, handles, req.include_usage))
+        await self.wait(request, handles)
+        choices = [
+            {"index": i, "text": h.output.text, "logprobs": None, "finish_reason": h.output.finish_reason}
+            for i, h in enumerate(handles)
+        ]
+        return {**head, "choices": choices, "usage": _usage(handles), "system_fingerprint": None}
+
+    async def _completion_chunks(self, head: dict, handles: list[RequestHandle], include_usage: bool):
+        extra = {"usage": None} if include_usage else {}
+        async for index, event in _events(handles):
+            if event.text or event.finished:
+                reason = event.finish_reason if event.finished else None
+                if reason == "error":
+                    yield _sse(_failure(handles).body())
+                    yield _sse("[DONE]")
+                    return
+                choice = {"index": index, "text": event.text, "logprobs": None, "finish_reason": reason}
+                yield _sse({**head, "choices": [choice], **extra})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(handles)})
+        yield _sse("[DONE]")
+
+    # -- /v1/chat/completions
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt token ids: the tokenizer's chat template, or a plain ``role: content`` transcript when the
+        tokenizer has none (as :class:`~kvtrim.serve.engine.Engine` does for chat prompts)."""
+        tokenizer = self.engine.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # jinja errors (e.g. roles not alternating) are the caller's
+                raise RequestError(f"messages could not be rendered with the chat template: {exc}", "messages") from exc
+        else:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _chat_params(self, sampling: Sampling, prompt_tokens: int) -> SamplingParams:
+        default = self.chat_default_max_tokens
+        if self.max_positions is not None:
+            default = max(1, min(default, self.max_positions - prompt_tokens))
+        return sampling.params(default)
+
+    async def chat(self, request: Request) -> Any:
+        req = parse_chat(await _json(request))
+        self.check_model(req.model)
+        ids = await run_in_threadpool(self._chat_ids, req.messages)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        handles = await self.submit([ids], self._chat_params(req.sampling, len(ids)), rid, "messages")
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            chunk_head = {**head, "object": "chat.completion.chunk"}
+            return self.streaming(request, handles, self._chat_chunks(chunk_head, handles, req.include_usage))
+        await self.wait(request, handles)
+        out = handles[0].output
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+        }
+        return {**head, "choices": [choice], "usage": _usage(handles), "system_fingerprint": None}
+
+    async def _chat_chunks(self, head: dict, handles: list[RequestHandle], include_usage: bool):
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(delta: dict, reason: str | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return _sse({**head, "choices": [choice], **extra})
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for _, event in _events(handles):
+            if event.text:
+                yield chunk({"content": event.text})
+            if event.finished:
+                if event.finish_reason == "error":
+                    yield _sse(_failure(handles).body())
+                    yield _sse("[DONE]")
+                    return
+                yield chunk({}, event.finish_reason)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(handles)})
+        yield _sse("[DONE]")
+
+    # -- the rest
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvtrim"}
+        return {"object": "list", "data": [card]}
+
+    def health(self) -> JSONResponse:
+        running = getattr(self.engine, "running", True)
+        out: dict[str, Any] = {"status": "ok" if running else "engine not running", "model": self.model_name}
+        stats = getattr(self.engine, "stats", None)
+        if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+            out["stats"] = dataclasses.asdict(stats)
+        return JSONResponse(out, status_code=200 if running else 503)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- the app
+def create_app(
+    engine: Engine, *, manage_engine: bool = True, chat_default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS
+) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    With ``manage_engine`` the app starts the engine's background thread on startup and stops it on shutdown.
+    ``chat_default_max_tokens`` caps chat replies that give no ``max_tokens`` (also capped by the model's
+    maximum positions); completions default to 16 tokens as in OpenAI's API.
+    """
+    server = _Server(engine, chat_default_max_tokens)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if manage_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await run_in_threadpool(engine.stop)
+
+    app = FastAPI(title="kvtrim", summary="OpenAI-compatible server over a compressed KV cache", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    routes: list[tuple[str, str, Callable]] = [
+        ("GET", "/health", server.health),
+        ("GET", "/v1/models", server.models),
+        ("POST", "/v1/completions", server.completions),
+        ("POST", "/v1/chat/completions", server.chat),
+    ]
+    for method, path, endpoint in routes:
+        app.add_api_route(path, endpoint, methods=[method], response_model=None)
+    return app
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run the server with uvicorn until interrupted (starts and stops the engine)."""
+    import uvicorn
+
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)

@@ -1,0 +1,240 @@
+"""Scheduling for the serving engine: queues, admission by free KV blocks, compression triggers, preemption.
+
+Pure logic, testable without a model: sequences are seen through :class:`ScheduledSequence` and the pool
+through its free-block count; the engine owns the model, the pool and the caches, and calls the scheduler
+in this order every step (KV-Compress, arXiv 2410.00161, §4.a step 9):
+
+1. :meth:`Scheduler.plan_compression` — whether compression runs now and on which running sequences. Forced
+   after a new prefill and when the running sequences need more blocks than are free (``must_preempt``); a
+   compression forced only by memory pressure locks new prefills until a running sequence finishes or is
+   preempted. Otherwise it runs every ``compression_interval`` steps.
+2. :meth:`Scheduler.preempt` — if the next decode step still does not fit, preempt by recompute, newest first.
+3. The engine decodes every running sequence in one batch, then calls :meth:`Scheduler.finish` for the
+   finished ones and :meth:`Scheduler.tick`.
+4. :meth:`Scheduler.admit` — first come, first served: prefill waiting sequences while their prompt blocks
+   (plus the running sequences' next-step growth) fit in the free blocks and prefills are not locked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import InvalidParameterError
+
+
+class ScheduledSequence(Protocol):
+    """The scheduler's view of one request (the engine's request object implements it)."""
+
+    arrival: int  # submission order; larger is newer
+    steps_since_compression: int  # decode steps since its last compression (or its prefill)
+    compressed_since_prefill: bool  # compressed at least once since its latest (re)prefill
+
+    def prefill_tokens(self) -> int:
+        """Tokens a (re)prefill feeds: the prompt plus every token generated so far."""
+
+    def blocks_held(self) -> int:
+        """Blocks of the pool it holds now (0 while waiting)."""
+
+    def decode_blocks_needed(self) -> int:
+        """Extra blocks its next decode step allocates (0 while waiting)."""
+
+    def kv_entries(self) -> int:
+        """Stored (token, layer, KV head) entries."""
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    """Block arithmetic of a paged cache with one block table per (layer, KV head)."""
+
+    layers: int
+    kv_heads: int
+    block_size: int
+
+    @property
+    def tables(self) -> int:
+        return self.layers * self.kv_heads
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that ``tokens`` uncompressed tokens occupy (every table holds all of them)."""
+        return self.tables * math.ceil(tokens / self.block_size)
+
+    def budget_blocks(self, max_cache_tokens: int) -> int:
+        """Blocks a sequence keeps at a per-head average budget of ``max_cache_tokens`` (rounded up)."""
+        return math.ceil(max_cache_tokens * self.tables / self.block_size)
+
+
+def max_cache_tokens(tokens: int, compression_rate: float, min_cache_tokens: int, block_size: int) -> int:
+    """The per-head average budget M for a sequence of ``tokens`` at compression rate ``cr`` (the paper's
+    runners): M = max(min_cache_tokens, floor((T/cr − 1) / block_size) · block_size)."""
+    return max(min_cache_tokens, math.floor((tokens / compression_rate - 1) / block_size) * block_size)
+
+
+@dataclass
+class CompressionPlan:
+    """Sequences to compress this step, oldest-compressed first, and why compression runs."""
+
+    sequences: list
+    after_prefill: bool
+    memory_pressure: bool
+
+
+class Scheduler:
+    """Waiting and running queues of one engine over a pool of ``num_blocks`` blocks.
+
+    Args:
+        geometry: block arithmetic of the pool's paged cache
+        num_blocks: blocks in the pool
+        compress: whether compression runs at all (compression rate > 1)
+        compress_once: compress each sequence only in the first compression after its (re)prefill
+        compression_interval: steps between compressions that nothing forces (1 = every step)
+        max_kv_per_compression: entries one compression may cover (candidates are added while the total stays
+            within it; at least one is always taken)
+        max_batch: running sequences at most (None = only memory limits it)
+    """
+
+    def __init__(
+        self,
+        geometry: BlockGeometry,
+        num_blocks: int,
+        *,
+        compress: bool,
+        compress_once: bool = False,
+        compression_interval: int = 1,
+        max_kv_per_compression: int = 5_000_000,
+        max_batch: int | None = None,
+    ):
+        if compression_interval < 1:
+            raise InvalidParameterError(f"compression_interval must be >= 1, got {compression_interval}")
+        if max_batch is not None and max_batch < 1:
+            raise InvalidParameterError(f"max_batch must be >= 1 or None, got {max_batch}")
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        self.compress = compress
+        self.compress_once = compress_once
+        self.compression_interval = compression_interval
+        self.max_kv_per_compression = max_kv_per_compression
+        self.max_batch = max_batch
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.uncompressed_prefill = False
+        self.lock_prefill = False
+        self.iterations = 0  # steps since the last compression
+
+    # ------------------------------------------------------------------------------------------- queues
+    def add(self, seq: ScheduledSequence) -> None:
+        """Queue a new request (first come, first served)."""
+        self.waiting.append(seq)
+
+    def finish(self, seq: ScheduledSequence) -> None:
+        """Drop a finished or cancelled sequence from whichever queue holds it (the caller frees its blocks)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.lock_prefill = False
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------------------------------- memory
+    def decode_need(self) -> int:
+        """Blocks the running sequences' next decode step allocates."""
+        return sum(s.decode_blocks_needed() for s in self.running)
+
+    def must_preempt(self, num_free: int) -> bool:
+        return self.decode_need() > num_free
+
+    def can_ever_fit(self, tokens: int) -> bool:
+        """Whether a prefill of ``tokens`` (plus its first decoded token) fits in the empty pool."""
+        return self.geometry.blocks_for(tokens + 1) <= self.num_blocks
+
+    # ----------------------------------------------------------------------------------- compression
+    def plan_compression(self, num_free: int) -> CompressionPlan | None:
+        """Decide whether compression runs this step and on which running sequences (None: it does not)."""
+        if not self.compress or not self.running:
+            self.uncompressed_prefill = False
+            return None
+        self.iterations += 1
+        pressure = self.must_preempt(num_free)
+        after_prefill = self.uncompressed_prefill
+        if not (after_prefill or pressure or self.iterations >= self.compression_interval):
+            return None
+        candidates = [s for s in self.running if not (self.compress_once and s.compressed_since_prefill)]
+        candidates.sort(key=lambda s: s.steps_since_compression, reverse=True)  # stable: older first on ties
+        picked, total = [], 0
+        for seq in candidates:
+            entries = seq.kv_entries()
+            if picked and total + entries > self.max_kv_per_compression:
+                break
+            picked.append(seq)
+            total += entries
+        if pressure and not after_prefill:
+            self.lock_prefill = True  # avoid compress/preempt thrash: no prefill until something leaves
+        self.uncompressed_prefill = False
+        self.iterations = 0
+        return CompressionPlan(picked, after_prefill=after_prefill, memory_pressure=pressure)
+
+    @staticmethod
+    def mark_compressed(seq: ScheduledSequence) -> None:
+        seq.steps_since_compression = 0
+        seq.compressed_since_prefill = True
+
+    # ------------------------------------------------------------------------------------- preemption
+    def preempt(self, num_free: int) -> list:
+        """Preempt running sequences by recompute, newest first, until the next decode step fits.
+
+        Victims go back to the front of the waiting queue (oldest victim first); the caller releases their
+        blocks and resets them for a recompute prefill. A sequence whose recompute could never fit in the
+        empty pool is spared while another victim exists.
+        """
+        victims: list = []
+        free = num_free
+        while self.running and self.decode_need() > free:
+            by_age = sorted(self.running, key=lambda s: s.arrival, reverse=True)
+            victim = next((s for s in by_age if self.can_ever_fit(s.prefill_tokens())), by_age[0])
+            self.running.remove(victim)
+            free += victim.blocks_held()
+            victims.append(victim)
+        for victim in sorted(victims, key=lambda s: s.arrival, reverse=True):
+            self.waiting.appendleft(victim)
+        if victims:
+            self.lock_prefill = False
+        return victims
+
+    # -------------------------------------------------------------------------------------- admission
+    def admit(self, num_free: int) -> tuple[list, list]:
+        """Move waiting sequences to running while they fit; returns ``(admitted, impossible)``.
+
+        A sequence fits when the blocks of its prefill and first decoded token, plus the running sequences'
+        next-step growth, are free. ``impossible`` holds waiting sequences that could never fit even in the
+        empty pool (only possible after a preemption grew them); they are removed from the queue.
+        """
+        admitted: list = []
+        impossible: list = []
+        if self.lock_prefill:
+            return admitted, impossible
+        free = num_free - self.decode_need()
+        while self.waiting and (self.max_batch is None or len(self.running) < self.max_batch):
+            seq = self.waiting[0]
+            if not self.can_ever_fit(seq.prefill_tokens()):
+                impossible.append(self.waiting.popleft())
+                continue
+            need = self.geometry.blocks_for(seq.prefill_tokens() + 1)
+            if need > free:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            admitted.append(seq)
+            free -= need
+        if admitted:
+            self.uncompressed_prefill = True
+        return admitted, impossible
+
+    def tick(self) -> None:
+        """End of a decode step: every running sequence is one step further from its last compression."""
+        for seq in self.running:
+            seq.steps_since_compression += 1
