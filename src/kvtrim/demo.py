@@ -24,6 +24,8 @@ DEFAULT_METHODS = [
     "knorm",
     "tova",
     "lagkv",
+    "kvcompress",
+    "compilerkv",
     "random",
 ]
 
