@@ -126,8 +126,11 @@ def schedule_evictions(sequence: PagedSequence, *, blocks_to_evict: int, protect
     )
     sorted_metric, order = metric.sort(dim=1, stable=True)
     blocks = block_eviction_counts(sorted_metric, lengths, pool.block_size, blocks_to_evict)
-    n_evict = evicted_entries(blocks, lengths, pool.block_size).tolist()
-    evicted = [order[r, :n].sort().values if n else order.new_zeros(0) for r, n in enumerate(n_evict)]
+    n_evict = evicted_entries(blocks, lengths, pool.block_size)
+    # The n lowest-ranked slots of each row, back in logical order: one scatter and one split, no per-row sort.
+    ranked = torch.arange(order.shape[1], device=order.device)[None, :] < n_evict[:, None]
+    gone = torch.zeros_like(ranked).scatter_(1, order, ranked)
+    evicted = list(torch.nonzero(gone)[:, 1].split(n_evict.tolist()))
     return EvictionPlan(evicted=evicted, blocks=blocks.cpu())
 
 
@@ -141,35 +144,42 @@ def apply_evictions(sequence: PagedSequence, plan: EvictionPlan) -> int:
     if len(plan.evicted) != sequence.num_rows:
         raise InvalidParameterError(f"the plan has {len(plan.evicted)} rows, the sequence {sequence.num_rows}")
     pool = sequence.pool
-    slot, _ = sequence.slots()
-    lengths = sequence.row_lengths().tolist()
-    src, dst, vacated, new_lengths = [], [], [], []
-    for r, gone in enumerate(plan.evicted):
-        n = lengths[r]
-        gone = gone.to(slot.device)
-        if len(gone) and (int(gone.min()) < 0 or int(gone.max()) >= n or len(gone.unique()) != len(gone)):
-            raise InvalidParameterError(f"row {r}: evicted slots must be distinct and in [0, {n}), got {gone}")
-        new_len = n - len(gone)
-        new_lengths.append(new_len)
-        if not len(gone):
-            continue
-        holes = gone[gone < new_len]  # ascending
-        tail = torch.ones(n - new_len, dtype=torch.bool, device=slot.device)
-        tail[gone[gone >= new_len] - new_len] = False
-        movers = (torch.nonzero(tail).flatten() + new_len).flip(0)  # survivors at the tail, last one first
-        src.append(slot[r, movers])
-        dst.append(slot[r, holes])
-        vacated.append(slot[r, new_len:n])
-    if src:
-        s, d = torch.cat(src), torch.cat(dst)
+    slot, valid = sequence.slots()
+    rows, width = slot.shape
+    lengths = sequence.row_lengths().to(slot.device)
+    counts = torch.tensor([len(g) for g in plan.evicted], dtype=torch.long, device=slot.device)
+    gone = torch.zeros(rows, width, dtype=torch.bool, device=slot.device)
+    if int(counts.sum()):
+        flat = torch.cat([g.to(slot.device).long() for g in plan.evicted])
+        row_of = torch.repeat_interleave(torch.arange(rows, device=slot.device), counts)
+        if int(flat.min()) < 0 or bool((flat >= lengths[row_of]).any()):
+            raise InvalidParameterError("evicted slots must lie in [0, row length) of their row")
+        gone[row_of, flat] = True
+        if bool((gone.sum(1) != counts).any()):
+            raise InvalidParameterError("evicted slots must be distinct within each row")
+    new_lengths = lengths - counts
+    idx = torch.arange(width, device=slot.device)[None, :]
+    holes = gone & (idx < new_lengths[:, None])  # evicted slots inside the new length, filled in ascending order
+    movers = ~gone & valid & (idx >= new_lengths[:, None])  # survivors beyond it, moved last one first
+    # Pair the k-th hole of a row with its k-th mover from the end (the two counts are equal per row).
+    hole_rank = holes.long().cumsum(1) - 1
+    mover_rank = movers.long().flip(1).cumsum(1).flip(1) - 1
+    h_row, h_col = torch.nonzero(holes, as_tuple=True)
+    m_row, m_col = torch.nonzero(movers, as_tuple=True)
+    h_order = torch.argsort(h_row * width + hole_rank[h_row, h_col])
+    m_order = torch.argsort(m_row * width + mover_rank[m_row, m_col])
+    d = slot[h_row, h_col][h_order]
+    s_ = slot[m_row, m_col][m_order]
+    if len(d):
         hd = pool.head_dim
         for t in (pool.keys.view(-1, hd), pool.values.view(-1, hd)):
-            t[d] = t[s]
+            t[d] = t[s_]
         for t in (pool.positions.view(-1), pool.metric.view(-1)):
-            t[d] = t[s]
-        gone_slots = torch.cat(vacated)
-        pool.positions.view(-1)[gone_slots] = EMPTY
-        pool.metric.view(-1)[gone_slots] = 0.0
+            t[d] = t[s_]
+    vacated = slot[valid & (idx >= new_lengths[:, None])]
+    pool.positions.view(-1)[vacated] = EMPTY
+    pool.metric.view(-1)[vacated] = 0.0
+    lengths, new_lengths = lengths.tolist(), new_lengths.tolist()
     dropped: list[int] = []
     for r, new_len in enumerate(new_lengths):
         if new_len != lengths[r]:
