@@ -168,8 +168,8 @@ def demo(
     length: Annotated[int, typer.Option(help="prompt length in tokens")] = 1000,
     ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5,0.75",
     methods_: Annotated[
-        str, typer.Option("--methods", help="comma-separated methods")
-    ] = "streaming_llm,snapkv,pyramidkv,adakv,critical_adakv,h2o,knorm,tova,lagkv,random",
+        str | None, typer.Option("--methods", help="comma-separated methods (default: kvtrim.demo.DEFAULT_METHODS)")
+    ] = None,
 ) -> None:
     """Compress the embedded model's cache with several methods on passkey and needle prompts; print a table."""
     from .demo import run_demo
@@ -180,7 +180,7 @@ def demo(
             samples=samples,
             length=length,
             ratios=[float(r) for r in ratios.split(",")],
-            methods=[m.strip() for m in methods_.split(",") if m.strip()],
+            methods=None if methods_ is None else [m.strip() for m in methods_.split(",") if m.strip()],
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
