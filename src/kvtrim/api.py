@@ -174,17 +174,13 @@ def _record_prompt_logprobs(cache, logits, input_ids, input_mask, window: int) -
     positions of this feed; the first fed token is predicted by the previous feed's last position."""
     n, k = input_ids.shape[1], logits.shape[1]
     logp = torch.log_softmax(logits.float(), dim=-1)  # [b, k, V]
-    take = min(n, window)
-    got = torch.full((input_ids.shape[0], take), float("nan"))
-    for col in range(take):  # token index n - take + col is predicted by the position before it
-        j = n - take + col
-        src = j - 1 - (n - k)  # index of position j-1 among the kept logits
-        tok = input_ids[:, j : j + 1]
-        if src >= 0:
-            got[:, col] = logp[:, src].gather(-1, tok).squeeze(-1)
-        elif j == 0 and cache._last_logprobs is not None:
-            got[:, col] = cache._last_logprobs.gather(-1, tok).squeeze(-1)
-    got = got.masked_fill(~input_mask[:, -take:].to(torch.bool), float("nan"))
+    got = logp[:, :-1].gather(-1, input_ids[:, n - k + 1 :, None]).squeeze(-1)  # tokens n-k+1 .. n-1
+    if k == n:  # the feed's first token: the previous feed's last position predicted it, if there was one
+        last = cache._last_logprobs
+        first = last.gather(-1, input_ids[:, :1]) if last is not None else got.new_full((got.shape[0], 1), float("nan"))
+        got = torch.cat([first, got], dim=1)
+    got = got[:, -window:]
+    got = got.masked_fill(~input_mask[:, -got.shape[1] :].to(torch.bool), float("nan"))
     prev = cache.prompt_logprobs
     cache.prompt_logprobs = (got if prev is None else torch.cat([prev, got], dim=1))[:, -window:]
     cache._last_logprobs = logp[:, -1]
@@ -338,13 +334,7 @@ class Session:
         return [int(x) for x in mask.sum(-1).tolist()]
 
     def _check_covered(self, pipeline: Pipeline) -> None:
-        need, have = pipeline.observation, self.observation
-        if (
-            need.window > have.window
-            or not set(need.accumulate) <= set(have.accumulate)
-            or need.token_logprobs > have.token_logprobs
-            or ("attn_band_sum" in need.accumulate and need.band > have.band)
-        ):
+        if not self.observation.covers(pipeline.observation):
             raise InvalidParameterError(
                 f"method {pipeline.name!r} needs observations this session did not record; "
                 "list it in Session(methods=...)"

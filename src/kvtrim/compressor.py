@@ -68,6 +68,37 @@ class CompressionReport:
     metadata: dict = field(default_factory=dict)
 
 
+def layer_views(
+    cache: KVTrimCache,
+    context: torch.Tensor,
+    accumulate: tuple[str, ...] = (),
+    logits: torch.Tensor | None = None,
+    shared: dict | None = None,
+) -> list[LayerView]:
+    """What scorers see of every dense layer of ``cache`` (``context`` ``[batch]`` tokens seen per row); the
+    views share one ``shared`` dict for cross-layer quantities."""
+    shared = {} if shared is None else shared
+    return [
+        LayerView(
+            layer_idx=layer.layer_idx,
+            num_layers=len(cache.layers),
+            keys=layer.store.keys,
+            values=layer.store.values,
+            positions=layer.store.positions,
+            context_lengths=context,
+            observation=layer.observation,
+            stats={name: layer.store.stat(name) for name in accumulate},
+            module=layer.module,
+            scaling=float(getattr(layer.module, "scaling", layer.store.keys.shape[-1] ** -0.5)),
+            logits=logits,
+            compressed_until=layer.compressed_until,
+            prompt_logprobs=cache.prompt_logprobs,
+            shared=shared,
+        )
+        for layer in cache.kv_layers
+    ]
+
+
 def compress_cache(
     cache: KVTrimCache, pipeline: Pipeline, spec: BudgetSpec, logits: torch.Tensor | None = None
 ) -> CompressionReport:
@@ -98,25 +129,7 @@ def compress_cache(
         return report
 
     shared: dict = {"keep": keep}
-    views = [
-        LayerView(
-            layer_idx=layer.layer_idx,
-            num_layers=len(cache.layers),
-            keys=layer.store.keys,
-            values=layer.store.values,
-            positions=layer.store.positions,
-            context_lengths=context,
-            observation=layer.observation,
-            stats={name: layer.store.stat(name) for name in pipeline.observation.accumulate},
-            module=layer.module,
-            scaling=float(getattr(layer.module, "scaling", layer.store.keys.shape[-1] ** -0.5)),
-            logits=logits,
-            compressed_until=layer.compressed_until,
-            prompt_logprobs=cache.prompt_logprobs,
-            shared=shared,
-        )
-        for layer in layers
-    ]
+    views = layer_views(cache, context, pipeline.observation.accumulate, logits, shared)
     prepare = getattr(pipeline.scorer, "prepare", None)
     if prepare is not None:
         prepare(views)

@@ -11,7 +11,7 @@ import kvtrim
 from conftest import tiny_model
 from kvtrim.api import prefill_ids
 from kvtrim.calibration.compilerkv_tables import CompiledTables, TableSource
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compressor import BudgetSpec, layer_views
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
 from kvtrim.scoring.risk import bin_index, local_perplexity, quantile_edges, structural_entropy
@@ -20,32 +20,13 @@ from kvtrim.scoring.stabilized_utility import StabilizedUtilityScorer
 
 def _views(model, ids, mask=None, window=16):
     """Prefill ``ids`` and build the compressor's layer views (with cross-layer preparation)."""
-    from kvtrim.scoring.base import LayerView
-
     scorer = StabilizedUtilityScorer(TableSource(neutral=True), window=window)
     mask = torch.ones_like(ids) if mask is None else mask
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         pre = prefill_ids(model, ids, mask, scorer.observation)
     cache = pre.cache
     context = mask.sum(-1)
-    shared = {"keep": torch.full_like(context, 10)}
-    views = [
-        LayerView(
-            layer_idx=layer.layer_idx,
-            num_layers=len(cache.layers),
-            keys=layer.store.keys,
-            values=layer.store.values,
-            positions=layer.store.positions,
-            context_lengths=context,
-            observation=layer.observation,
-            stats={},
-            module=layer.module,
-            scaling=float(layer.module.scaling),
-            prompt_logprobs=cache.prompt_logprobs,
-            shared=shared,
-        )
-        for layer in cache.kv_layers
-    ]
+    views = layer_views(cache, context, shared={"keep": torch.full_like(context, 10)})
     scorer.prepare(views)
     return scorer, views, cache
 

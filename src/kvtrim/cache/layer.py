@@ -35,6 +35,24 @@ def take_current_layer(layer_idx: int) -> CompressibleLayer | None:
     return layer
 
 
+def raise_if_unconsumed(cache, fix: str) -> None:
+    """Raise if the entries a layer of ``cache`` handed over were never taken by kvtrim's attention function (the
+    model runs another attention implementation); ``fix`` says what to do instead."""
+    if cache._unconsumed is not None:
+        cache._unconsumed = None
+        raise UnsupportedModelError(
+            f"a {type(cache).__name__} was updated but kvtrim's attention function never consumed the entries: {fix}"
+        )
+
+
+def hand_over(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Park a layer's new entries for kvtrim's attention function, which takes them with :func:`take_current_layer`
+    and calls ``layer.attend``."""
+    layer._pending = (key_states, value_states)
+    layer.cache._unconsumed = layer.layer_idx
+    _CURRENT.layer = layer
+
+
 class CompressibleLayer(CacheLayerMixin):
     """One layer of a :class:`KVTrimCache`.
 
@@ -77,19 +95,16 @@ class CompressibleLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.cache._unconsumed is not None:
-            self.cache._unconsumed = None
-            raise UnsupportedModelError(
-                "a KVTrimCache was updated but kvtrim's attention function never consumed the entries: the model "
-                "must run with attn_implementation='kvtrim' (use KVTrimCache(model, ...) or kvtrim.compressing(...))"
-            )
+        raise_if_unconsumed(
+            self.cache,
+            "the model must run with attn_implementation='kvtrim' (use KVTrimCache(model, ...) or "
+            "kvtrim.compressing(...))",
+        )
         if self.layer_idx == 0:
             self.cache._before_forward(key_states.shape[2])
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._pending = (key_states, value_states)
-        self.cache._unconsumed = self.layer_idx
-        _CURRENT.layer = self
+        hand_over(self, key_states, value_states)
         return key_states, value_states
 
     def attend(

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..errors import InvalidParameterError, UnsupportedModelError
+from ..errors import InvalidParameterError
 from ..scoring.squared_attention import squared_attention
 from .attention import attention_probabilities, grouped_attention
 from .block_pool import EMPTY, BlockPool, OutOfBlocks
-from .layer import _CURRENT
+from .layer import hand_over, raise_if_unconsumed
 
 __all__ = [
     "PAGED_METHODS",
@@ -229,18 +229,13 @@ class PagedLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        cache = self.cache
-        if cache._unconsumed is not None:
-            cache._unconsumed = None
-            raise UnsupportedModelError(
-                "a PagedBatchCache was updated but kvtrim's attention function never consumed the entries: run the "
-                "model with attn_implementation='kvtrim' (kvtrim.integration.attention.kvtrim_attention_enabled)"
-            )
+        raise_if_unconsumed(
+            self.cache,
+            "run the model with attn_implementation='kvtrim' (kvtrim.integration.attention.kvtrim_attention_enabled)",
+        )
         if self.layer_idx == 0:
-            cache._begin_forward(key_states.shape[0], key_states.shape[2])
-        self._pending = (key_states, value_states)
-        cache._unconsumed = self.layer_idx
-        _CURRENT.layer = self
+            self.cache._begin_forward(key_states.shape[0], key_states.shape[2])
+        hand_over(self, key_states, value_states)
         return key_states, value_states
 
     def attend(

@@ -33,7 +33,7 @@ import torch
 from ..compressor import BudgetSpec
 from ..errors import InvalidParameterError
 from ..integration.attention import kvtrim_attention_enabled
-from ..scoring.risk import quantile_edges
+from ..scoring.risk import bin_index, quantile_edges
 from .artifacts import save_artifact
 from .compilerkv_tables import (
     HEAD_ACTIONS,
@@ -278,8 +278,8 @@ def calibrate_compilerkv(
             nE, nP = settings.entropy_bins, settings.ppl_bins
             for bi, budget in enumerate(budgets):
                 for d, (doc, pre) in enumerate(zip(docs, prefilled, strict=True)):
-                    e_bin = int(torch.searchsorted(edges[0], torch.tensor([pre.entropy]), right=True))
-                    p_bin = int(torch.searchsorted(edges[1], torch.tensor([pre.perplexity]), right=True))
+                    e_bin = int(bin_index(torch.tensor([pre.entropy]), edges[0]))
+                    p_bin = int(bin_index(torch.tensor([pre.perplexity]), edges[1]))
                     for k in range(settings.gate_rollouts):
                         action = gplan[bi, :, d * settings.gate_rollouts + k]  # [L]
                         gate = THRESHOLD_ACTIONS[action][:, None, None].expand(L, nE, nP).clone()

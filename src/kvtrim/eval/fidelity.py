@@ -147,12 +147,7 @@ class Prefill:
         return cls(cache, mask, logits, observation)
 
     def covers(self, pipeline: Pipeline) -> bool:
-        need, have = pipeline.observation, self.observation
-        return (
-            need.window <= have.window
-            and set(need.accumulate) <= set(have.accumulate)
-            and need.token_logprobs <= have.token_logprobs
-        )
+        return self.observation.covers(pipeline.observation)
 
     def full_cache(self) -> KVTrimCache:
         """An independent uncompressed copy."""

@@ -33,6 +33,15 @@ class ObservationSpec:
     token_logprobs: int = 0
     band: int = 32
 
+    def covers(self, need: ObservationSpec) -> bool:
+        """Whether a prefill recorded with this spec holds everything ``need`` asks for."""
+        return (
+            need.window <= self.window
+            and set(need.accumulate) <= set(self.accumulate)
+            and need.token_logprobs <= self.token_logprobs
+            and ("attn_band_sum" not in need.accumulate or need.band <= self.band)
+        )
+
     def merge(self, other: ObservationSpec) -> ObservationSpec:
         return ObservationSpec(
             window=max(self.window, other.window),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,6 @@ class ThresholdGateSelector:
     normalize: str = "none"
     keep_window: int = 0
     missing_logprobs: str = "error"
-    _records: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,7 +104,7 @@ class ThresholdGateSelector:
         indices, order = top.indices.sort(dim=-1)
         keep = torch.gather(keep, -1, order)
         h = view.kv_heads
-        self._records.append(
+        view.shared.setdefault("compilerkv_gate", []).append(  # one record per layer, for the metadata
             {"layer": view.layer_idx, "tau": tau, "candidates": n_cand, "kept": keep.sum(-1), "budget": budget,
              "entropy_bin": e_bin, "ppl_bin": p_bin, "context": view.context_lengths}
         )
@@ -113,7 +112,7 @@ class ThresholdGateSelector:
 
     def describe_compression(self, shared: dict) -> dict:
         """Per-compression metadata: thresholds, candidate counts, risk signals and the compiled budget used."""
-        records, self._records = self._records, []
+        records = shared.get("compilerkv_gate")
         if not records:
             return {}
         risk = shared.get("risk")

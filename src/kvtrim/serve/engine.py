@@ -26,7 +26,7 @@ from ..api import _eos_ids
 from ..cache.paged import PAGED_METHODS, BlockPool, PagedBatchCache, PagedSequence, prefill_metric
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
-from ..selection.block_eviction import apply_evictions, blocks_over_budget, schedule_evictions
+from ..selection.block_eviction import compress_sequence
 from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
 from .types import RequestHandle, SamplingParams, TokenEvent
 
@@ -457,14 +457,11 @@ class Engine:
     def _compress(self, req: _Request) -> None:
         seq = req.paged
         budget = max_cache_tokens(seq.seen, self.compression_rate, self.min_cache_tokens, self.pool.block_size)
-        excess = blocks_over_budget(seq, max_cache_tokens=budget)
-        if excess > 0:
-            plan = schedule_evictions(seq, blocks_to_evict=excess, protected_window=self.protected_window)
-            freed = apply_evictions(seq, plan)
-            if freed:
-                self._stats.compressions += 1
-                self._stats.blocks_evicted += freed
-                req.compressions += 1
+        freed = compress_sequence(seq, max_cache_tokens=budget, protected_window=self.protected_window)
+        if freed:
+            self._stats.compressions += 1
+            self._stats.blocks_evicted += freed
+            req.compressions += 1
         self.scheduler.mark_compressed(req)
 
     def _preempt_phase(self, events: list[TokenEvent]) -> None:
