@@ -51,10 +51,13 @@ def test_ragged_attention_equals_masked_dense_reference(b, h, group, s, tq, seed
     assert torch.equal(ragged.entries_per_head(), keep.sum(-1))
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(b, h * group, tq, 8, generator=g)
-    qpos = torch.randint(0, s + 3, (b, tq), generator=g)
+    # A single query is a decoding step: the newest token, after every stored one (the stores' contract).
+    qpos = torch.randint(s if tq == 1 else 0, s + 3, (b, tq), generator=g)
     out = ragged.attend(q, qpos, 0.35)
     ref = reference_attention(q, reference.keys, reference.values, reference.positions, qpos, 0.35)
     assert torch.allclose(out, ref, atol=1e-5)
+    # The dense store holding the same entries (padded) gives the same result, by the same contract.
+    assert torch.allclose(out, reference.attend(q, qpos, 0.35, fresh_causal=False), atol=1e-5)
 
 
 def test_bytes_equal_kept_entries_then_bounded_slack():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .attention import grouped_attention
+from .packed_attention import attend_padded
 
 INVALID = -1
 
@@ -89,12 +90,17 @@ class DenseStore:
         self._pos = grow(self._pos, INVALID)
         self._stats = {n: grow(s) for n, s in self._stats.items()}
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, padded: bool | None = None
+    ) -> None:
         """Append ``q`` new tokens to every head.
 
         Args:
             keys, values: ``[batch, kv_heads, q, head_dim]``
             positions: ``[batch, q]`` logical positions, ``-1`` for padding tokens
+            padded: whether some of the tokens may be padding, when the caller knows it without reading the
+                device (False: none is; True: some may be, so attention masks empty slots from now on); None reads
+                ``positions`` (a host sync)
         """
         q = keys.shape[2]
         self._reserve(q)
@@ -105,7 +111,9 @@ class DenseStore:
         for s in self._stats.values():
             s[:, :, self.length : end] = 0
         self.length = end
-        if self.all_valid and bool((positions < 0).any()):
+        if padded is None:
+            padded = self.all_valid and bool((positions < 0).any())
+        if padded:
             self.all_valid = False
 
     # ------------------------------------------------------------------ compaction
@@ -184,10 +192,11 @@ class DenseStore:
         causal kernel gives the same result. Returns ``[batch, q, q_heads, head_dim]``.
         """
         if fresh_causal:
-            mask = None
-        elif query.shape[2] == 1 and self.all_valid:
-            mask = None  # one decoding query sees every stored (past) token
+            return grouped_attention(query, self.keys, self.values, None, scaling, causal=True)
+        kpos = self.positions
+        if query.shape[2] == 1:
+            # One decoding query sees every stored (past) token: only empty slots are masked, when there are any.
+            mask = None if self.all_valid else (kpos >= 0)[:, :, None, :]
         else:
-            kpos = self.positions
             mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= query_positions[:, None, :, None])
-        return grouped_attention(query, self.keys, self.values, mask, scaling, causal=fresh_causal)
+        return attend_padded(query, self.keys, self.values, mask, scaling)

@@ -138,14 +138,16 @@ class CompressibleLayer(CacheLayerMixin):
             if padding_mask.shape[-1] < q:
                 raise ValueError(f"attention_mask has {padding_mask.shape[-1]} columns for {q} new tokens")
             valid = padding_mask[:, -q:].to(torch.bool)
-            if bool(valid.all()):
+            # A prompt chunk is checked once (cheaper attention when nothing is padding); a decoding step is not
+            # read back (no host sync): its token is masked on the device if the mask says it is padding.
+            if q > 1 and bool(valid.all()):
                 valid = None
         positions = positions.long() if valid is None else positions.long().masked_fill(~valid, INVALID)
         store = self.store
         fresh = (
-            store.is_empty and store.layout == "dense" and valid is None and bool((positions.diff(dim=1) == 1).all())
+            store.layout == "dense" and store.is_empty and valid is None and bool((positions.diff(dim=1) == 1).all())
         )
-        store.append(keys, values, positions)
+        store.append(keys, values, positions, padded=valid is not None)
         out = store.attend(query, positions, scaling, fresh_causal=fresh)
         self.seen += q
         if self.cache.observing:

@@ -5,6 +5,9 @@ row ``r = b * kv_heads + h`` owns ``capacity[r]`` consecutive slots starting at 
 ``length[r]`` are filled. After compaction there is no slack at all; decoding appends into per-row slack that
 grows geometrically (≥ 1/8 of the row, at least 16 slots), so a step writes only the new token unless a row is
 full, and a regrowth copies the layer once. Only real tokens are stored (padding is skipped).
+
+Attention is one batched call per layer (:mod:`kvtrim.cache.packed_attention`), and appending or attending reads
+nothing back from the device: the host keeps a lower bound on every row's free slots.
 """
 
 from __future__ import annotations
@@ -12,6 +15,14 @@ from __future__ import annotations
 import torch
 
 from .dense import INVALID, DenseStore
+from .packed_attention import (
+    attend_padded,
+    flash_varlen_attention,
+    flash_varlen_available,
+    gather_index,
+    gather_rows,
+    ragged_mask,
+)
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -24,11 +35,16 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return starts[row_of] + offsets
 
 
+
 class RaggedStore:
     """KV entries of one layer with a per-(sequence, KV head) length.
 
     Attributes:
-        start, length, capacity: ``[batch * kv_heads]`` slot bookkeeping per row
+        start, length, capacity: ``[batch * kv_heads]`` slot bookkeeping per row (on the device)
+
+    Host-side bookkeeping, exact after construction and repacks and advanced without reading the device while
+    decoding: ``_slack_min`` (a lower bound on the free slots of every row), ``_width`` (the largest row capacity)
+    and ``_index`` (``[rows, _width]`` flat slot of every padded column, for the batched attention).
     """
 
     layout = "ragged"
@@ -48,16 +64,20 @@ class RaggedStore:
         self.start, self.length, self.capacity = start, length, capacity
         self.batch_size, self.kv_heads = batch, kv_heads
         self._stats: dict[str, torch.Tensor] = {}
-        self._row_max: list[int] | None = None  # latest position per row, cached for the decoding fast path
+        self._sync_layout()
 
-    def row_max_positions(self) -> list[int]:
-        """The largest stored position of every row (``-1`` for an empty row)."""
-        if self._row_max is None:
-            rows = torch.repeat_interleave(torch.arange(len(self.length), device=self._pos.device), self.length)
-            out = torch.full((len(self.length),), -1, dtype=torch.long, device=self._pos.device)
-            out.scatter_reduce_(0, rows, self._pos[_ranges(self.start, self.length)], reduce="amax")
-            self._row_max = out.tolist()
-        return self._row_max
+    def _sync_layout(self) -> None:
+        """Refresh the host-side bookkeeping from the device (construction and repacks only)."""
+        rows = len(self.capacity)
+        self._slack_min = int((self.capacity - self.length).min()) if rows else 0
+        self._width = int(self.capacity.max()) if rows else 0
+        self._index = gather_index(self.start, self._width, self._k.shape[0])
+
+    def row_max_positions(self) -> torch.Tensor:
+        """``[batch * kv_heads]`` the largest stored position of every row (``-1`` for an empty row)."""
+        rows = torch.repeat_interleave(torch.arange(len(self.length), device=self._pos.device), self.length)
+        out = torch.full((len(self.length),), -1, dtype=torch.long, device=self._pos.device)
+        return out.scatter_reduce_(0, rows, self._pos[_ranges(self.start, self.length)], reduce="amax")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -101,50 +121,61 @@ class RaggedStore:
         self._pos = move(self._pos, INVALID)
         self._stats = {n: move(s) for n, s in self._stats.items()}
         self.start, self.length, self.capacity = new_start, lengths.clone(), new_capacity.clone()
-        self._row_max = None
+        self._sync_layout()
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def _make_room(self, q: int) -> None:
+        """Give every row at least ``q`` free slots: rows with less grow geometrically (≥ 1/8 of the row, at least
+        16 slots), in one repack. Reads the device; runs once every ≥ 16 appends at most."""
+        need = self.length + q
+        grown = need + torch.clamp(need // 8, min=16)
+        rows = torch.arange(len(self.length), device=self.length.device)
+        # Rows left as they are keep ≥ 16 free slots, so the next repack is ≥ 16 appends away.
+        self._repack(rows, torch.where(need + 16 > self.capacity, grown, self.capacity))
+
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, padded: bool | None = None
+    ) -> None:
         """Append new tokens; padding (position ``-1``) is not stored.
 
         Args:
             keys, values: ``[batch, kv_heads, q, head_dim]``
             positions: ``[batch, q]``
+            padded: accepted for symmetry with :meth:`DenseStore.append` (padding is handled on the device)
         """
-        b, h, q, _ = keys.shape
+        b, h, q, d = keys.shape
+        if q > self._slack_min:
+            self._make_room(q)
+        self._slack_min -= q  # every row gets at most q entries; the bound holds without reading the device
         valid = positions >= 0
-        new_per_row = valid.sum(1).repeat_interleave(h)  # [b * h]
-        need = self.length + new_per_row
-        if bool((need > self.capacity).any()):
-            grown = torch.maximum(need, self.capacity + torch.clamp(self.capacity // 8, min=16))
-            self._repack(
-                torch.arange(b * h, device=keys.device), torch.where(need > self.capacity, grown, self.capacity)
-            )
-        mask = valid[:, None, :].expand(b, h, q)
-        rank = (valid.long().cumsum(1) - 1)[:, None, :].expand(b, h, q)
-        dest = ((self.start + self.length).view(b, h, 1) + rank)[mask]
-        self._k[dest] = keys[mask]
-        self._v[dest] = values[mask]
-        self._pos[dest] = positions[:, None, :].expand(b, h, q)[mask]
+        if q == 1:
+            added = valid.view(b, 1).expand(b, h).reshape(-1)
+            dest = self.start + self.length  # a padding token is written past the row's end and never counted
+        else:
+            # Real tokens go first, in order; padding tokens after them, past the new end (overwritten later).
+            v = valid.long()
+            count = v.sum(1, keepdim=True)
+            rank = torch.where(valid, v.cumsum(1) - 1, count + (1 - v).cumsum(1) - 1)  # [b, q]
+            added = count.expand(b, h).reshape(-1)
+            dest = ((self.start + self.length).view(b, h, 1) + rank[:, None, :]).view(-1)
+        self._k.index_copy_(0, dest, keys.reshape(-1, d))
+        self._v.index_copy_(0, dest, values.reshape(-1, d))
+        self._pos.index_copy_(0, dest, positions[:, None, :].expand(b, h, q).reshape(-1))
         for s in self._stats.values():
-            s[dest] = 0
-        self.length = need
-        if self._row_max is not None:
-            newest = positions.amax(1).repeat_interleave(h).tolist()
-            self._row_max = [max(a, c) for a, c in zip(self._row_max, newest, strict=True)]
+            s.index_fill_(0, dest, 0)
+        self.length = self.length + added
 
     def truncate_to(self, mark: torch.Tensor) -> None:
         """Drop entries appended after ``mark`` (from :meth:`mark`)."""
         if bool((mark > self.length).any()):
             raise ValueError("cannot truncate a ragged store to a longer mark")
-        self.length = mark.clone()
-        self._row_max = None
+        self.length = mark.clone()  # rows only gain free slots: the host-side slack bound still holds
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder or select sequences (beam search, ``num_return_sequences``)."""
         h = self.kv_heads
         rows = (index.view(-1, 1) * h + torch.arange(h, device=index.device)).reshape(-1)
-        self._repack(rows, self.length[rows].clone())
         self.batch_size = len(index)
+        self._repack(rows, self.length[rows].clone())
 
     def copy(self) -> RaggedStore:
         out = RaggedStore(
@@ -208,30 +239,21 @@ class RaggedStore:
     def attend(
         self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, fresh_causal: bool = False
     ) -> torch.Tensor:
-        """Attention of ``query`` ``[batch, q_heads, q, head_dim]`` over each row's entries, row by row on views
-        of the flat buffers (nothing is copied). Returns ``[batch, q, q_heads, head_dim]``."""
-        b, hq, tq, d = query.shape
-        group = hq // self.kv_heads
-        out = query.new_zeros(b, hq, tq, d)
-        starts, lengths = self.start.tolist(), self.length.tolist()
-        row_max = self.row_max_positions() if tq == 1 else None
-        for bi in range(b):
-            qpos = query_positions[bi]
-            for h in range(self.kv_heads):
-                r = bi * self.kv_heads + h
-                s, n = starts[r], lengths[r]
-                if n == 0:
-                    continue
-                k, v = self._k[s : s + n], self._v[s : s + n]
-                q = query[bi, h * group : (h + 1) * group].reshape(group * tq, d)
-                # Plain mm/softmax/mm: on these small per-row problems it is several times cheaper than an SDPA
-                # call (measured on CPU), and it needs no copy of the row.
-                logits = torch.mm(q, k.t()).mul_(scaling)
-                if not (tq == 1 and int(qpos[0]) >= row_max[r]):  # decoding sees every (past) entry unmasked
-                    vis = (self._pos[s : s + n][None, :] <= qpos[:, None]) & (qpos[:, None] >= 0)  # [tq, n]
-                    vis = vis.repeat(group, 1)
-                    logits = logits.masked_fill_(~vis, float("-inf"))
-                weights = torch.softmax(logits, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(v.dtype)
-                o = torch.mm(weights, v)
-                out[bi, h * group : (h + 1) * group] = o.view(group, tq, d)
-        return out.transpose(1, 2)
+        """Attention of ``query`` ``[batch, q_heads, q, head_dim]`` over each row's entries, in one batched call.
+
+        A single decoding query (``q == 1``) is the newest token and sees every stored entry of its rows; a longer
+        chunk sees the entries whose position is not after its own. Returns ``[batch, q, q_heads, head_dim]``.
+        """
+        b, h, tq = self.batch_size, self.kv_heads, query.shape[2]
+        if tq == 1 and flash_varlen_available(query):
+            return flash_varlen_attention(
+                query, self._k, self._v, self.start, self.length, self._width, scaling
+            )
+        keys = gather_rows(self._k, self._index, b, h)
+        values = gather_rows(self._v, self._index, b, h)
+        if tq == 1:
+            mask = ragged_mask(self.length, self._width, b, h)
+        else:
+            kpos = gather_rows(self._pos, self._index, b, h)
+            mask = ragged_mask(self.length, self._width, b, h, kpos, query_positions)
+        return attend_padded(query, keys, values, mask, scaling)
