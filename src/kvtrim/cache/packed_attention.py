@@ -77,9 +77,7 @@ def gather_index(start: torch.Tensor, width: int, total: int) -> torch.Tensor:
     return (start[:, None] + cols).clamp_(max=max(total - 1, 0))
 
 
-def gather_rows(
-    flat: torch.Tensor, index: torch.Tensor, batch: int, kv_heads: int
-) -> torch.Tensor:
+def gather_rows(flat: torch.Tensor, index: torch.Tensor, batch: int, kv_heads: int) -> torch.Tensor:
     """Padded ``[batch, kv_heads, width, ...]`` copy of a flat ``[slots, ...]`` buffer through ``index``
     ``[rows, width]`` (one ``index_select``)."""
     width = index.shape[1]
@@ -114,12 +112,7 @@ def ragged_mask(
 
 def flash_varlen_available(query: torch.Tensor) -> bool:
     """Whether :func:`flash_varlen_attention` can run for this query (flash-attn installed, CUDA, fp16/bf16)."""
-    return (
-        _FLASH_ATTN
-        and query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and query.shape[-1] <= 256
-    )
+    return _FLASH_ATTN and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
 
 
 def varlen_offsets(
@@ -161,7 +154,7 @@ def flash_varlen_attention(
     """
     if varlen_fn is None:
         from flash_attn import flash_attn_varlen_func as varlen_fn
-    b, hq, tq, d = query.shape
+    b, hq, _, d = query.shape
     rows = start.shape[0]
     group = hq // (rows // b)
     # One sequence per (sequence, KV head) row; its query heads are the group (nheads = group, nheads_k = 1).

@@ -35,7 +35,6 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return starts[row_of] + offsets
 
 
-
 class RaggedStore:
     """KV entries of one layer with a per-(sequence, KV head) length.
 
@@ -246,9 +245,7 @@ class RaggedStore:
         """
         b, h, tq = self.batch_size, self.kv_heads, query.shape[2]
         if tq == 1 and flash_varlen_available(query):
-            return flash_varlen_attention(
-                query, self._k, self._v, self.start, self.length, self._width, scaling
-            )
+            return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._width, scaling)
         keys = gather_rows(self._k, self._index, b, h)
         values = gather_rows(self._v, self._index, b, h)
         if tq == 1:
