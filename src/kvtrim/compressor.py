@@ -140,6 +140,9 @@ def compress_cache(
     for view in views:
         s = pipeline.scorer.score(view).float()
         scores.append(s.masked_fill(~view.valid, float("-inf")))
+        # This layer's scoring intermediates (window attention, [batch, q_heads, window, seq] in fp32, larger than
+        # the layer's K/V) go before the next layer is scored; a selector that needs them again recomputes them.
+        view._cache.clear()
     request = BudgetRequest(
         keep=keep,
         context_lengths=context,
@@ -151,7 +154,12 @@ def compress_cache(
     )
     budgets = pipeline.budget.allocate(request, scores)
     budgets = torch.minimum(budgets, context.view(-1, 1, 1))
-    for layer, view, s in zip(layers, views, scores, strict=True):
+    del request
+    # Layer by layer: gather the kept entries of one layer, then drop every reference to its old buffers (the
+    # store's and the view's) before the next, so the peak is one layer's K/V above the cache, never a second cache.
+    for i, layer in enumerate(layers):
+        view, s = views[i], scores[i]
+        views[i] = scores[i] = None
         sel = pipeline.selector.select(view, s, budgets[:, view.layer_idx])
         counts = sel.keep_mask.sum(-1)
         uniform = bool((counts == counts.max()).all())
@@ -161,6 +169,7 @@ def compress_cache(
             layer.store.keep(sel.indices, sel.keep_mask)
         else:  # a different number of entries per head: store exactly that many
             layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)
+        del view, s, sel
     report.budgets = budgets
     for part in (pipeline.scorer, pipeline.budget, pipeline.selector):
         describe = getattr(part, "describe_compression", None)
