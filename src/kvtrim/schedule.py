@@ -83,12 +83,7 @@ class OverBudget:
     def due(self, cache: KVTrimCache) -> bool:
         if cache.budget is None:
             return False
-        context = cache.context_lengths()
-        if context is None:
-            return False
-        keep = torch.tensor([cache.budget.keep_count(int(t)) for t in context.tolist()])
-        held = cache.entries_per_layer_head()  # [batch, layers, kv_heads]
-        return bool((held > (keep + self.slack).view(-1, 1, 1).to(held.device)).any())
+        return _bounded_due(cache, "over", self.slack + 1, lambda: _excess(cache))
 
     def describe(self) -> str:
         return f"over:{self.slack}"
@@ -109,18 +104,51 @@ class TailFull:
             raise InvalidParameterError(f"sink must be >= 0, got {self.sink}")
 
     def due(self, cache: KVTrimCache) -> bool:
-        context = cache.context_lengths()
-        if context is None:
-            return False
-        for layer in cache.kv_layers:
-            done = layer.compressed_until
-            start = torch.full_like(context, self.sink) if done is None else done.to(context.device)
-            if bool(((context - start) >= 2 * self.lag).any()):
-                return True
-        return False
+        return _bounded_due(cache, "tail", 2 * self.lag, lambda: _tail(cache, self.sink))
 
     def describe(self) -> str:
         return f"tail:{self.lag}"
+
+
+def _bounded_due(cache: KVTrimCache, key: str, threshold: int, exact) -> bool:
+    """``exact() >= threshold``, read from the device only when it may be true.
+
+    ``exact()`` (a host int, read with one sync) is a quantity that grows by at most one per token column the cache
+    sees (compressions and rollbacks only lower it). The last exact value and the column count it was read at are
+    kept on the cache, so while ``last + columns since < threshold`` the answer is known without reading the device:
+    decoding steps stay free of host syncs until a compression may be due.
+    """
+    clock = cache.layers[0].seen
+    bounds = cache.__dict__.setdefault("_schedule_bounds", {})
+    last = bounds.get(key)
+    if last is not None and clock >= last[0] and last[1] + (clock - last[0]) < threshold:
+        return False
+    value = exact()
+    bounds[key] = (clock, value)
+    return value >= threshold
+
+
+def _excess(cache: KVTrimCache) -> int:
+    """Largest ``held - keep`` over (row, layer, KV head), or a very negative number while empty."""
+    context = cache.context_lengths()
+    if context is None:
+        return -(2**62)
+    keep = torch.tensor([cache.budget.keep_count(int(t)) for t in context.tolist()])
+    held = cache.entries_per_layer_head()  # [batch, layers, kv_heads]
+    return int((held - keep.view(-1, 1, 1).to(held.device)).max())
+
+
+def _tail(cache: KVTrimCache, sink: int) -> int:
+    """Largest uncompressed tail (context minus the first position not compressed yet) over rows and layers."""
+    context = cache.context_lengths()
+    if context is None:
+        return -(2**62)
+    tails = []
+    for layer in cache.kv_layers:
+        done = layer.compressed_until
+        start = torch.full_like(context, sink) if done is None else done.to(context.device)
+        tails.append((context - start).max())
+    return int(torch.stack(tails).max())
 
 
 def _positive(name: str, value) -> None:
