@@ -117,3 +117,41 @@ def test_to_dense_round_trip_and_select_batch():
     swapped = ragged.copy()
     swapped.select_batch(torch.tensor([1, 0]))
     assert torch.equal(swapped.entries_per_head(), ragged.entries_per_head().flip(0))
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
+    """flash_attn_varlen_func's contract, one sequence at a time (non-causal): q ``[total_q, heads, d]``, k/v
+    ``[total_k, heads_k, d]``; sequence ``i`` is rows ``cu[i]:cu[i+1]`` of each."""
+    assert not causal and cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k)
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        assert qb - qa <= max_q and kb - ka <= max_k
+        if qb == qa or kb == ka:
+            continue
+        keys = k[ka:kb].repeat_interleave(group, 1).transpose(0, 1)  # [heads, n, d]
+        vals = v[ka:kb].repeat_interleave(group, 1).transpose(0, 1)
+        w = torch.softmax(q[qa:qb].transpose(0, 1) @ keys.transpose(1, 2) * softmax_scale, -1)
+        out[qa:qb] = (w @ vals).transpose(0, 1)
+    return out
+
+
+def test_flash_varlen_arguments_describe_every_row_and_skip_the_slack():
+    """The flash-attn decode path (CUDA only) is checked here against the kernel's contract: each row is one
+    sequence, its slack a query-less one, and the result equals the batched padded path."""
+    from kvtrim.cache.packed_attention import flash_varlen_attention
+
+    dense = dense_store(2, 3, 12, 8, 5)
+    indices, keep = random_selection(2, 3, 12, 5)
+    ragged = RaggedStore.from_selection(dense, indices, keep)
+    for step in range(3):  # appends give rows slack between them
+        x = torch.randn(2, 3, 1, 8)
+        ragged.append(x, x * 2, torch.full((2, 1), 12 + step))
+    assert bool((ragged.capacity > ragged.length).any())
+    q = torch.randn(2, 6, 1, 8)
+    qpos = torch.full((2, 1), 20)
+    got = flash_varlen_attention(
+        q, ragged._k, ragged._v, ragged.start, ragged.length, ragged._width, 0.3, varlen_fn=reference_varlen
+    )
+    assert torch.allclose(got, ragged.attend(q, qpos, 0.3), atol=1e-5)
