@@ -81,7 +81,7 @@ def gather_rows(flat: torch.Tensor, index: torch.Tensor, batch: int, kv_heads: i
     """Padded ``[batch, kv_heads, width, ...]`` copy of a flat ``[slots, ...]`` buffer through ``index``
     ``[rows, width]`` (one ``index_select``)."""
     width = index.shape[1]
-    return flat.index_select(0, index.view(-1)).view(batch, kv_heads, width, *flat.shape[1:])
+    return flat.index_select(0, index.reshape(-1)).view(batch, kv_heads, width, *flat.shape[1:])
 
 
 def ragged_mask(

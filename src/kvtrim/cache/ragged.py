@@ -43,7 +43,8 @@ class RaggedStore:
 
     Host-side bookkeeping, exact after construction and repacks and advanced without reading the device while
     decoding: ``_slack_min`` (a lower bound on the free slots of every row), ``_width`` (the largest row capacity)
-    and ``_index`` (``[rows, _width]`` flat slot of every padded column, for the batched attention).
+    ``_max_len`` (an upper bound on the longest row) and ``_index`` (``[rows, _width]`` flat slot of every padded
+    column, for the batched attention).
     """
 
     layout = "ragged"
@@ -70,6 +71,7 @@ class RaggedStore:
         rows = len(self.capacity)
         self._slack_min = int((self.capacity - self.length).min()) if rows else 0
         self._width = int(self.capacity.max()) if rows else 0
+        self._max_len = int(self.length.max()) if rows else 0  # an upper bound between repacks
         self._index = gather_index(self.start, self._width, self._k.shape[0])
 
     def row_max_positions(self) -> torch.Tensor:
@@ -144,7 +146,8 @@ class RaggedStore:
         b, h, q, d = keys.shape
         if q > self._slack_min:
             self._make_room(q)
-        self._slack_min -= q  # every row gets at most q entries; the bound holds without reading the device
+        self._slack_min -= q  # every row gets at most q entries; the bounds hold without reading the device
+        self._max_len = min(self._max_len + q, self._width)
         valid = positions >= 0
         if q == 1:
             added = valid.view(b, 1).expand(b, h).reshape(-1)
@@ -245,12 +248,14 @@ class RaggedStore:
         """
         b, h, tq = self.batch_size, self.kv_heads, query.shape[2]
         if tq == 1 and flash_varlen_available(query):
-            return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._width, scaling)
-        keys = gather_rows(self._k, self._index, b, h)
-        values = gather_rows(self._v, self._index, b, h)
+            return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._max_len, scaling)
+        width = self._max_len  # columns past every row's length are left out of the padded view
+        index = self._index[:, :width]
+        keys = gather_rows(self._k, index, b, h)
+        values = gather_rows(self._v, index, b, h)
         if tq == 1:
-            mask = ragged_mask(self.length, self._width, b, h)
+            mask = ragged_mask(self.length, width, b, h)
         else:
-            kpos = gather_rows(self._pos, self._index, b, h)
-            mask = ragged_mask(self.length, self._width, b, h, kpos, query_positions)
+            kpos = gather_rows(self._pos, index, b, h)
+            mask = ragged_mask(self.length, width, b, h, kpos, query_positions)
         return attend_padded(query, keys, values, mask, scaling)
