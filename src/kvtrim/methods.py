@@ -616,8 +616,9 @@ def lag_knorm(sink: int = 16, lag: int = 128, skip_layers: tuple = ()) -> Pipeli
     """The key-L2-norm score (arXiv 2406.11430) in LagKV's recursive frame (arXiv 2504.04704)."""
     return _lag_pipeline("lag_knorm", "key_norm", sink, lag, 0.0, 1e-6, skip_layers)
 
-
-_COMPILERKV_PAPER = "CompilerKV: Risk-Adaptive KV Compression via Offline Experience Compilation (arXiv 2602.08686)"
+_COMPILERKV_PAPER = (
+    "CompilerKV: Risk-Adaptive KV Compression via Offline Experience Compilation (arXiv 2602.08686)"
+)
 _COMPILERKV_PRESET = (
     "v2 operator (per-head ρ, cross-layer α, weighted max over heads, quantile risk bins, absolute threshold), "
     "W=64, pad-to-budget (kvtrim decision 2); tables compiled by `kvtrim calibrate compilerkv`"
@@ -697,16 +698,8 @@ def compilerkv(
     """
     tables = TableSource(path=artifact, exact_budget=exact_budget)
     return _compilerkv(
-        "compilerkv",
-        tables,
-        window=window,
-        mode=mode,
-        utility=utility,
-        alpha=alpha,
-        rho=rho,
-        normalize=normalize,
-        keep_window=keep_window,
-        missing_logprobs=missing_logprobs,
+        "compilerkv", tables, window=window, mode=mode, utility=utility, alpha=alpha, rho=rho, normalize=normalize,
+        keep_window=keep_window, missing_logprobs=missing_logprobs,
     )
 
 
@@ -721,7 +714,9 @@ def compilerkv_elastic(
 ) -> Pipeline:
     """CompilerKV (arXiv 2602.08686) with the elastic clamp: memory below the budget when the gate allows."""
     tables = TableSource(path=artifact, exact_budget=exact_budget)
-    return _compilerkv("compilerkv_elastic", tables, window=window, mode="elastic", missing_logprobs=missing_logprobs)
+    return _compilerkv(
+        "compilerkv_elastic", tables, window=window, mode="elastic", missing_logprobs=missing_logprobs
+    )
 
 
 @register(
@@ -769,7 +764,9 @@ def compilerkv_raw_attention(window: int = 64, mode: str = "pad", artifact: str 
 def compilerkv_static_threshold(window: int = 64, threshold: float = 0.8, artifact: str | None = None) -> Pipeline:
     """CompilerKV (arXiv 2602.08686), elastic, with a static threshold (the risk-gating ablation)."""
     tables = TableSource(path=artifact)
-    return _compilerkv("compilerkv_static_threshold", tables, window=window, mode="elastic", static_threshold=threshold)
+    return _compilerkv(
+        "compilerkv_static_threshold", tables, window=window, mode="elastic", static_threshold=threshold
+    )
 
 
 _KVC_PAPER = (

@@ -127,13 +127,7 @@ def test_v1_options_and_ablations_run_through_the_api(llama, tokenizer, option, 
     install_compilerkv_tables(llama)
     text = "the quick brown fox jumps over the lazy dog. " * 6
     result = kvtrim.generate(
-        llama,
-        tokenizer,
-        text,
-        "what?",
-        method="compilerkv",
-        budget=20,
-        max_new_tokens=3,
+        llama, tokenizer, text, "what?", method="compilerkv", budget=20, max_new_tokens=3,
         method_params={"window": 16, **option},
     )
     assert result.stats.kv_entries_after == 20 * 2 * len(llama.model.layers)

@@ -265,13 +265,8 @@ def calibrate_compilerkv(
                 ppl = torch.tensor([p.perplexity for p in prefilled])
                 edges = (quantile_edges(entropy, settings.entropy_bins), quantile_edges(ppl, settings.ppl_bins))
             head_fit = fit_cql(
-                torch.cat(h_states),
-                torch.cat(h_actions),
-                torch.cat(h_rewards),
-                nb * L * H,
-                len(HEAD_ACTIONS),
-                settings.cql,
-                default_action=default_head,
+                torch.cat(h_states), torch.cat(h_actions), torch.cat(h_rewards), nb * L * H, len(HEAD_ACTIONS),
+                settings.cql, default_action=default_head,
             )
             new_weights = HEAD_ACTIONS[head_fit.policy].view(nb, L, H)
             head_changed = not torch.equal(new_weights, weights)
@@ -299,13 +294,8 @@ def calibrate_compilerkv(
                         deltas.append(delta)
                     _progress(progress, f"[compilerkv] round {rnd + 1} gate B={budget} doc {d + 1}/{len(docs)}")
             gate_fit = fit_cql(
-                torch.cat(g_states),
-                torch.cat(g_actions),
-                torch.cat(g_rewards),
-                nb * L * nE * nP,
-                len(THRESHOLD_ACTIONS),
-                settings.cql,
-                default_action=0,
+                torch.cat(g_states), torch.cat(g_actions), torch.cat(g_rewards), nb * L * nE * nP,
+                len(THRESHOLD_ACTIONS), settings.cql, default_action=0,
             )
             new_thresholds = THRESHOLD_ACTIONS[gate_fit.policy].view(nb, L, nE, nP)
             gate_changed = not torch.equal(new_thresholds, thresholds)

@@ -84,10 +84,8 @@ class ThresholdGateSelector:
         compare = u
         if self.normalize == "max":
             compare = u / u.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True).clamp(min=1e-30)
-        prot = (
-            valid & (positions >= (view.context_lengths - self.keep_window)[:, None])
-            if self.keep_window
-            else (torch.zeros_like(valid))
+        prot = valid & (positions >= (view.context_lengths - self.keep_window)[:, None]) if self.keep_window else (
+            torch.zeros_like(valid)
         )
         cand = valid & ~prot & (compare >= tau[:, None].double())
         n_prot, n_cand = prot.sum(-1), cand.sum(-1)
@@ -107,16 +105,8 @@ class ThresholdGateSelector:
         keep = torch.gather(keep, -1, order)
         h = view.kv_heads
         view.shared.setdefault("compilerkv_gate", []).append(  # one record per layer, for the metadata
-            {
-                "layer": view.layer_idx,
-                "tau": tau,
-                "candidates": n_cand,
-                "kept": keep.sum(-1),
-                "budget": budget,
-                "entropy_bin": e_bin,
-                "ppl_bin": p_bin,
-                "context": view.context_lengths,
-            }
+            {"layer": view.layer_idx, "tau": tau, "candidates": n_cand, "kept": keep.sum(-1), "budget": budget,
+             "entropy_bin": e_bin, "ppl_bin": p_bin, "context": view.context_lengths}
         )
         return Selection(indices=indices[:, None].expand(-1, h, -1), keep_mask=keep[:, None].expand(-1, h, -1))
 
