@@ -86,7 +86,7 @@ class OverBudget:
         context = cache.context_lengths()
         if context is None:
             return False
-        keep = torch.tensor([cache.budget.keep_count(int(t)) for t in context.tolist()])
+        keep = torch.tensor([cache.budget.keep_count(int(t)) for t in context.tolist()], device=context.device)
         held = cache.entries_per_layer_head()  # [batch, layers, kv_heads]
         return bool((held > (keep + self.slack).view(-1, 1, 1).to(held.device)).any())
 
