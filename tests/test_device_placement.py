@@ -51,7 +51,7 @@ def default_device(device: str):
 
 
 def _params(method: str) -> dict:
-    if method in RATIO_ONLY_METHODS:  # small partitions so the 160-token prompt holds several, and decoding re-compresses
+    if method in RATIO_ONLY_METHODS:  # small partitions: the prompt holds several, and decoding re-compresses
         return {"ratio": 0.75, "sink": 4, "lag": 16}
     if method == "compilerkv_elastic":  # a bare forward records no prompt log-probs for the perplexity bin
         return {"ratio": 0.75, "missing_logprobs": "median_bin"}

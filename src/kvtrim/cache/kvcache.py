@@ -132,9 +132,17 @@ class KVTrimCache(Cache):
             return None
         store = layers[0].store
         if store.layout == "dense":
-            latest = store.positions.amax(dim=(1, 2)) if store.length else torch.full((store.batch_size,), -1, device=store.positions.device)
+            latest = (
+                store.positions.amax(dim=(1, 2))
+                if store.length
+                else torch.full((store.batch_size,), -1, device=store.positions.device)
+            )
         else:
-            latest = torch.tensor(store.row_max_positions(), device=store.length.device).view(store.batch_size, store.kv_heads).amax(dim=1)
+            latest = (
+                torch.tensor(store.row_max_positions(), device=store.length.device)
+                .view(store.batch_size, store.kv_heads)
+                .amax(dim=1)
+            )
         return (latest + 1).clamp(min=0)
 
     def clone(self, pipeline: Pipeline | None = None, budget: BudgetSpec | None = None) -> KVTrimCache:
