@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .sdpa import sdpa
 
 
 def grouped_attention(
@@ -28,16 +29,17 @@ def grouped_attention(
     hkv = keys.shape[1]
     group = hq // hkv
     if mask is None:
-        out = F.scaled_dot_product_attention(
-            query, keys, values, is_causal=causal and tq > 1, scale=scaling, enable_gqa=group > 1
-        )
+        out = sdpa(query, keys, values, is_causal=causal and tq > 1, scale=scaling, enable_gqa=group > 1)
         return out.transpose(1, 2)
     # Fold the group into the query axis: [b, hkv, group*tq, d] against [b, hkv, s, d].
     q = query.reshape(b, hkv, group * tq, d)
     m = mask[:, :, None].expand(b, hkv, group, tq, mask.shape[-1]).reshape(b, hkv, group * tq, -1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scaling)
-    if not bool(m.any(-1).all()):
-        # Queries that may see nothing (padding tokens) produce NaN; zero them so no NaN reaches stored values.
+    out = sdpa(q, keys, values, attn_mask=m, scale=scaling)
+    if m.device.type == "cpu":
+        if not bool(m.any(-1).all()):
+            # Queries that may see nothing (padding tokens) produce NaN; zero them so no NaN reaches stored values.
+            out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
+    else:  # the same without a host sync (the check would stall the device every layer)
         out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
     return out.reshape(b, hq, tq, d).transpose(1, 2)
 
