@@ -90,7 +90,7 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int 
     cfg = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype)
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
     return model.eval()
 
 
