@@ -10,6 +10,7 @@ Quick start::
 
 from .api import GenerationStats, Result, Session, compressing, generate, make_cache
 from .cache.kvcache import KVTrimCache
+from .cache.sdpa import get_attention_backend, set_attention_backend
 from .compressor import BudgetSpec
 from .errors import (
     InvalidParameterError,
@@ -38,6 +39,7 @@ __all__ = [
     "compressing",
     "fetch_model",
     "generate",
+    "get_attention_backend",
     "get_method",
     "kvtrim_home",
     "load_model",
@@ -45,4 +47,5 @@ __all__ = [
     "make_cache",
     "method_names",
     "methods",
+    "set_attention_backend",
 ]

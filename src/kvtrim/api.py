@@ -151,8 +151,12 @@ class _DecodeOutcome:
 
 
 def _feed(model, cache, mask, input_ids, input_mask):
-    """Feed ``input_ids`` after what ``cache`` holds; returns (last logits, extended mask, seconds)."""
-    mask = torch.cat([mask, input_mask], dim=1)
+    """Feed ``input_ids`` after what ``cache`` holds; returns (last logits, extended mask, seconds).
+
+    Token ids and masks move to the device of the model's input embeddings (tokenizers return CPU tensors)."""
+    device = model.get_input_embeddings().weight.device
+    input_ids, input_mask = input_ids.to(device), input_mask.to(device)
+    mask = torch.cat([mask.to(device), input_mask], dim=1)
     window = cache.observation_spec.token_logprobs if isinstance(cache, KVTrimCache) and cache.observing else 0
     t0 = time.perf_counter()
     out = model(
@@ -190,7 +194,7 @@ def _decode(model, cache, mask, logits, max_new_tokens: int, eos: set[int], pad:
     """Greedy decoding from ``logits`` (the last prompt position) over ``cache``."""
     batch = logits.shape[0]
     tokens: list[list[int]] = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool)
+    done = torch.zeros(batch, dtype=torch.bool, device=logits.device)
     next_token = logits.argmax(-1)
     steps, t0 = 0, time.perf_counter()
     for step in range(max_new_tokens):
@@ -204,7 +208,7 @@ def _decode(model, cache, mask, logits, max_new_tokens: int, eos: set[int], pad:
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         feed = next_token.masked_fill(done, pad).view(batch, 1)
-        logits, mask, _ = _feed(model, cache, mask, feed, torch.ones(batch, 1, dtype=mask.dtype))
+        logits, mask, _ = _feed(model, cache, mask, feed, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device))
         next_token = logits.argmax(-1)
         steps += 1
     return _DecodeOutcome(tokens, prefill_s, time.perf_counter() - t0, steps)

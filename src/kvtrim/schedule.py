@@ -133,9 +133,9 @@ def _excess(cache: KVTrimCache) -> int:
     context = cache.context_lengths()
     if context is None:
         return -(2**62)
-    keep = torch.tensor([cache.budget.keep_count(int(t)) for t in context.tolist()])
     held = cache.entries_per_layer_head()  # [batch, layers, kv_heads]
-    return int((held - keep.view(-1, 1, 1).to(held.device)).max())
+    keep = torch.tensor([cache.budget.keep_count(int(t)) for t in context.tolist()], device=held.device)
+    return int((held - keep.view(-1, 1, 1)).max())
 
 
 def _tail(cache: KVTrimCache, sink: int) -> int:

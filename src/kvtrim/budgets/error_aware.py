@@ -51,7 +51,7 @@ def error_aware_layer_budgets(layer_scores: torch.Tensor, total: int, min_budget
         ``[layers]`` long budgets; when ``total`` is outside ``[L·m, L·M]`` the correction stops at the bounds and
         the sum differs from ``total``.
     """
-    e = torch.as_tensor(layer_scores, dtype=torch.float64).flatten()
+    e = torch.as_tensor(layer_scores, dtype=torch.float64, device="cpu").flatten()
     if e.numel() == 0 or not bool(torch.isfinite(e).all()) or bool((e < 0).any()):
         raise InvalidParameterError("layer_scores must be a non-empty vector of finite, non-negative numbers")
     if min_budget > max_budget:
@@ -112,7 +112,7 @@ class ErrorAwareLayerBudget:
         """``[layers]`` budgets for a row keeping ``keep`` entries per layer on average out of ``context``."""
         layers = self.layer_scores.numel()
         if keep >= context:
-            return torch.full((layers,), context, dtype=torch.long)
+            return torch.full((layers,), context, dtype=torch.long, device="cpu")
         low = min(self.min_budget, keep)
         high = max(keep, min(int(self.max_factor * keep), context))
         return error_aware_layer_budgets(self.layer_scores, layers * keep, low, high)

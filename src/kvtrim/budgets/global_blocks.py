@@ -62,7 +62,7 @@ class GlobalBlockBudget:
             raise ValueError("GlobalBlockBudget needs slot positions in the budget request")
         b, layers, heads = len(request.keep), request.num_layers, request.kv_heads
         width = max(s.shape[-1] for s in scores)
-        out = torch.zeros(b, layers, heads, dtype=torch.long)
+        out = torch.zeros(b, layers, heads, dtype=torch.long, device=request.keep.device)
         for row, (keep, context) in enumerate(
             zip(request.keep.tolist(), request.context_lengths.tolist(), strict=True)
         ):
@@ -72,5 +72,5 @@ class GlobalBlockBudget:
                 s[layer, :, : sc.shape[-1]] = sc[row]
                 p[layer, :, : pos.shape[-1]] = pos[row]
             counts = self.head_counts(s.view(layers * heads, width), p.view(layers * heads, width), keep, context)
-            out[row] = counts.view(layers, heads).cpu()
-        return out.to(request.keep.device)
+            out[row] = counts.view(layers, heads)
+        return out

@@ -115,10 +115,12 @@ class HeadAdaptiveBudget:
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
         if request.positions is None:
             raise ValueError("HeadAdaptiveBudget needs slot positions in the budget request")
-        out = torch.zeros(len(request.keep), request.num_layers, request.kv_heads, dtype=torch.long)
+        out = torch.zeros(
+            len(request.keep), request.num_layers, request.kv_heads, dtype=torch.long, device=request.keep.device
+        )
         for layer, (s, pos) in enumerate(zip(scores, request.positions, strict=True)):
             for row, (keep, context) in enumerate(
                 zip(request.keep.tolist(), request.context_lengths.tolist(), strict=True)
             ):
                 out[row, layer] = self.head_budgets(s[row], pos[row], keep, context)
-        return out.to(request.keep.device)
+        return out

@@ -179,7 +179,9 @@ class HeadScoreBudget:
             keep, context = int(keep), int(context)
             selected = keep - self.window
             if selected <= 0 or keep >= context:
-                rows.append(torch.full((layers, request.kv_heads), min(keep, context), dtype=torch.long))
+                rows.append(
+                    torch.full((layers, request.kv_heads), min(keep, context), dtype=torch.long, device="cpu")
+                )
                 continue
             caps = self.kv_capacities(selected, request.kv_heads) + self.window
             lo = min(self.min_keep if self.min_keep is not None else max(self.window, 1), keep)

@@ -28,7 +28,7 @@ def pyramid_layer_budgets(keep: int, context: int, num_layers: int, window: int,
     if max_num >= context - window:
         max_num = context - window
         min_num = 2 * b - max_num
-    line = torch.linspace(float(max_num), float(min_num), num_layers, dtype=torch.float64)
+    line = torch.linspace(float(max_num), float(min_num), num_layers, dtype=torch.float64, device="cpu")
     selected = largest_remainder(line, b * num_layers)
     return [int(x) + window for x in selected.tolist()]
 

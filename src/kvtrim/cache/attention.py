@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .sdpa import sdpa
 
 
 def grouped_attention(
@@ -28,18 +29,25 @@ def grouped_attention(
     hkv = keys.shape[1]
     group = hq // hkv
     if mask is None:
-        out = F.scaled_dot_product_attention(
-            query, keys, values, is_causal=causal and tq > 1, scale=scaling, enable_gqa=group > 1
-        )
+        out = sdpa(query, keys, values, is_causal=causal and tq > 1, scale=scaling, enable_gqa=group > 1)
         return out.transpose(1, 2)
     # Fold the group into the query axis: [b, hkv, group*tq, d] against [b, hkv, s, d].
     q = query.reshape(b, hkv, group * tq, d)
     m = mask[:, :, None].expand(b, hkv, group, tq, mask.shape[-1]).reshape(b, hkv, group * tq, -1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scaling)
-    if not bool(m.any(-1).all()):
-        # Queries that may see nothing (padding tokens) produce NaN; zero them so no NaN reaches stored values.
+    out = sdpa(q, keys, values, attn_mask=m, scale=scaling)
+    if m.device.type == "cpu":
+        if not bool(m.any(-1).all()):
+            # Queries that may see nothing (padding tokens) produce NaN; zero them so no NaN reaches stored values.
+            out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
+    else:  # the same without a host sync (the check would stall the device every layer)
         out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
     return out.reshape(b, hq, tq, d).transpose(1, 2)
+
+
+def low_precision_matmul(*tensors: torch.Tensor) -> bool:
+    """Whether scoring matmuls run in the tensors' own fp16/bf16 dtype: on accelerators only (their tensor cores
+    make it much faster than fp32); CPU scoring stays in fp32, unchanged."""
+    return all(t.dtype in (torch.float16, torch.bfloat16) and t.device.type != "cpu" for t in tensors)
 
 
 def attention_probabilities(
@@ -52,13 +60,20 @@ def attention_probabilities(
         keys: ``[batch, kv_heads, s, head_dim]``
         mask: ``[batch, kv_heads, q, s]`` boolean or None
     Returns:
-        ``[batch, q_heads, q, s]`` (rows with no visible key are all zero)
+        ``[batch, q_heads, q, s]`` fp32 (rows with no visible key are all zero); on CUDA with fp16/bf16 inputs the
+        logits come from a matmul in that dtype (see :func:`low_precision_matmul`)
     """
     b, hq, tq, d = query.shape
     hkv = keys.shape[1]
     group = hq // hkv
-    q = query.reshape(b, hkv, group * tq, d).float() * scaling  # scale the queries, not the larger logits
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, hkv, group, tq, -1)
+    q = query.reshape(b, hkv, group * tq, d)
+    if low_precision_matmul(query, keys):
+        # The logits in the model's dtype (tensor cores, fp32 accumulation), scaled and normalized in fp32 as
+        # eager attention does: no fp32 copy of the layer's keys.
+        logits = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scaling).view(b, hkv, group, tq, -1)
+    else:
+        q = q.float() * scaling  # scale the queries, not the larger logits
+        logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(b, hkv, group, tq, -1)
     if mask is None:
         return torch.softmax(logits, dim=-1).reshape(b, hq, tq, -1)
     logits = logits.masked_fill_(~mask[:, :, None], float("-inf"))

@@ -180,7 +180,7 @@ class _Rollouts:
         cont = doc.ids[None, T : T + C]
         out = self.model(
             input_ids=cont[:, :-1],
-            position_ids=torch.arange(T, T + C - 1)[None],
+            position_ids=torch.arange(T, T + C - 1, device=cont.device)[None],
             past_key_values=cache,
             use_cache=True,
         )

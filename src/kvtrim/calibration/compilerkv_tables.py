@@ -148,21 +148,23 @@ class TableSource:
             return torch.zeros_like(budgets), [int(b) for b in budgets.tolist()]
         tables = self._require()
         idx = [tables.budget_index(int(b), self.exact_budget) for b in budgets.tolist()]
-        return torch.tensor(idx, dtype=torch.long), [tables.budgets[i] for i in idx]
+        return torch.tensor(idx, dtype=torch.long, device=budgets.device), [tables.budgets[i] for i in idx]
 
     def head_weights(self, layer: int, budget_idx: torch.Tensor, q_heads: int) -> torch.Tensor:
         """``[batch, q_heads]`` head reliability weights of ``layer``."""
         if self.neutral:
-            return torch.full((len(budget_idx), q_heads), NEUTRAL_WEIGHT)
-        return self._require().head_weights[budget_idx, layer].float()
+            return torch.full((len(budget_idx), q_heads), NEUTRAL_WEIGHT, device=budget_idx.device)
+        # the tables stay on the CPU (a few KB); the rows' entries move to the data's device
+        return self._require().head_weights[budget_idx.cpu(), layer].float().to(budget_idx.device)
 
     def thresholds(
         self, layer: int, budget_idx: torch.Tensor, entropy_bin: torch.Tensor, ppl_bin: torch.Tensor
     ) -> torch.Tensor:
         """``[batch]`` threshold τ of ``layer`` for each row's risk bins."""
         if self.neutral:
-            return torch.full((len(budget_idx),), float(self.neutral_threshold))
-        return self._require().thresholds[budget_idx, layer, entropy_bin, ppl_bin].float()
+            return torch.full((len(budget_idx),), float(self.neutral_threshold), device=budget_idx.device)
+        table = self._require().thresholds
+        return table[budget_idx.cpu(), layer, entropy_bin.cpu(), ppl_bin.cpu()].float().to(budget_idx.device)
 
 
 def plot_compilerkv(tables: CompiledTables, target) -> None:

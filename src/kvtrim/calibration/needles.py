@@ -169,7 +169,8 @@ def greedy_decode_with_attention(
     Decoding stops after an EOS token, or after a newline once the response holds non-blank text. ``newline``
     caches which token ids contain a newline.
     """
-    prompt = torch.tensor([ids])
+    device = model.get_input_embeddings().weight.device
+    prompt = torch.tensor([ids], device=device)
     out = model(input_ids=prompt[:, :-1], use_cache=True)
     cache = out.past_key_values
     generated: list[int] = []
@@ -178,7 +179,7 @@ def greedy_decode_with_attention(
         for _ in range(steps):
             out = model(input_ids=inp, past_key_values=cache, use_cache=True, output_attentions=True)
             cache = out.past_key_values
-            att = torch.stack([a[0, :, -1, :] for a in out.attentions]).float()  # [L, H, kv]
+            att = torch.stack([a[0, :, -1, :] for a in out.attentions]).float().cpu()  # [L, H, kv], scored on CPU
             token = int(out.logits[0, -1].argmax())
             on_step(token, att)
             if token in eos:
@@ -188,7 +189,7 @@ def greedy_decode_with_attention(
                 newline[token] = "\n" in tokenizer.decode([token])
             if newline[token] and tokenizer.decode(generated).strip():
                 break
-            inp = torch.tensor([[token]])
+            inp = torch.tensor([[token]], device=device)
     return generated
 
 

@@ -66,7 +66,7 @@ def _as_ids(ids: Any, name: str, tokenizer=None, special: bool = False) -> torch
         ids = tokenizer(ids, add_special_tokens=special)["input_ids"]
     if not isinstance(ids, torch.Tensor):
         try:
-            ids = torch.tensor(ids, dtype=torch.long)
+            ids = torch.tensor(ids, dtype=torch.long, device="cpu")
         except (TypeError, ValueError) as exc:
             raise InvalidParameterError(f"{name} must be token ids (tensor or list of ints): {exc}") from exc
     if ids.dim() == 1:
@@ -469,7 +469,7 @@ def _text_ids(tokenizer, text: str, need: int, add_special_tokens: bool = True) 
         chars *= 2
     if len(ids) < need:
         raise InvalidParameterError(f"the text has {len(ids)} tokens, fewer than the {need} requested")
-    return torch.tensor(ids[:need], dtype=torch.long)
+    return torch.tensor(ids[:need], dtype=torch.long, device="cpu")
 
 
 # ---------------------------------------------------------------------------------------------------- layers

@@ -12,6 +12,9 @@ import torch
 
 from ..cache.attention import attention_probabilities
 
+# At most this many fp32 attention probabilities per chunk (256 MiB): long prompts get fewer queries per chunk.
+MAX_CHUNK_PROBABILITIES = 1 << 26
+
 
 @dataclass(frozen=True)
 class ObservationSpec:
@@ -22,7 +25,8 @@ class ObservationSpec:
         accumulate: per-slot attention statistics summed over all prompt queries, computed in query chunks:
             ``"attn_sum"`` (attention mass received), ``"attn_sq_sum"`` (squared attention) and/or
             ``"attn_band_sum"`` (attention received from the queries at most ``band`` positions after the key)
-        chunk: number of queries per chunk when accumulating (bounds memory to ``chunk × seq`` per head)
+        chunk: number of queries per chunk when accumulating (bounds memory to ``chunk × seq`` per head); long
+            prompts use fewer, so a chunk holds at most ``MAX_CHUNK_PROBABILITIES`` probabilities
         token_logprobs: keep the teacher-forced log-probabilities of the last ``token_logprobs`` prompt tokens
             (from the prefill logits; recorded by :mod:`kvtrim.api`, which owns the LM head's output)
     """
@@ -106,9 +110,11 @@ def record(
     # The queries are the store's last slots (appended just before this call, all rows in lockstep), so a chunk's
     # queries can only see slots up to its own last one: the causally hidden rest is skipped.
     first_query_slot = store.length - query.shape[2]
-    for start in range(0, query.shape[2], spec.chunk):
-        q = query[:, :, start : start + spec.chunk]
-        qpos = query_positions[:, start : start + spec.chunk]
+    per_query = query.shape[0] * query.shape[1] * store.length
+    chunk = max(16, min(spec.chunk, MAX_CHUNK_PROBABILITIES // per_query))
+    for start in range(0, query.shape[2], chunk):
+        q = query[:, :, start : start + chunk]
+        qpos = query_positions[:, start : start + chunk]
         limit = first_query_slot + start + q.shape[2]
         kp = kpos[..., :limit]
         mask = (kp[:, :, None, :] >= 0) & (kp[:, :, None, :] <= qpos[:, None, :, None])
@@ -117,8 +123,8 @@ def record(
         probs = probs.view(probs.shape[0], hkv, group, probs.shape[2], -1)
         if "attn_sum" in sums:
             sums["attn_sum"][..., :limit] += probs.sum(dim=(2, 3))
-        if "attn_sq_sum" in sums:
-            sums["attn_sq_sum"][..., :limit] += probs.square().sum(dim=(2, 3))
         if "attn_band_sum" in sums:
             near = (kp[:, :, None, :] >= (qpos[:, None, :, None] - spec.band))[:, :, None]  # [b, hkv, 1, c, limit]
             sums["attn_band_sum"][..., :limit] += (probs * near).sum(dim=(2, 3))
+        if "attn_sq_sum" in sums:  # last: squares in place, no second chunk-sized buffer
+            sums["attn_sq_sum"][..., :limit] += probs.square_().sum(dim=(2, 3))

@@ -18,5 +18,6 @@ class RandomScorer:
     observation: ObservationSpec = field(default_factory=ObservationSpec)
 
     def score(self, view: LayerView) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + view.layer_idx)
-        return torch.rand(view.positions.shape, generator=gen).to(view.positions.device)
+        # drawn on the CPU so a seed gives the same scores on every device
+        gen = torch.Generator(device="cpu").manual_seed(self.seed * 100_003 + view.layer_idx)
+        return torch.rand(view.positions.shape, generator=gen, device="cpu").to(view.positions.device)

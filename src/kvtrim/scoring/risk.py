@@ -29,10 +29,15 @@ def structural_entropy(mass: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return -(p * (p + EPS).log()).sum(-1).float()
 
 
-def local_perplexity(logprobs: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """``exp(−mean log p)`` over the finite entries of ``logprobs`` ``[batch, w]``; NaN for rows without any."""
+def local_perplexity(
+    logprobs: torch.Tensor | None, batch: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``exp(−mean log p)`` over the finite entries of ``logprobs`` ``[batch, w]``; NaN for rows without any.
+
+    ``device`` places the all-NaN result when ``logprobs`` is None (default: CPU).
+    """
     if logprobs is None:
-        return torch.full((batch,), float("nan"))
+        return torch.full((batch,), float("nan"), device=device if device is not None else "cpu")
     finite = torch.isfinite(logprobs)
     count = finite.sum(-1)
     mean = torch.where(finite, logprobs, torch.zeros_like(logprobs)).sum(-1) / count.clamp(min=1)
@@ -41,12 +46,12 @@ def local_perplexity(logprobs: torch.Tensor | None, batch: int) -> torch.Tensor:
 
 def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     """Bin of each value given ascending inner ``edges`` (``len(edges) + 1`` bins; ``searchsorted`` side=right)."""
-    return torch.searchsorted(edges.to(values.dtype).contiguous(), values.contiguous(), right=True)
+    return torch.searchsorted(edges.to(values.device, values.dtype).contiguous(), values.contiguous(), right=True)
 
 
 def quantile_edges(values: torch.Tensor, bins: int) -> torch.Tensor:
     """The ``bins − 1`` inner equal-frequency edges of ``values`` (the calibration distribution)."""
     if bins < 2:
         raise ValueError(f"bins must be at least 2, got {bins}")
-    q = torch.linspace(0, 1, bins + 1, dtype=torch.float64)[1:-1]
+    q = torch.linspace(0, 1, bins + 1, dtype=torch.float64, device=values.device)[1:-1]
     return torch.quantile(values.double(), q).float()

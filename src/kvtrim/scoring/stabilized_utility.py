@@ -18,7 +18,7 @@ RHOS = ("per_head", "head_mean")
 
 def _position_scatter(values: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
     """Sum ``values`` ``[batch, seq]`` into a ``[batch, length]`` buffer indexed by ``positions`` (-1 dropped)."""
-    out = torch.zeros(values.shape[0], length + 1, dtype=torch.float64)
+    out = torch.zeros(values.shape[0], length + 1, dtype=torch.float64, device=values.device)
     out.scatter_add_(1, positions.clamp(min=-1).add(1), values.double())  # slot 0 collects empty slots
     return out[:, 1:]
 
@@ -78,18 +78,18 @@ class StabilizedUtilityScorer:
         first = views[0]
         context = first.context_lengths.clamp(min=1)
         length = int(context.max())
-        total = torch.zeros(first.keys.shape[0], length, dtype=torch.float64)
+        total = torch.zeros(first.keys.shape[0], length, dtype=torch.float64, device=first.keys.device)
         for view in views:
             mass, n_queries = self._window_mass(view, self.window)
             head_mean = mass.mean(1)  # [b, seq] (every KV head holds the same slots in a prefill-only cache)
             total += _position_scatter(head_mean, view.positions[:, 0], length) / n_queries[:, None]
         alpha = total / len(views) * context[:, None].double()  # (T/W) Σ_j mean_{l,h} A: mean over tokens = 1
-        valid = torch.arange(length)[None, :] < context[:, None]
+        valid = torch.arange(length, device=context.device)[None, :] < context[:, None]
         shared = first.shared
         shared["alpha"] = alpha.float()
         shared["risk"] = RiskSignals(
             entropy=structural_entropy(alpha, valid),
-            perplexity=local_perplexity(first.prompt_logprobs, first.keys.shape[0]),
+            perplexity=local_perplexity(first.prompt_logprobs, first.keys.shape[0], first.keys.device),
         )
         keep = shared.get("keep")
         budgets = keep if keep is not None else first.context_lengths

@@ -37,7 +37,9 @@ class PartitionTopKSelector:
             per_part = layout.gather(scores.float().masked_fill(~compressible, float("-inf")).unsqueeze(-1))
             per_part = per_part.squeeze(-1)[:, :, : int(parts.max())]  # [b, h, P', L]
             order = per_part.argsort(dim=-1, descending=True, stable=True)
-            rank = torch.empty_like(order).scatter_(-1, order, torch.arange(self.lag).expand_as(order))
+            rank = torch.empty_like(order).scatter_(
+                -1, order, torch.arange(self.lag, device=order.device).expand_as(order)
+            )
             slot_rank = layout.scatter_back(rank.float(), fill=float(self.lag))
             keep = keep | (compressible & (slot_rank < k[..., None]))
         selection = _keep(keep, layout.new_start)

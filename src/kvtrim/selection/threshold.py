@@ -55,9 +55,10 @@ class ThresholdGateSelector:
         """``([batch] τ, [batch] entropy bin, [batch] PPL bin)`` for this layer (bins -1 when not used)."""
         shared = view.shared
         batch = view.keys.shape[0]
-        none = torch.full((batch,), -1, dtype=torch.long)
+        device = view.keys.device
+        none = torch.full((batch,), -1, dtype=torch.long, device=device)
         if self.static_threshold is not None:
-            return torch.full((batch,), float(self.static_threshold)), none, none
+            return torch.full((batch,), float(self.static_threshold), device=device), none, none
         if self.tables.neutral:
             return self.tables.thresholds(view.layer_idx, shared["budget_index"], none, none), none, none
         risk = shared["risk"]
@@ -100,7 +101,7 @@ class ThresholdGateSelector:
         key = key.masked_fill(~valid, float("-inf"))
         k = int(count.max().clamp(max=u.shape[-1]))
         top = key.topk(k, dim=-1)
-        keep = (torch.arange(k)[None, :] < count[:, None]) & torch.isfinite(top.values)
+        keep = (torch.arange(k, device=count.device)[None, :] < count[:, None]) & torch.isfinite(top.values)
         indices, order = top.indices.sort(dim=-1)
         keep = torch.gather(keep, -1, order)
         h = view.kv_heads
