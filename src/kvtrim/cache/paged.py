@@ -470,11 +470,16 @@ def prefill_metric(
     buffer: int = 0,
     chunk: int = 512,
 ) -> None:
-    """Fill ``pool.metric`` of the sequences just prefilled through ``cache`` from the recorded queries.
+    """Add to ``pool.metric`` of the sequences just prefilled through ``cache`` the metric of the recorded queries.
 
     KVC-w: squared attention of the last ``window`` prompt queries, max-pooled per query head (``kernel`` 7),
     summed over each query group. KVC-full: record every prompt query (``observe_window`` >= the prompt length),
     ``buffer=10`` (keys within 10 positions of a query excluded), ``kernel=1`` (no pooling).
+
+    A whole prompt in one forward gets exactly the paper's prefill metric (fresh entries start at 0). A chunked
+    prefill calls this after every chunk: each chunk's window adds its squared attention over every entry then
+    stored, as decode queries do in the paper's continual metric. Pooling runs over each head's entries in position
+    order (after MoveCache the slots are not in order).
 
     Args:
         cache: the cache of the prefill forward, built with ``observe_window > 0``
@@ -488,9 +493,13 @@ def prefill_metric(
         raise InvalidParameterError(f"window must be positive or None, got {window}")
     pool = cache.pool
     scaling = cache.scaling if cache.scaling is not None else cache.head_dim**-0.5
+    flat_pos = pool.positions.view(-1)
     for i, seq in enumerate(cache.sequences):
         slot, valid = seq.slots()
-        flat_pos = pool.positions.view(-1)
+        # Every row's entries in position order (empty slots last); the identity for a fresh, in-order sequence.
+        pos = flat_pos[slot].masked_fill(~valid, torch.iinfo(torch.long).max)
+        order = pos.argsort(dim=1, stable=True)
+        slot, valid = slot.gather(1, order), valid.gather(1, order)
         for layer in range(seq.num_layers):
             obs = cache.observations[layer]
             if obs is None:
@@ -511,4 +520,4 @@ def prefill_metric(
                 kernel=kernel,
                 chunk=chunk,
             )[0]
-            pool.metric.view(-1)[s[ok]] = metric[ok]
+            pool.metric.view(-1).index_add_(0, s[ok], metric[ok])
