@@ -425,6 +425,7 @@ def test_long_prompt_delays_running_streams_by_one_chunk_per_step(model, tok):
     short = engine.submit("hello", SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()  # short is prefilled and decoding
     long = engine.submit(random_text(300, seed=3), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert long.prompt_tokens == 300
     before = len(short.output.token_ids)
     fed = []
     while engine.stats.prefills < 2:
@@ -469,7 +470,8 @@ def test_admission_by_compressed_size_beats_the_uncompressed_prompt_bound(model,
         model, tok, kv_blocks=blocks, block_size=8, compression_rate=8.0, min_cache_tokens=16, protected_window=8,
         prefill_chunk=32,
     )  # fmt: skip
-    handles = [engine.submit(random_text(200, seed=i), SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(8)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    handles = [engine.submit(random_text(200, seed=i), params) for i in range(8)]
     run_checked(engine)
     assert all(len(h.result().token_ids) == 30 for h in handles)
     assert engine.stats.max_decode_batch >= 7  # one whole-prompt chunk (no compression between chunks) gives 6
