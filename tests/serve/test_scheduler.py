@@ -244,24 +244,24 @@ def test_prefilling_sequence_blocked_by_memory_blocks_younger_ones():
 
 def test_admission_counts_projected_compressed_size():
     # Uncompressed, each 100-token request needs 7 * 4 = 28 blocks; compressed it is projected at 8.
-    s = make(num_blocks=40)
+    s = make(num_blocks=48)
     for i in range(5):
         s.add(FakeSeq(i, tokens=100, projected=8))
-    admitted, _ = admit(s, num_free=40)
-    assert len(admitted) == 1  # the first chunk (all 100 tokens, 28 blocks) must be free now
+    admitted, _ = admit(s, num_free=48)
+    assert len(admitted) == 1  # the next one's 28-block chunk is not free now
     for r in s.running:
         r.held, r.remaining = 8, 0  # compressed to its projection
-    admitted, _ = admit(s, num_free=32)
-    assert len(admitted) == 1  # 28 of 32 free blocks for the next prompt
+    admitted, _ = admit(s, num_free=40)
+    assert len(admitted) == 1  # committed 8 + 8 + its 28-block chunk = 44 <= 48
     for r in s.running:
         r.held = 8
-    # committed 2 x 8 + 8 <= 40, but the chunk's 28 blocks are not free: wait (FCFS)
-    assert admit(s, num_free=24) == ([], [])
+    # 16 + 8 + 28 > 48: no room for another uncompressed chunk although 32 blocks are free
+    assert admit(s, num_free=32) == ([], [])
     plain = make(num_blocks=40)
     for i in range(3):
         plain.add(FakeSeq(i, tokens=10))  # 4 blocks each, projected = uncompressed
-    plain.running.append(FakeSeq(9, tokens=100, held=37))
-    assert admit(plain, num_free=40) == ([], [])  # 37 committed + 4 > 40 although 40 are "free"
+    plain.running.append(FakeSeq(9, tokens=100, held=33))
+    assert admit(plain, num_free=40) == ([], [])  # 33 committed + 4 + 4 > 40 although 40 are "free"
 
 
 def test_stalled_prefills_preempt_the_newest():

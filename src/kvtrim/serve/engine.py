@@ -206,7 +206,8 @@ class _Request:
         return self.paged.blocks_needed(new)
 
     def committed_blocks(self) -> int:
-        return max(self.blocks_held(), self.engine.projected_blocks(self.prefill_tokens()))
+        final = len(self.prompt_ids) + self.params.max_tokens
+        return max(self.blocks_held(), self.engine.projected_blocks(self.prefill_tokens(), final))
 
     def kv_entries(self) -> int:
         return 0 if self.paged is None else self.paged.entries()
@@ -437,16 +438,18 @@ class Engine:
             self._thread_tok.tok = tok
         return tok
 
-    def projected_blocks(self, prompt_tokens: int) -> int:
-        """Blocks a request of ``prompt_tokens`` is expected to hold once its prompt is in the cache: the
-        uncompressed prompt (+ first token) without compression, else the compressed budget of the prompt plus one
-        partial block per table. Admission counts running requests for at least this much."""
+    def projected_blocks(self, prompt_tokens: int, final_tokens: int) -> int:
+        """Blocks admission counts a request for (its ``committed_blocks`` is at least this).
+
+        Without compression: its uncompressed prompt and first token, as vLLM admits (growth is left to preemption).
+        With compression the growth is small and bounded, so it is reserved: the compressed budget at
+        ``final_tokens`` (prompt + max_tokens) plus one partial block per table.
+        """
         g = self.geometry
-        full = g.blocks_for(prompt_tokens + 1)
         if not self.compress:
-            return full
-        m = max_cache_tokens(prompt_tokens, self.compression_rate, self.min_cache_tokens, g.block_size)
-        return min(full, g.budget_blocks(max(m, self.protected_window)) + g.tables)
+            return g.blocks_for(prompt_tokens + 1)
+        m = max_cache_tokens(final_tokens, self.compression_rate, self.min_cache_tokens, g.block_size)
+        return min(g.blocks_for(final_tokens), g.budget_blocks(max(m, self.protected_window)) + g.tables)
 
     def held_blocks(self) -> int:
         """Blocks held by the running requests (equals the pool's used blocks: the engine leaks none)."""

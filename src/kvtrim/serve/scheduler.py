@@ -18,8 +18,8 @@ in this order every step (KV-Compress, arXiv 2410.00161, §4.a step 9):
    one chunk. Sequences already prefilling go first (oldest first), then waiting sequences are admitted first
    come, first served while (a) every running sequence's committed blocks plus the newcomer's stay within the pool
    — a sequence is committed for ``max(held, projected)``, the projection being what it holds once compressed
-   (:meth:`ScheduledSequence.committed_blocks`), so the batch is bounded by compressed, not uncompressed, sizes —
-   and (b) the chunk's blocks are free now. Preemption by recompute is the safety net when the projection is
+   (:meth:`ScheduledSequence.committed_blocks`), so the batch is bounded by compressed, not uncompressed, sizes;
+   with room for its uncompressed first chunk on top — and (b) the chunk's blocks are free now. Preemption by recompute is the safety net when the projection is
    short.
 
 Chunk boundaries depend only on the request (every chunk but the last is exactly ``prefill_chunk`` tokens), never
@@ -290,7 +290,9 @@ class Scheduler:
             n = min(self.prefill_chunk, remaining)
             need = seq.chunk_blocks_needed(n, n == remaining)
             projected = seq.committed_blocks()
-            if committed + projected > self.num_blocks and self.running:
+            # Its first chunk sits uncompressed in the pool until compressed: without room for it as well, an
+            # admitted prompt would wait behind the compressed sequences, holding blocks.
+            if committed + projected + need > self.num_blocks and self.running:
                 break
             if not fits_budget(n) or need > free:
                 break
