@@ -19,8 +19,8 @@ in this order every step (KV-Compress, arXiv 2410.00161, §4.a step 9):
    come, first served while (a) every running sequence's committed blocks plus the newcomer's stay within the pool
    — a sequence is committed for ``max(held, projected)``, the projection being what it holds once compressed
    (:meth:`ScheduledSequence.committed_blocks`), so the batch is bounded by compressed, not uncompressed, sizes;
-   with room for its uncompressed first chunk on top — and (b) the chunk's blocks are free now. Preemption by recompute is the safety net when the projection is
-   short.
+   with room for its uncompressed first chunk on top — and (b) the chunk's blocks are free now. Preemption by
+   recompute is the safety net when the projection is short.
 
 Chunk boundaries depend only on the request (every chunk but the last is exactly ``prefill_chunk`` tokens), never
 on what else runs, so a request's output does not depend on the batch it shares.
