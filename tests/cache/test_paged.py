@@ -182,6 +182,7 @@ def test_observe_window_and_prefill_metric_match_squared_attention():
     cache = PagedBatchCache(cfg, pool, [seq], observe_window=5)
     outs = _forward(cache, 13, g)
     for kernel, buffer in ((7, 0), (1, 2)):
+        pool.metric.zero_()  # the metric adds to what is stored (chunked prefill accumulates chunk windows)
         prefill_metric(cache, kernel=kernel, buffer=buffer)
         data = seq.gather()
         for layer, (q, k, _, _) in enumerate(outs):
@@ -195,6 +196,9 @@ def test_observe_window_and_prefill_metric_match_squared_attention():
                 buffer=buffer,
             )[0]
             torch.testing.assert_close(data["metric"][layer][:, :13], ref, atol=1e-6, rtol=1e-5)
+    once = seq.gather()["metric"].clone()
+    prefill_metric(cache, kernel=1, buffer=2)
+    torch.testing.assert_close(seq.gather()["metric"], 2 * once)  # a second window adds to the first
     with pytest.raises(InvalidParameterError, match="observe_window"):
         prefill_metric(PagedBatchCache(cfg, pool, [seq]))
 

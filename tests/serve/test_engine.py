@@ -197,24 +197,25 @@ def test_failing_sampler_finishes_only_its_request(model, tok, monkeypatch):
 
 
 def test_failing_stop_handling_and_prefill_finish_only_their_request(model, tok, monkeypatch):
-    original_add, original_prefill = _TextOutput.add, Engine._prefill
+    original_add, original_prefill = _TextOutput.add, Engine._prefill_chunk
 
     def add(self, token_id):
         if "explode" in self.stop:
             raise ValueError("stop handling exploded")
         return original_add(self, token_id)
 
-    def prefill(self, req):
-        if req.request_id == "bad-prefill":
+    def prefill(self, reqs, n):
+        if any(r.request_id == "bad-prefill" for r in reqs):
             raise RuntimeError("prefill exploded")
-        return original_prefill(self, req)
+        return original_prefill(self, reqs, n)
 
     monkeypatch.setattr(_TextOutput, "add", add)
-    monkeypatch.setattr(Engine, "_prefill", prefill)
+    monkeypatch.setattr(Engine, "_prefill_chunk", prefill)
     engine = Engine(model, tok, kv_blocks=200)
     ok = engine.submit("abc", SamplingParams(max_tokens=8))
     bad1 = engine.submit("abc", SamplingParams(max_tokens=8, stop=("explode",)))
-    bad2 = engine.submit("abc", SamplingParams(max_tokens=8), request_id="bad-prefill")
+    # chunks of one length share a forward, so a failing forward fails its group: another length, another group
+    bad2 = engine.submit("abcdef", SamplingParams(max_tokens=8), request_id="bad-prefill")
     run_checked(engine)
     assert bad1.result().finish_reason == "error" and "stop handling" in bad1.result().error
     assert bad2.result().finish_reason == "error" and "prefill exploded" in bad2.result().error
@@ -404,3 +405,131 @@ def test_text_output_holds_incomplete_characters_and_stop_prefixes(tok):
     assert stopped and "".join(pieces) == "ab" and pieces[2] == ""  # "x" was held back, then cut
     pieces, stopped, tail = _stream(tok, "abxz", ("xy",))
     assert not stopped and "".join(pieces) + tail == "abxz" and pieces[2] == "" and pieces[3] == "xz"
+
+
+# ------------------------------------------------------------------------------------- chunked prefill
+def test_chunked_prefill_matches_running_alone_without_compression(model, tok):
+    """Prompts longer than the chunk are fed over several steps, several prompts per forward; exact at cr 1."""
+    engine = Engine(model, tok, kv_blocks=600, block_size=8, prefill_chunk=16, max_num_batched_tokens=40)
+    texts = [random_text(50 + 7 * i, seed=i) for i in range(5)]
+    handles = [engine.submit(t, SamplingParams(max_tokens=10)) for t in texts]
+    run_checked(engine)
+    s = engine.stats
+    assert s.prefills == 5 and s.prefill_chunks == sum(-(-len(tok(t)["input_ids"]) // 16) for t in texts)
+    for t, h in zip(texts, handles, strict=True):
+        assert h.result().token_ids == greedy_alone(model, tok(t)["input_ids"], 10)
+
+
+def test_long_prompt_delays_running_streams_by_one_chunk_per_step(model, tok):
+    engine = Engine(model, tok, kv_blocks=2000, block_size=8, prefill_chunk=32, max_num_batched_tokens=64)
+    short = engine.submit("hello", SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()  # short is prefilled and decoding
+    long = engine.submit(random_text(300, seed=3), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert long.prompt_tokens == 300
+    before = len(short.output.token_ids)
+    fed = []
+    while engine.stats.prefills < 2:
+        chunks = engine.stats.prefill_chunks
+        engine.step()
+        fed.append(engine.stats.prefill_chunks - chunks)
+    # every step decoded the short stream once and fed one chunk of the long prompt
+    assert fed == [1] * 10 and len(short.output.token_ids) == before + 10
+    run_checked(engine)
+    assert short.result().token_ids == greedy_alone(model, tok("hello")["input_ids"], 30, eos=set())
+
+
+def test_chunked_compressed_prefill_is_independent_of_the_batch(model, tok):
+    """With compression between chunks, a request's output depends only on itself (chunk boundaries are fixed)."""
+
+    def make() -> Engine:
+        return Engine(
+            model, tok, kv_blocks=400, block_size=8, compression_rate=4.0, min_cache_tokens=16, protected_window=8,
+            prefill_chunk=32, max_num_batched_tokens=80,
+        )  # fmt: skip
+
+    target = random_text(150, seed=11)
+    alone = make()
+    h = alone.submit(target, SamplingParams(max_tokens=20, ignore_eos=True))
+    run_checked(alone)
+    busy = make()
+    others = [busy.submit(random_text(60 + 13 * i, seed=i), SamplingParams(max_tokens=25)) for i in range(4)]
+    h2 = busy.submit(target, SamplingParams(max_tokens=20, ignore_eos=True))
+    run_checked(busy)
+    assert h2.result().token_ids == h.result().token_ids
+    assert all(o.result().finish_reason in ("length", "stop") for o in others)
+    assert alone.stats.compressions >= 4  # compressed after chunks 1..4 and after the prefill
+    assert busy.stats.peak_blocks_used < busy.pool.num_blocks
+
+
+def test_admission_by_compressed_size_beats_the_uncompressed_prompt_bound(model, tok):
+    """The pool holds 1.5 uncompressed prompts, yet compressed requests decode side by side (the old rule admitted
+    a prompt only when its uncompressed blocks were free)."""
+    tables = 2 * 2
+    blocks = int(1.5 * tables * (200 + 30) / 8)
+    engine = Engine(
+        model, tok, kv_blocks=blocks, block_size=8, compression_rate=8.0, min_cache_tokens=16, protected_window=8,
+        prefill_chunk=32,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    handles = [engine.submit(random_text(200, seed=i), params) for i in range(8)]
+    run_checked(engine)
+    assert all(len(h.result().token_ids) == 30 for h in handles)
+    assert engine.stats.max_decode_batch >= 7  # one whole-prompt chunk (no compression between chunks) gives 6
+
+
+# ------------------------------------------------------------------------------------------ tokenization
+def test_submit_tokenizes_without_blocking_the_engine_thread(model, tok):
+    """A slow tokenization in a caller's thread must not stall the streams the engine thread is decoding."""
+    engine = Engine(model, tok, kv_blocks=400)
+    engine.start()
+    try:
+        running = engine.submit("hello", SamplingParams(max_tokens=40, ignore_eos=True))
+        next(running.events(timeout=10))
+        entered, release = threading.Event(), threading.Event()
+        real = engine._caller_tokenizer
+
+        def slow_tokenizer():
+            tok_copy = real()
+
+            def encode(*args, **kwargs):
+                entered.set()
+                release.wait(10)
+                return tok_copy(*args, **kwargs)
+
+            return encode
+
+        def submit_slow():
+            engine._caller_tokenizer = slow_tokenizer  # only this thread's submit sees it before it is restored
+            engine.submit("a slow prompt", SamplingParams(max_tokens=2))
+
+        t = threading.Thread(target=submit_slow)
+        t.start()
+        assert entered.wait(10)
+        engine._caller_tokenizer = real
+        before = len(running.output.token_ids)
+        deadline = time.monotonic() + 10
+        while len(running.output.token_ids) < before + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(running.output.token_ids) >= before + 5  # decoding went on while the tokenizer was busy
+        release.set()
+        t.join(10)
+        assert running.result(timeout=30).token_ids == greedy_alone(model, tok("hello")["input_ids"], 40, eos=set())
+    finally:
+        release.set()
+        engine.stop()
+
+
+def test_stats_expose_gauges_and_counters(model, tok):
+    engine = Engine(model, tok, kv_blocks=300, block_size=8, prefill_chunk=16)
+    engine.submit(random_text(40, seed=1), SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.submit("hi", SamplingParams(max_tokens=5, ignore_eos=True))
+    s = engine.stats()
+    assert s.requests_waiting == 2 and s.requests_running == 0 and s.pool_blocks_free == 300
+    engine.step()
+    s = engine.stats()
+    assert s.requests_running == 2 and s.requests_prefilling == 1 and s.requests_waiting == 0
+    assert s.pool_blocks_used == engine.held_blocks() > 0 and s.pool_blocks_used + s.pool_blocks_free == 300
+    run_checked(engine)
+    s = engine.stats
+    assert s.tokens_generated == 10 and s.requests_finished == 2 and s.prefill_chunks == 4
+    assert set(s.as_dict()) >= {"preemptions", "compressions", "tokens_generated", "pool_blocks_used"}

@@ -20,9 +20,21 @@ class FakeSeq:
     entries: int = 0
     steps_since_compression: int = 0
     compressed_since_prefill: bool = False
+    remaining: int = 0  # prefill tokens still to feed while running (0: decoding)
+    projected: int | None = None  # committed blocks (None: the uncompressed prompt + first token)
 
     def prefill_tokens(self) -> int:
         return self.tokens
+
+    def prefill_remaining(self) -> int:
+        return self.remaining
+
+    def chunk_blocks_needed(self, tokens: int, last: bool) -> int:
+        return GEO.blocks_for(tokens + int(last))
+
+    def committed_blocks(self) -> int:
+        proj = GEO.blocks_for(self.tokens + 1) if self.projected is None else self.projected
+        return max(self.held, proj)
 
     def blocks_held(self) -> int:
         return self.held
@@ -39,6 +51,11 @@ def make(num_blocks: int = 40, **kw) -> Scheduler:
     return Scheduler(GEO, num_blocks, **kw)
 
 
+def admit(s: Scheduler, num_free: int, decode_tokens: int = 0) -> tuple[list, list]:
+    plan = s.schedule_prefill(num_free, decode_tokens)
+    return plan.admitted, plan.impossible
+
+
 def test_geometry_and_budget():
     assert GEO.blocks_for(16) == 4 and GEO.blocks_for(17) == 8 and GEO.blocks_for(0) == 0
     assert GEO.budget_blocks(128) == 32 and GEO.budget_blocks(129) == 33
@@ -52,11 +69,11 @@ def test_admission_fcfs_by_free_blocks_and_first_token():
     a, b, c = FakeSeq(0, tokens=15), FakeSeq(1, tokens=16), FakeSeq(2, tokens=5)
     for q in (a, b, c):
         s.add(q)
-    admitted, impossible = s.admit(num_free=12)
+    admitted, impossible = admit(s, num_free=12)
     # a: 15 + 1 tokens -> 4 blocks; b: 16 + 1 -> 8 blocks, exactly the 8 left; c must wait
     assert admitted == [a, b] and impossible == [] and list(s.waiting) == [c]
-    assert s.uncompressed_prefill
-    assert s.admit(num_free=3) == ([], [])  # c needs 4
+    assert not s.uncompressed_prefill  # set by prefill_done once the engine fed the last chunk
+    assert admit(s, num_free=3) == ([], [])  # c needs 4
 
 
 def test_admission_reserves_running_growth_and_max_batch():
@@ -66,9 +83,9 @@ def test_admission_reserves_running_growth_and_max_batch():
     w1, w2 = FakeSeq(1, tokens=10), FakeSeq(2, tokens=10)
     s.add(w1)
     s.add(w2)
-    assert s.admit(num_free=6) == ([], [])  # 4 blocks + 3 growth > 6
-    assert s.admit(num_free=7) == ([w1], [])
-    assert s.admit(num_free=100) == ([], [])  # max_batch reached
+    assert admit(s, num_free=6) == ([], [])  # 4 blocks + 3 growth > 6
+    assert admit(s, num_free=7) == ([w1], [])
+    assert admit(s, num_free=100) == ([], [])  # max_batch reached
     assert list(s.waiting) == [w2]
 
 
@@ -77,14 +94,15 @@ def test_impossible_waiting_sequence_is_removed():
     big, small = FakeSeq(0, tokens=40), FakeSeq(1, tokens=4)
     s.add(big)
     s.add(small)
-    admitted, impossible = s.admit(num_free=8)
+    admitted, impossible = admit(s, num_free=8)
     assert impossible == [big] and admitted == [small]
 
 
 def test_compression_forced_after_prefill_without_lock():
     s = make(compression_interval=1000)
     s.add(FakeSeq(0, tokens=4))
-    s.admit(num_free=40)
+    admit(s, num_free=40)
+    s.prefill_done()
     plan = s.plan_compression(num_free=40)
     assert plan is not None and plan.after_prefill and not plan.memory_pressure
     assert not s.lock_prefill
@@ -99,10 +117,10 @@ def test_pressure_compression_locks_prefill_until_finish_or_preempt():
     plan = s.plan_compression(num_free=5)  # 8 needed > 5 free
     assert plan is not None and plan.memory_pressure and s.lock_prefill
     s.add(FakeSeq(2, tokens=1))
-    assert s.admit(num_free=100) == ([], [])  # locked
+    assert admit(s, num_free=100) == ([], [])  # locked
     s.finish(r2)
     assert not s.lock_prefill
-    assert len(s.admit(num_free=100)[0]) == 1
+    assert len(admit(s, num_free=100)[0]) == 1
     # preemption unlocks too
     s.lock_prefill = True
     s.running[-1].need = 50
@@ -192,3 +210,70 @@ def test_bad_arguments():
         make(compression_interval=0)
     with pytest.raises(ValueError):
         make(max_batch=0)
+
+
+def test_chunks_share_the_token_budget_with_decodes_one_chunk_per_sequence():
+    s = make(num_blocks=1000, prefill_chunk=64, max_num_batched_tokens=100)
+    dec = FakeSeq(0)
+    s.running.append(dec)  # decoding (remaining 0)
+    long, short = FakeSeq(1, tokens=300), FakeSeq(2, tokens=30)
+    s.add(long)
+    s.add(short)
+    plan = s.schedule_prefill(num_free=1000, decode_tokens=50)
+    # 50 tokens left: the 64-token chunk still goes (one chunk is always allowed), the next one does not fit
+    assert plan.chunks == [(long, 64)] and plan.admitted == [long] and list(s.waiting) == [short]
+    long.remaining, long.held = 236, 4 * 4
+    plan = s.schedule_prefill(num_free=1000, decode_tokens=10)
+    assert plan.chunks == [(long, 64)]  # running prefills first; the short one's 30 tokens exceed 90 - 64
+    plan = s.schedule_prefill(num_free=1000, decode_tokens=0)
+    assert plan.chunks == [(long, 64), (short, 30)]
+    assert s.prefilling() == [long] and s.decoding() == [dec, short]
+    long.remaining = 44
+    s.prefill_done()
+    assert s.uncompressed_prefill
+
+
+def test_prefilling_sequence_blocked_by_memory_blocks_younger_ones():
+    s = make(num_blocks=1000, prefill_chunk=64)
+    old = FakeSeq(0, tokens=300, remaining=200, held=4)
+    s.running.append(old)
+    s.add(FakeSeq(1, tokens=4))
+    plan = s.schedule_prefill(num_free=10)  # old's chunk needs 16 blocks
+    assert plan.chunks == [] and len(s.waiting) == 1
+
+
+def test_admission_counts_projected_compressed_size():
+    # Uncompressed, each 100-token request needs 7 * 4 = 28 blocks; compressed it is projected at 8.
+    s = make(num_blocks=48)
+    for i in range(5):
+        s.add(FakeSeq(i, tokens=100, projected=8))
+    admitted, _ = admit(s, num_free=48)
+    assert len(admitted) == 1  # the next one's 28-block chunk is not free now
+    for r in s.running:
+        r.held, r.remaining = 8, 0  # compressed to its projection
+    admitted, _ = admit(s, num_free=40)
+    assert len(admitted) == 1  # committed 8 + 8 + its 28-block chunk = 44 <= 48
+    for r in s.running:
+        r.held = 8
+    # 16 + 8 + 28 > 48: no room for another uncompressed chunk although 32 blocks are free
+    assert admit(s, num_free=32) == ([], [])
+    plain = make(num_blocks=40)
+    for i in range(3):
+        plain.add(FakeSeq(i, tokens=10))  # 4 blocks each, projected = uncompressed
+    plain.running.append(FakeSeq(9, tokens=100, held=33))
+    assert admit(plain, num_free=40) == ([], [])  # 33 committed + 4 + 4 > 40 although 40 are "free"
+
+
+def test_stalled_prefills_preempt_the_newest():
+    s = make(num_blocks=100)
+    a, b = FakeSeq(0, remaining=5, held=4), FakeSeq(1, remaining=5, held=4)
+    s.running += [a, b]
+    assert s.stalled_victim() is b and s.running == [a] and list(s.waiting) == [b]
+    assert s.stalled_victim() is None  # alone: nothing to make room for
+
+
+def test_budget_arguments():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        make(prefill_chunk=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make(max_num_batched_tokens=True)

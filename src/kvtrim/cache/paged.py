@@ -16,11 +16,12 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import InvalidParameterError
 from ..scoring.squared_attention import squared_attention
-from .attention import attention_probabilities, grouped_attention
+from .attention import grouped_attention
 from .block_pool import EMPTY, BlockPool, OutOfBlocks
 from .layer import hand_over, raise_if_unconsumed
 
@@ -165,12 +166,9 @@ class PagedSequence:
     def table_tensor(self) -> torch.Tensor:
         """``[layers * kv_heads, max_blocks]`` block ids, padded with 0 (padding is masked by the lengths)."""
         if self._table_tensor is None:
-            width = max(1, int(self._nblocks.max()))
-            t = torch.zeros(self.num_rows, width, dtype=torch.long)
-            for r, table in enumerate(self.tables):
-                if table:
-                    t[r, : len(table)] = torch.tensor(table, dtype=torch.long)
-            self._table_tensor = t.to(self.pool.device)
+            width = max(1, max(len(t) for t in self.tables))
+            padded = [t + [0] * (width - len(t)) for t in self.tables]  # one tensor call, not one per row
+            self._table_tensor = torch.tensor(padded, dtype=torch.long, device=self.pool.device)
         return self._table_tensor
 
     def slots(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,9 +366,12 @@ class PagedBatchCache(Cache):
             s.reserve(q)
         tables = [s.table_tensor() for s in self.sequences]
         width = max(t.shape[1] for t in tables)
-        table = torch.zeros(n, self.num_layers * self.kv_heads, width, dtype=torch.long, device=self.pool.device)
-        for i, t in enumerate(tables):
-            table[i, :, : t.shape[1]] = t
+        if all(t.shape[1] == width for t in tables):
+            table = torch.stack(tables)
+        else:
+            table = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
+        for s in self.sequences:  # the lengths after this forward (attention reads ``base``, fixed at layer 0)
+            s._length += q
         self._step = {
             "q": q,
             "seen_before": max(before),
@@ -423,8 +424,6 @@ class PagedBatchCache(Cache):
         pool.values.view(-1, d)[slot] = values.to(pool.dtype).reshape(-1, d)
         pool.positions.view(-1)[slot] = qpos[:, None, :].expand(n, h, q).reshape(-1)
         pool.metric.view(-1)[slot] = 0.0
-        for s in self.sequences:
-            s._length[layer_idx * h : (layer_idx + 1) * h] += q
 
         if self.observe_window and q > 1:
             w = min(self.observe_window, q)
@@ -443,12 +442,18 @@ class PagedBatchCache(Cache):
         kpos = pool.positions.view(-1)[slots]
         stored = torch.arange(nb * bs, device=table.device)[None, None, :] < length[:, :, None]  # [n, H, S]
         mask = stored[:, :, None, :] & (kpos[:, :, None, :] <= qpos[:, None, :, None])  # [n, H, q, S]
-        if not (self.accumulate_decode_metric and q == 1):
-            return grouped_attention(query, k.to(query.dtype), v.to(query.dtype), mask, scaling)
-
-        probs = attention_probabilities(query, k, mask, scaling)  # [n, hq, 1, S] fp32
         hq = query.shape[1]
         group = hq // h
+        if not (self.accumulate_decode_metric and q == 1):
+            # Every query sees at least its own new key, so no row is empty (no NaN check, no host sync).
+            qg = query.reshape(n, h, group * q, d)
+            m = mask[:, :, None].expand(n, h, group, q, mask.shape[-1]).reshape(n, h, group * q, -1)
+            out = F.scaled_dot_product_attention(qg, k.to(query.dtype), v.to(query.dtype), attn_mask=m, scale=scaling)
+            return out.reshape(n, hq, q, d).transpose(1, 2)
+
+        logits = torch.matmul(query.reshape(n, h, group * q, d).float() * scaling, k.float().transpose(-1, -2))
+        logits = logits.view(n, h, group, q, -1).masked_fill_(~mask[:, :, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(n, hq, q, -1)  # [n, hq, 1, S] fp32, no empty row (see above)
         out = torch.matmul(probs.view(n, h, group * q, -1), v.float()).view(n, hq, q, d)
         sq = probs.view(n, h, group, q, -1).square().sum(dim=(2, 3))  # [n, H, S]
         counted = stored & (kpos <= qpos[:, -1:, None] - self.buffer) if self.buffer else stored
@@ -470,11 +475,16 @@ def prefill_metric(
     buffer: int = 0,
     chunk: int = 512,
 ) -> None:
-    """Fill ``pool.metric`` of the sequences just prefilled through ``cache`` from the recorded queries.
+    """Add to ``pool.metric`` of the sequences just prefilled through ``cache`` the metric of the recorded queries.
 
     KVC-w: squared attention of the last ``window`` prompt queries, max-pooled per query head (``kernel`` 7),
     summed over each query group. KVC-full: record every prompt query (``observe_window`` >= the prompt length),
     ``buffer=10`` (keys within 10 positions of a query excluded), ``kernel=1`` (no pooling).
+
+    A whole prompt in one forward gets exactly the paper's prefill metric (fresh entries start at 0). A chunked
+    prefill calls this after every chunk: each chunk's window adds its squared attention over every entry then
+    stored, as decode queries do in the paper's continual metric. Pooling runs over each head's entries in position
+    order (after MoveCache the slots are not in order).
 
     Args:
         cache: the cache of the prefill forward, built with ``observe_window > 0``
@@ -488,9 +498,13 @@ def prefill_metric(
         raise InvalidParameterError(f"window must be positive or None, got {window}")
     pool = cache.pool
     scaling = cache.scaling if cache.scaling is not None else cache.head_dim**-0.5
+    flat_pos = pool.positions.view(-1)
     for i, seq in enumerate(cache.sequences):
         slot, valid = seq.slots()
-        flat_pos = pool.positions.view(-1)
+        # Every row's entries in position order (empty slots last); the identity for a fresh, in-order sequence.
+        pos = flat_pos[slot].masked_fill(~valid, torch.iinfo(torch.long).max)
+        order = pos.argsort(dim=1, stable=True)
+        slot, valid = slot.gather(1, order), valid.gather(1, order)
         for layer in range(seq.num_layers):
             obs = cache.observations[layer]
             if obs is None:
@@ -511,4 +525,4 @@ def prefill_metric(
                 kernel=kernel,
                 chunk=chunk,
             )[0]
-            pool.metric.view(-1)[s[ok]] = metric[ok]
+            pool.metric.view(-1).index_add_(0, s[ok], metric[ok])

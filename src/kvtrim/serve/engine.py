@@ -1,17 +1,24 @@
 """A continuous-batching engine over one paged, KV-Compress-compressed cache pool (arXiv 2410.00161 §4.a).
 
-Every :meth:`Engine.step` runs, in order: compression (forced after a new prefill and under memory pressure,
-otherwise every step unless ``compress_once``), preemption by recompute if the next decode step still does not
-fit, **one batched decode forward over every running sequence**, then first-come-first-served prefills of the
-waiting requests whose blocks are free. Scheduling decisions live in :mod:`kvtrim.serve.scheduler`; storage
-and eviction in :mod:`kvtrim.cache.paged` and :mod:`kvtrim.selection.block_eviction`.
+Every :meth:`Engine.step` runs, in order: compression (forced after a completed prefill and under memory
+pressure, otherwise every step unless ``compress_once``), preemption by recompute if the next decode step still
+does not fit, **one batched decode forward over every decoding sequence**, then **chunked prefill**: the step's
+token budget left by the decodes goes to prefill chunks (running prefills first, then newly admitted requests,
+first come first served, admitted by their projected compressed size), chunks of equal length batched into one
+forward. With compression on, a sequence is compressed after each of its prefill chunks, so a long prompt never
+needs its uncompressed size in the pool. Scheduling decisions live in :mod:`kvtrim.serve.scheduler`; storage and
+eviction in :mod:`kvtrim.cache.paged` and :mod:`kvtrim.selection.block_eviction`.
 
-``submit`` and ``cancel`` are thread-safe; results stream through :class:`~kvtrim.serve.types.RequestHandle`.
+``submit`` and ``cancel`` are thread-safe and take no lock the engine loop holds while it works: ``submit``
+tokenizes in the caller's thread with a tokenizer copy of that thread (fast tokenizers must not be shared across
+threads), the engine thread detokenizes with its own copy. Results stream through
+:class:`~kvtrim.serve.types.RequestHandle`.
 Use it synchronously (``step`` / ``run_until_idle``) or with a background thread (``start`` / ``stop``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import threading
@@ -33,20 +40,47 @@ from .types import RequestHandle, SamplingParams, TokenEvent
 
 @dataclass
 class EngineStats:
-    """Counters of one engine (a snapshot; ``*_s`` are wall seconds spent in each phase)."""
+    """A snapshot of one engine's counters and gauges (``Engine.stats``; all public, for Prometheus exporters).
+
+    Counters only grow over the engine's life; gauges (``requests_*``, ``pool_blocks_used/free``) are the state
+    at the snapshot. ``*_s`` are wall seconds spent in each phase.
+
+    Attributes:
+        steps: engine iterations
+        decode_steps: batched decode forwards
+        prefills: completed (re)prefills (a preempted request is prefilled again)
+        prefill_chunks: prefill chunks fed (a prompt longer than ``prefill_chunk`` takes several)
+        prefill_tokens: tokens fed by prefill chunks, recomputes included
+        tokens_generated: tokens emitted to requests (counter; tokens per second = its rate)
+        decode_tokens: sequences fed by decode forwards summed over steps (mean batch = this / decode_steps)
+        max_decode_batch: the largest decode batch so far
+        preemptions: requests preempted by recompute (counter)
+        compressions: sequence compressions that evicted at least one block (counter)
+        blocks_evicted: blocks freed by compression (counter)
+        requests_finished: requests finished for any reason (counter)
+        requests_running: requests holding KV blocks now, prefilling or decoding (gauge)
+        requests_prefilling: of those, requests with prefill chunks still to feed (gauge)
+        requests_waiting: requests queued for admission, submitted ones not yet seen included (gauge)
+        pool_blocks_total: blocks in the pool
+        pool_blocks_used, pool_blocks_free: blocks held by requests / free now (gauges)
+        peak_blocks_used: the most blocks ever held at the end of a step
+        prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards and compression
+    """
 
     steps: int = 0
     decode_steps: int = 0
     prefills: int = 0
-    prefill_tokens: int = 0  # tokens fed by prefills, recomputes included
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
     tokens_generated: int = 0
-    decode_tokens: int = 0  # sequences fed by decode forwards, summed over steps (mean batch = this / decode_steps)
+    decode_tokens: int = 0
     max_decode_batch: int = 0
     preemptions: int = 0
-    compressions: int = 0  # sequence compressions that evicted at least one block
+    compressions: int = 0
     blocks_evicted: int = 0
     requests_finished: int = 0
     requests_running: int = 0
+    requests_prefilling: int = 0
     requests_waiting: int = 0
     pool_blocks_total: int = 0
     pool_blocks_used: int = 0
@@ -58,6 +92,10 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def __call__(self) -> EngineStats:
+        """``engine.stats()`` and ``engine.stats`` both give the snapshot."""
+        return self
 
 
 class _TextOutput:
@@ -141,6 +179,9 @@ class _Request:
     text: _TextOutput
     generated: list[int] = field(default_factory=list)  # emitted tokens (the last one is not fed yet)
     paged: PagedSequence | None = None
+    prefilled: int = 0  # tokens of the current (re)prefill already fed
+    decoding: bool = False  # the current (re)prefill is complete
+    engine: Engine | None = None
     steps_since_compression: int = 0
     compressed_since_prefill: bool = False
     preemptions: int = 0
@@ -153,12 +194,27 @@ class _Request:
         return 0 if self.paged is None else self.paged.blocks_held()
 
     def decode_blocks_needed(self) -> int:
-        return 0 if self.paged is None else self.paged.blocks_needed(1)
+        return 0 if self.paged is None or self.prefill_remaining() else self.paged.blocks_needed(1)
+
+    def prefill_remaining(self) -> int:
+        return 0 if self.decoding else self.prefill_tokens() - self.prefilled
+
+    def chunk_blocks_needed(self, tokens: int, last: bool) -> int:
+        new = tokens + int(last)
+        if self.paged is None:
+            return self.engine.geometry.blocks_for(new)
+        return self.paged.blocks_needed(new)
+
+    def committed_blocks(self) -> int:
+        final = len(self.prompt_ids) + self.params.max_tokens
+        return max(self.blocks_held(), self.engine.projected_blocks(self.prefill_tokens(), final))
 
     def kv_entries(self) -> int:
         return 0 if self.paged is None else self.paged.entries()
 
     def release(self) -> None:
+        self.prefilled = 0
+        self.decoding = False
         if self.paged is not None:
             self.paged.release()
             self.paged = None
@@ -185,6 +241,10 @@ class Engine:
         model_name: name reported to the HTTP layer (default: the model's ``name_or_path``)
         compression_interval: steps between compressions that neither a prefill nor memory pressure forces
             (the paper's default 1: every step)
+        prefill_chunk: tokens per prefill chunk; a longer prompt is fed over several steps (compressed after each
+            chunk when compression is on)
+        max_num_batched_tokens: tokens one step feeds at most, decodes and prefill chunks together (vLLM's
+            ``max_num_batched_tokens``; one chunk is always allowed)
     """
 
     def __init__(
@@ -204,6 +264,8 @@ class Engine:
         seed: int = 0,
         model_name: str | None = None,
         compression_interval: int = 1,
+        prefill_chunk: int = 512,
+        max_num_batched_tokens: int = 2048,
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
         enable(model)  # raises UnsupportedModelError for unsupported architectures
@@ -230,7 +292,8 @@ class Engine:
         self.eos = _eos_ids(model, tokenizer)
         self.scheduler = Scheduler(
             self.geometry, self.pool.num_blocks, compress=self.compress, compress_once=compress_once,
-            compression_interval=compression_interval, max_batch=max_batch,
+            compression_interval=compression_interval, max_batch=max_batch, prefill_chunk=prefill_chunk,
+            max_num_batched_tokens=max_num_batched_tokens,
         )  # fmt: skip
         self._stats = EngineStats(pool_blocks_total=self.pool.num_blocks)
         self._generator = torch.Generator().manual_seed(seed)
@@ -239,8 +302,13 @@ class Engine:
         self._inbox: list[_Request] = []
         self._cancelled: list[str] = []
         self._active: dict[str, _Request] = {}  # submitted and not finished
-        self._lock = threading.Lock()  # guards _inbox, _cancelled, _active and the seed generator
-        self._tok_lock = threading.Lock()  # the tokenizer is shared by submitting threads and the engine thread
+        self._lock = threading.Lock()  # guards _inbox, _cancelled, _active and the seed generator (never held long)
+        # Fast tokenizers are not safe for concurrent use: the engine thread detokenizes with its own copy and each
+        # submitting thread tokenizes with a copy of its own, made once from a pristine copy nobody encodes with.
+        self._pristine_tok = copy.deepcopy(tokenizer)
+        self._detok = copy.deepcopy(tokenizer)
+        self._copy_lock = threading.Lock()  # only held while copying a tokenizer; the engine never takes it
+        self._thread_tok = threading.local()
         self._step_lock = threading.RLock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -262,8 +330,7 @@ class Engine:
             raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidParameterError(f"request_id must be a non-empty string, got {request_id!r}")
-        with self._tok_lock:
-            ids = self._encode(prompt, chat)
+        ids = self._encode(prompt, chat)
         self._check_fits(len(ids), params.max_tokens)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -272,6 +339,7 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._generator))
             handle = RequestHandle(rid, len(ids))
             req = _Request(
+                engine=self,
                 request_id=rid,
                 arrival=next(self._arrivals),
                 prompt_ids=ids,
@@ -304,8 +372,8 @@ class Engine:
             self._ingest(events)
             self._compress_phase(events)
             self._preempt_phase(events)
-            self._decode_phase(events)
-            self._admit_phase(events)
+            decoded = self._decode_phase(events)
+            self._prefill_phase(events, decoded)
             self._stats.steps += 1
             self._stats.peak_blocks_used = max(self._stats.peak_blocks_used, self.pool.num_used)
             return events
@@ -350,14 +418,38 @@ class Engine:
     def stats(self) -> EngineStats:
         s = dataclasses.replace(self._stats)
         s.pool_blocks_used, s.pool_blocks_free = self.pool.num_used, self.pool.num_free
-        s.requests_running, s.requests_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        running, waiting = list(self.scheduler.running), len(self.scheduler.waiting)
+        s.requests_running, s.requests_waiting = len(running), waiting
+        s.requests_prefilling = sum(1 for r in running if r.prefill_remaining() > 0)
         with self._lock:
             s.requests_waiting += len(self._inbox)
         return s
 
     def _decode_text(self, ids: list[int]) -> str:
-        with self._tok_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        """Detokenize (engine thread only: the engine's own tokenizer copy)."""
+        return self._detok.decode(ids, skip_special_tokens=True)
+
+    def _caller_tokenizer(self):
+        """The calling thread's own tokenizer copy (made on first use)."""
+        tok = getattr(self._thread_tok, "tok", None)
+        if tok is None:
+            with self._copy_lock:
+                tok = copy.deepcopy(self._pristine_tok)
+            self._thread_tok.tok = tok
+        return tok
+
+    def projected_blocks(self, prompt_tokens: int, final_tokens: int) -> int:
+        """Blocks admission counts a request for (its ``committed_blocks`` is at least this).
+
+        Without compression: its uncompressed prompt and first token, as vLLM admits (growth is left to preemption).
+        With compression the growth is small and bounded, so it is reserved: the compressed budget at
+        ``final_tokens`` (prompt + max_tokens) plus one partial block per table.
+        """
+        g = self.geometry
+        if not self.compress:
+            return g.blocks_for(prompt_tokens + 1)
+        m = max_cache_tokens(final_tokens, self.compression_rate, self.min_cache_tokens, g.block_size)
+        return min(g.blocks_for(final_tokens), g.budget_blocks(max(m, self.protected_window)) + g.tables)
 
     def held_blocks(self) -> int:
         """Blocks held by the running requests (equals the pool's used blocks: the engine leaks none)."""
@@ -365,7 +457,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ validation
     def _encode(self, prompt, chat: bool) -> list[int]:
-        tok = self.tokenizer
+        tok = self._caller_tokenizer()
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidParameterError("prompt must be a non-empty string")
@@ -385,7 +477,7 @@ class Engine:
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidParameterError("each chat message needs a string 'role' and a string 'content'")
-        tok = self.tokenizer
+        tok = self._caller_tokenizer()
         if getattr(tok, "chat_template", None):
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:  # tokenizers without a template (the test models): a plain transcript
@@ -454,7 +546,7 @@ class Engine:
                 self._finish(req, events, None, "error", _describe(exc))
         self._stats.compress_s += time.perf_counter() - t0
 
-    def _compress(self, req: _Request) -> None:
+    def _compress(self, req: _Request, mark: bool = True) -> None:
         seq = req.paged
         budget = max_cache_tokens(seq.seen, self.compression_rate, self.min_cache_tokens, self.pool.block_size)
         freed = compress_sequence(seq, max_cache_tokens=budget, protected_window=self.protected_window)
@@ -462,7 +554,8 @@ class Engine:
             self._stats.compressions += 1
             self._stats.blocks_evicted += freed
             req.compressions += 1
-        self.scheduler.mark_compressed(req)
+        if mark:
+            self.scheduler.mark_compressed(req)
 
     def _preempt_phase(self, events: list[TokenEvent]) -> None:
         victims = self.scheduler.preempt(self.pool.num_free)
@@ -475,21 +568,23 @@ class Engine:
             last = min(victims, key=lambda r: r.arrival)
             self._finish(last, events, None, "error", "out of KV memory: the request alone outgrew the pool")
 
-    def _decode_phase(self, events: list[TokenEvent]) -> None:
-        batch = list(self.scheduler.running)
+    def _decode_phase(self, events: list[TokenEvent]) -> int:
+        """One batched decode forward over the decoding sequences; returns how many were fed."""
+        batch = self.scheduler.decoding()
         if not batch:
-            return
+            return 0
         t0 = time.perf_counter()
         logits = self._decode_forward(batch, events)
         self._stats.decode_s += time.perf_counter() - t0
         if logits is None:
-            return
+            return len(batch)
         self._stats.decode_steps += 1
         self._stats.decode_tokens += len(batch)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(batch))
         for row, req in enumerate(batch):
             self._next_token(req, logits[row], events)
         self.scheduler.tick()
+        return len(batch)
 
     def _decode_forward(self, batch: list[_Request], events: list[TokenEvent]) -> torch.Tensor | None:
         input_ids = torch.tensor([[r.generated[-1]] for r in batch], device=self.pool.device)
@@ -510,38 +605,79 @@ class Engine:
             return None
         return out.logits[:, -1]
 
-    def _admit_phase(self, events: list[TokenEvent]) -> None:
-        admitted, impossible = self.scheduler.admit(self.pool.num_free)
-        for req in impossible:
+    def _prefill_phase(self, events: list[TokenEvent], decoded: int) -> None:
+        plan = self.scheduler.schedule_prefill(self.pool.num_free, decoded)
+        for req in plan.impossible:
             self._finish(req, events, None, "error", "out of KV memory: the request no longer fits in the pool")
-        for req in admitted:
+        if not plan.chunks:
+            if not decoded and self.scheduler.running:
+                self._unstall(events)
+            return
+        groups: dict[int, list[_Request]] = {}
+        for req, n in plan.chunks:  # chunks of one length share a forward (dicts keep the schedule's order)
+            groups.setdefault(n, []).append(req)
+        for n, reqs in groups.items():
             t0 = time.perf_counter()
             try:
-                logits = self._prefill(req)
+                logits = self._prefill_chunk(reqs, n)
             except Exception as exc:
-                self._finish(req, events, None, "error", _describe(exc))
+                self._fail(reqs, events, exc)
                 continue
             finally:
                 self._stats.prefill_s += time.perf_counter() - t0
-            self._next_token(req, logits, events)
+            for row, req in enumerate(reqs):
+                if req.prefill_remaining() == 0:
+                    req.decoding = True
+                    self._stats.prefills += 1
+                    req.steps_since_compression = 0
+                    req.compressed_since_prefill = False
+                    self.scheduler.prefill_done()
+                    self._next_token(req, logits[row], events)
+                elif self.compress:  # compress as chunks arrive: the prompt never sits uncompressed in the pool
+                    t0 = time.perf_counter()
+                    try:
+                        self._compress(req, mark=False)
+                    except Exception as exc:
+                        self._finish(req, events, None, "error", _describe(exc))
+                    self._stats.compress_s += time.perf_counter() - t0
 
-    def _prefill(self, req: _Request) -> torch.Tensor:
-        tokens = req.prompt_ids + req.generated
-        req.paged = PagedSequence(self.pool, self.geometry.layers, self.geometry.kv_heads)
+    def _unstall(self, events: list[TokenEvent]) -> None:
+        """Nothing could run this step (only prefilling sequences, none of whose chunks fit): preempt the newest
+        so the older ones progress, or fail a lone sequence that cannot fit even by itself."""
+        victim = self.scheduler.stalled_victim()
+        if victim is not None:
+            victim.release()
+            victim.preemptions += 1
+            self._stats.preemptions += 1
+            return
+        for req in list(self.scheduler.running):
+            self._finish(req, events, None, "error", "out of KV memory: the request alone outgrew the pool")
+
+    def _prefill_chunk(self, reqs: list[_Request], n: int) -> torch.Tensor:
+        """Feed the next ``n`` prefill tokens of each request in one forward; returns ``[len(reqs), vocab]``
+        logits of each chunk's last token. With compression, the chunk's metric is added to ``pool.metric``."""
+        rows, positions = [], []
+        for req in reqs:
+            if req.paged is None:
+                req.paged = PagedSequence(self.pool, self.geometry.layers, self.geometry.kv_heads)
+            tokens = req.prompt_ids + req.generated
+            rows.append(tokens[req.prefilled : req.prefilled + n])
+            positions.append(req.prefilled)
         window = 0
         if self.compress:
-            window = len(tokens) if self.window is None else min(self.window, len(tokens))
-        cache = PagedBatchCache(self.model.config, self.pool, [req.paged], observe_window=window)
-        ids = torch.tensor([tokens], device=self.pool.device)
-        positions = torch.arange(len(tokens), device=self.pool.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            window = n if self.window is None else min(self.window, n)
+        cache = PagedBatchCache(self.model.config, self.pool, [r.paged for r in reqs], observe_window=window)
+        device = self.pool.device
+        ids = torch.tensor(rows, device=device)
+        pos = torch.tensor(positions, device=device)[:, None] + torch.arange(n, device=device)
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if self.compress:
             prefill_metric(cache, kernel=self.kernel, buffer=self.metric_buffer)
-        req.steps_since_compression = 0
-        req.compressed_since_prefill = False
-        self._stats.prefills += 1
-        self._stats.prefill_tokens += len(tokens)
-        return out.logits[0, -1]
+        for req in reqs:
+            req.prefilled += n
+        self._stats.prefill_chunks += len(reqs)
+        self._stats.prefill_tokens += n * len(reqs)
+        return out.logits[:, -1]
 
     # ------------------------------------------------------------------------------------ per request
     def _next_token(self, req: _Request, logits: torch.Tensor, events: list[TokenEvent]) -> None:

@@ -1,4 +1,5 @@
-"""Scheduling for the serving engine: queues, admission by free KV blocks, compression triggers, preemption.
+"""Scheduling for the serving engine: queues, chunked prefill under a token budget, admission by projected
+compressed size, compression triggers, preemption.
 
 Pure logic, testable without a model: sequences are seen through :class:`ScheduledSequence` and the pool
 through its free-block count; the engine owns the model, the pool and the caches, and calls the scheduler
@@ -9,10 +10,20 @@ in this order every step (KV-Compress, arXiv 2410.00161, §4.a step 9):
    compression forced only by memory pressure locks new prefills until a running sequence finishes or is
    preempted. Otherwise it runs every ``compression_interval`` steps.
 2. :meth:`Scheduler.preempt` — if the next decode step still does not fit, preempt by recompute, newest first.
-3. The engine decodes every running sequence in one batch, then calls :meth:`Scheduler.finish` for the
-   finished ones and :meth:`Scheduler.tick`.
-4. :meth:`Scheduler.admit` — first come, first served: prefill waiting sequences while their prompt blocks
-   (plus the running sequences' next-step growth) fit in the free blocks and prefills are not locked.
+3. The engine decodes every *decoding* running sequence (prefill complete) in one batch, then calls
+   :meth:`Scheduler.finish` for the finished ones and :meth:`Scheduler.tick`.
+4. :meth:`Scheduler.schedule_prefill` — chunked prefill as vLLM schedules it: one step's token budget
+   (``max_num_batched_tokens``) is shared by the decodes (one token each) and prefill chunks of at most
+   ``prefill_chunk`` tokens, one chunk per sequence per step, so a long prompt delays the other streams by at most
+   one chunk. Sequences already prefilling go first (oldest first), then waiting sequences are admitted first
+   come, first served while (a) every running sequence's committed blocks plus the newcomer's stay within the pool
+   — a sequence is committed for ``max(held, projected)``, the projection being what it holds once compressed
+   (:meth:`ScheduledSequence.committed_blocks`), so the batch is bounded by compressed, not uncompressed, sizes;
+   with room for its uncompressed first chunk on top — and (b) the chunk's blocks are free now. Preemption by
+   recompute is the safety net when the projection is short.
+
+Chunk boundaries depend only on the request (every chunk but the last is exactly ``prefill_chunk`` tokens), never
+on what else runs, so a request's output does not depend on the batch it shares.
 """
 
 from __future__ import annotations
@@ -43,6 +54,15 @@ class ScheduledSequence(Protocol):
 
     def kv_entries(self) -> int:
         """Stored (token, layer, KV head) entries."""
+
+    def prefill_remaining(self) -> int:
+        """Tokens of its (re)prefill not yet fed (0 once it decodes; ``prefill_tokens()`` while waiting)."""
+
+    def chunk_blocks_needed(self, tokens: int, last: bool) -> int:
+        """Extra blocks a prefill chunk of ``tokens`` allocates (``last``: plus the first decoded token's)."""
+
+    def committed_blocks(self) -> int:
+        """Blocks admission counts it for: ``max(held now, projected after compression)``."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,16 @@ class CompressionPlan:
     memory_pressure: bool
 
 
+@dataclass
+class PrefillPlan:
+    """This step's prefill work: ``chunks`` as ``(sequence, tokens)`` (running prefills first, then newly
+    ``admitted`` ones), and waiting sequences removed because they could never fit (``impossible``)."""
+
+    chunks: list
+    admitted: list
+    impossible: list
+
+
 class Scheduler:
     """Waiting and running queues of one engine over a pool of ``num_blocks`` blocks.
 
@@ -93,6 +123,9 @@ class Scheduler:
         max_kv_per_compression: entries one compression may cover (candidates are added while the total stays
             within it; at least one is always taken)
         max_batch: running sequences at most (None = only memory limits it)
+        prefill_chunk: tokens of one prefill chunk (every chunk of a prompt but the last has exactly this many)
+        max_num_batched_tokens: tokens one step feeds at most, decodes and prefill chunks together (at least one
+            chunk is scheduled when a sequence waits to prefill, whatever the decodes take)
     """
 
     def __init__(
@@ -105,7 +138,12 @@ class Scheduler:
         compression_interval: int = 1,
         max_kv_per_compression: int = 5_000_000,
         max_batch: int | None = None,
+        prefill_chunk: int = 512,
+        max_num_batched_tokens: int = 2048,
     ):
+        for name, value in (("prefill_chunk", prefill_chunk), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}")
         if compression_interval < 1:
             raise InvalidParameterError(f"compression_interval must be >= 1, got {compression_interval}")
         if max_batch is not None and max_batch < 1:
@@ -117,6 +155,8 @@ class Scheduler:
         self.compression_interval = compression_interval
         self.max_kv_per_compression = max_kv_per_compression
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque = deque()
         self.running: list = []
         self.uncompressed_prefill = False
@@ -140,10 +180,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def decoding(self) -> list:
+        """Running sequences whose prefill is complete (they decode this step), in running order."""
+        return [s for s in self.running if s.prefill_remaining() == 0]
+
+    def prefilling(self) -> list:
+        """Running sequences with prefill chunks still to feed, oldest first."""
+        return sorted((s for s in self.running if s.prefill_remaining() > 0), key=lambda s: s.arrival)
+
     # ---------------------------------------------------------------------------------------- memory
     def decode_need(self) -> int:
-        """Blocks the running sequences' next decode step allocates."""
-        return sum(s.decode_blocks_needed() for s in self.running)
+        """Blocks the decoding sequences' next decode step allocates."""
+        return sum(s.decode_blocks_needed() for s in self.running if s.prefill_remaining() == 0)
 
     def must_preempt(self, num_free: int) -> bool:
         return self.decode_need() > num_free
@@ -155,7 +203,8 @@ class Scheduler:
     # ----------------------------------------------------------------------------------- compression
     def plan_compression(self, num_free: int) -> CompressionPlan | None:
         """Decide whether compression runs this step and on which running sequences (None: it does not)."""
-        if not self.compress or not self.running:
+        decoding = self.decoding()
+        if not self.compress or not decoding:
             self.uncompressed_prefill = False
             return None
         self.iterations += 1
@@ -163,7 +212,7 @@ class Scheduler:
         after_prefill = self.uncompressed_prefill
         if not (after_prefill or pressure or self.iterations >= self.compression_interval):
             return None
-        candidates = [s for s in self.running if not (self.compress_once and s.compressed_since_prefill)]
+        candidates = [s for s in decoding if not (self.compress_once and s.compressed_since_prefill)]
         candidates.sort(key=lambda s: s.steps_since_compression, reverse=True)  # stable: older first on ties
         picked, total = [], 0
         for seq in candidates:
@@ -206,35 +255,73 @@ class Scheduler:
         return victims
 
     # -------------------------------------------------------------------------------------- admission
-    def admit(self, num_free: int) -> tuple[list, list]:
-        """Move waiting sequences to running while they fit; returns ``(admitted, impossible)``.
+    def schedule_prefill(self, num_free: int, decode_tokens: int = 0) -> PrefillPlan:
+        """The prefill chunks of this step (see the module docstring); admitted sequences join ``running``.
 
-        A sequence fits when the blocks of its prefill and first decoded token, plus the running sequences'
-        next-step growth, are free. ``impossible`` holds waiting sequences that could never fit even in the
-        empty pool (only possible after a preemption grew them); they are removed from the queue.
+        Args:
+            num_free: free blocks of the pool now
+            decode_tokens: tokens the decodes of this step took from the budget
         """
-        admitted: list = []
-        impossible: list = []
-        if self.lock_prefill:
-            return admitted, impossible
+        plan = PrefillPlan([], [], [])
+        budget = self.max_num_batched_tokens - decode_tokens
         free = num_free - self.decode_need()
+
+        def fits_budget(n: int) -> bool:
+            return n <= budget or not plan.chunks  # progress: one chunk per step at least
+
+        for seq in self.prefilling():
+            remaining = seq.prefill_remaining()
+            n = min(self.prefill_chunk, remaining)
+            need = seq.chunk_blocks_needed(n, n == remaining)
+            if not fits_budget(n) or need > free:
+                return plan  # first come, first served: nothing younger overtakes it
+            plan.chunks.append((seq, n))
+            budget -= n
+            free -= need
+        if self.lock_prefill:
+            return plan
+        committed = sum(s.committed_blocks() for s in self.running) + self.decode_need()
         while self.waiting and (self.max_batch is None or len(self.running) < self.max_batch):
             seq = self.waiting[0]
             if not self.can_ever_fit(seq.prefill_tokens()):
-                impossible.append(self.waiting.popleft())
+                plan.impossible.append(self.waiting.popleft())
                 continue
-            need = self.geometry.blocks_for(seq.prefill_tokens() + 1)
-            if need > free:
+            remaining = seq.prefill_tokens()
+            n = min(self.prefill_chunk, remaining)
+            need = seq.chunk_blocks_needed(n, n == remaining)
+            projected = seq.committed_blocks()
+            # Its first chunk sits uncompressed in the pool until compressed: without room for it as well, an
+            # admitted prompt would wait behind the compressed sequences, holding blocks.
+            if committed + projected + need > self.num_blocks and self.running:
+                break
+            if not fits_budget(n) or need > free:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            admitted.append(seq)
+            plan.admitted.append(seq)
+            plan.chunks.append((seq, n))
+            committed += projected
+            budget -= n
             free -= need
-        if admitted:
-            self.uncompressed_prefill = True
-        return admitted, impossible
+        return plan
+
+    def prefill_done(self) -> None:
+        """A sequence fed its last prefill chunk: the next compression is forced."""
+        self.uncompressed_prefill = True
+
+    def stalled_victim(self):
+        """When nothing could run this step (no decode, no chunk fits), the newest prefilling sequence to preempt
+        so that older ones progress; None if only one sequence is running (it cannot fit even alone)."""
+        if len(self.running) < 2:
+            return None
+        victim = max(self.running, key=lambda s: s.arrival)
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+        self.lock_prefill = False
+        return victim
 
     def tick(self) -> None:
         """End of a decode step: every running sequence is one step further from its last compression."""
         for seq in self.running:
-            seq.steps_since_compression += 1
+            if seq.prefill_remaining() == 0:
+                seq.steps_since_compression += 1
