@@ -219,6 +219,17 @@ def test_parse_json():
         parse_json(b'{"a": 1' + b"9" * 5000 + b"}", 4)  # an int beyond Python's digit limit
 
 
+def test_tiny_temperatures_are_greedy(default_url):
+    """Found by the fuzz test: temperature 1e-300 overflowed the logits to NaN probabilities (a 500)."""
+    with httpx.Client(base_url=default_url) as http:
+        outs = [
+            http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": t})
+            for t in (5e-324, 1e-300, 0)
+        ]
+        assert [r.status_code for r in outs] == [200, 200, 200]
+        assert len({r.json()["choices"][0]["text"] for r in outs}) == 1
+
+
 def test_limits_validation():
     with pytest.raises(InvalidParameterError, match="max_tokens"):
         ServerLimits(max_tokens=0)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_SEED = 2**63 - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Temperatures below this are greedy (as in vLLM): dividing logits by 1e-300 overflows to inf and NaN probabilities.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -54,7 +56,7 @@ class Sampling:
     def params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            temperature=self.temperature,
+            temperature=0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature,
             top_p=self.top_p,
             stop=self.stop,
             seed=self.seed,
