@@ -168,9 +168,12 @@ class _Server:
                 handles.append(handle)
                 self.inflight.add(handle)
         except InvalidParameterError as exc:
-            self.cancel(handles)
+            self.release(handles)
             param = _engine_param(str(exc))
             raise RequestError(str(exc), prompt_param if param == "prompt" else param) from exc
+        except BaseException:  # e.g. the handler was cancelled (client gone) between two prompts
+            self.release(handles)
+            raise
         if self.shutdown.aborted:  # the abort ran while this request was being tokenized
             self.cancel(handles)
         return handles
@@ -188,6 +191,11 @@ class _Server:
         for h in list(self.inflight):
             if not h.finished:
                 self.engine.cancel(h.request_id)
+
+    def release(self, handles: list[RequestHandle]) -> None:
+        """Cancel ``handles`` and forget them (the request is over for the HTTP side)."""
+        self.cancel(handles)
+        self.inflight.difference_update(handles)
 
     def cancel(self, handles: list[RequestHandle]) -> None:
         """Cancel unfinished requests without blocking the caller (also safe inside a cancelled task)."""
@@ -212,8 +220,7 @@ class _Server:
                     yield chunk
             finally:
                 watcher.cancel()
-                self.cancel(handles)
-                self.inflight.difference_update(handles)
+                self.release(handles)
 
         return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -225,8 +232,7 @@ class _Server:
                     pass
         finally:
             watcher.cancel()
-            self.cancel(handles)
-            self.inflight.difference_update(handles)
+            self.release(handles)
         failure = _failure(handles, self.shutdown)
         if failure is not None:
             raise failure
