@@ -10,7 +10,7 @@
 
 Writes ``probe.json`` and ``probe.md`` to ``benchmarks/results/bench_server_probe/``. Usage::
 
-    python benchmarks/bench_server_probe.py [--model smollm2-135m] [--threads 1]
+    python benchmarks/bench_server_probe.py [--model smollm2-135m] [--threads 1] [--findings 1,2,3,4,5]
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class Stream(threading.Thread):
         self.times: list[float] = []
         self.payloads: list = []
         self.first = threading.Event()
+        self.closing = threading.Event()  # set: stop reading and drop the connection (the server cancels)
         self.error: str | None = None
 
     def run(self) -> None:
@@ -95,6 +96,8 @@ class Stream(threading.Thread):
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=self.headers, timeout=600) as r:
                 for line in r.iter_lines():
+                    if self.closing.is_set():
+                        break
                     if line.startswith("data: "):
                         self.times.append(time.monotonic())
                         data = line[6:]
@@ -105,8 +108,8 @@ class Stream(threading.Thread):
         self.first.set()
 
     def max_gap(self, start: float, end: float) -> float:
-        """Longest pause between events that overlaps [start, end] (a pause still open at ``end`` counts)."""
-        times = [*self.times, end] if self.is_alive() else self.times
+        """Longest pause between events that overlaps [start, end] (a pause still open now counts)."""
+        times = [*self.times, time.monotonic()] if self.is_alive() else self.times
         gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
         return max(gaps, default=float("nan"))
 
@@ -143,9 +146,11 @@ def under_stream(server: Server, probe) -> dict:
     t0 = time.monotonic()
     result = probe()
     t1 = time.monotonic()
-    result["stream_max_gap_s"] = round(stream.max_gap(t0, t1), 3)
     result["stream_median_gap_s"] = round(stream.median_gap(), 4)
     result["rss_growth_mib"] = round(server.rss_mib() - rss0, 1)
+    time.sleep(0.5)
+    result["stream_max_gap_s"] = round(stream.max_gap(t0, t1), 3)
+    stream.closing.set()
     stream.join(600)
     return result
 
@@ -268,7 +273,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--findings", default="1,2,3,4,5", help="comma-separated findings to re-run, e.g. 2")
     args = parser.parse_args()
+    chosen = {int(f) for f in args.findings.split(",")}
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -276,22 +283,27 @@ def main() -> None:
         "(shared with other jobs: timings under load)",
         "model": args.model,
         "threads": args.threads,
+        "command": " ".join(["python", *sys.argv]),
     }
     main_server = Server(args.model, args.threads)
-    keyed = Server(args.model, args.threads, "--api-key", "probe-key")
+    keyed = Server(args.model, args.threads, "--api-key", "probe-key") if 3 in chosen else None
+    steps = {
+        1: ("1 huge request", lambda: finding_1(main_server)),
+        2: ("2 long prefill", lambda: finding_2(main_server, args.model)),
+        3: ("3 browsers and auth", lambda: finding_3(main_server, keyed)),
+        4: ("4 malformed input", lambda: finding_4(main_server)),
+        5: ("5 shutdown", lambda: finding_5(args.model, args.threads, main_server)),
+    }
     try:
-        results["1 huge request"] = finding_1(main_server)
-        print(json.dumps(results["1 huge request"], indent=1), flush=True)
-        results["2 long prefill"] = finding_2(main_server, args.model)
-        print(json.dumps(results["2 long prefill"], indent=1), flush=True)
-        results["3 browsers and auth"] = finding_3(main_server, keyed)
-        results["4 malformed input"] = finding_4(main_server)
-        print(json.dumps(results["4 malformed input"], indent=1), flush=True)
-        keyed.stop()
-        results["5 shutdown"] = finding_5(args.model, args.threads, main_server)
+        for number in sorted(chosen):
+            if number == 5 and keyed is not None:
+                keyed.stop()
+            name, run = steps[number]
+            results[name] = run()
+            print(json.dumps({name: results[name]}, indent=1), flush=True)
     finally:
         for s in (main_server, keyed):
-            if s.proc.poll() is None:
+            if s is not None and s.proc.poll() is None:
                 s.proc.kill()
     results["load average at end"] = round(os.getloadavg()[0], 1)
     (OUT_DIR / "probe.json").write_text(json.dumps(results, indent=2) + "\n")
