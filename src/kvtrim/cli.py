@@ -292,20 +292,49 @@ def serve(
     compression_rate: Annotated[float, typer.Option(help="KV-Compress rate: 1 keeps everything, 8 keeps ~1/8")] = 1.0,
     method: Annotated[str, typer.Option(help="kvcompress | kvc_w8 | kvc_full")] = "kvcompress",
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    protected_window: Annotated[int, typer.Option(help="newest tokens per head never evicted")] = 32,
+    protected_window: Annotated[
+        int | None, typer.Option(help="newest tokens per head never evicted (default: the method's preset)")
+    ] = None,
     max_batch: Annotated[int | None, typer.Option(help="running sequences at most (default: memory decides)")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    api_key: Annotated[
+        str | None, typer.Option(envvar="KVTRIM_API_KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
+    ] = None,
+    allowed_hosts: Annotated[
+        list[str] | None, typer.Option(help="extra accepted Host names (repeatable; '*' accepts any)")
+    ] = None,
+    allowed_origins: Annotated[
+        list[str] | None, typer.Option(help="browser origins allowed by CORS (repeatable; default: CORS off)")
+    ] = None,
+    max_request_bytes: Annotated[int, typer.Option(help="request body size limit (HTTP 413 beyond)")] = 1 << 20,
+    max_prompts_per_request: Annotated[int, typer.Option(help="prompts in one completions request")] = 16,
+    max_tokens: Annotated[int, typer.Option(help="largest max_tokens a request may ask for")] = 4096,
+    max_prompt_chars: Annotated[int, typer.Option(help="characters of a prompt, checked before tokenizing")] = 100_000,
+    shutdown_timeout: Annotated[
+        float, typer.Option(help="seconds running requests get to finish after SIGTERM before they are aborted")
+    ] = 5.0,
 ) -> None:
     """Serve a model with an OpenAI-compatible HTTP API (continuous batching over a paged, compressed KV cache)."""
     try:
         from .serve.http import serve as run_server
+        from .serve.limits import ServerLimits
+        from .serve.security import SecurityConfig
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        _fail(KVTrimError(f"the server needs FastAPI and uvicorn: pip install 'kvtrim[serve]' ({exc})"))
+        _fail(KVTrimError(f"the server needs the serve extra: pip install 'kvtrim[serve]' ({exc})"))
     from .models import load_model
     from .serve.engine import Engine
 
     try:
+        if not shutdown_timeout >= 0:
+            raise KVTrimError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
+        limits = ServerLimits(
+            max_request_bytes=max_request_bytes,
+            max_prompts_per_request=max_prompts_per_request,
+            max_tokens=max_tokens,
+            max_prompt_chars=max_prompt_chars,
+        )
+        security = SecurityConfig.for_bind(host, api_key, tuple(allowed_hosts or ()), tuple(allowed_origins or ()))
         if kv_memory is not None and kv_blocks is not None:
             raise KVTrimError("give at most one of --kv-memory and --kv-blocks")
         kv_bytes = _parse_bytes(kv_memory or "256MiB") if kv_blocks is None else None
@@ -335,7 +364,16 @@ def serve(
         f"(KV pool {engine.pool.num_blocks} blocks of {block_size} tokens, compression rate {compression_rate:g})",
         err=True,
     )
-    run_server(engine, host=host, port=port, log_level=log_level)
+    try:
+        run_server(
+            engine, host=host, port=port, log_level=log_level, limits=limits, security=security,
+            shutdown_timeout=shutdown_timeout,
+        )  # fmt: skip
+    except KVTrimError as exc:
+        _fail(exc)
+    import gc
+
+    gc.freeze()  # the process ends now: the final collection over the model's objects took ~5 s under load
 
 
 from .calibration.cli import calibrate_app  # noqa: E402

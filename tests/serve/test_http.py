@@ -422,7 +422,7 @@ class _FailingEngine:
 def test_engine_failures_are_reported():
     from fastapi.testclient import TestClient
 
-    with TestClient(create_app(_FailingEngine(), manage_engine=False)) as stub:
+    with TestClient(create_app(_FailingEngine(), manage_engine=False), base_url="http://localhost") as stub:
         assert stub.get("/health").status_code == 503
         r = stub.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
@@ -455,13 +455,35 @@ def test_serve_command(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(http_module, "serve", lambda engine, **kw: seen.update(engine=engine, **kw))
     args = ["serve", "--model", str(tmp_path), "--port", "8123", "--kv-memory", "1MiB", "--compression-rate", "4"]
-    result = CliRunner().invoke(app, [*args, "--method", "kvc_w8", "--protected-window", "8", "--max-batch", "3"])
+    result = CliRunner().invoke(app, [*args, "--method", "kvc_w8", "--protected-window", "12", "--max-batch", "3"])
     assert result.exit_code == 0, result.output
     engine = seen["engine"]
     assert seen["port"] == 8123 and seen["host"] == "127.0.0.1"
-    assert engine.compression_rate == 4 and engine.method == "kvc_w8" and engine.protected_window == 8
+    assert engine.compression_rate == 4 and engine.method == "kvc_w8" and engine.protected_window == 12
     assert engine.pool.nbytes() <= 2**20 and engine.model_name == str(tmp_path)
 
+    # without --protected-window each method keeps its preset's window (issue 15: the CLI used to force 32)
+    for method, window in (("kvc_w8", 8), ("kvcompress", 32)):
+        result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--method", method])
+        assert result.exit_code == 0, result.output
+        assert seen["engine"].protected_window == window
+    result = CliRunner().invoke(
+        app,
+        ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--max-tokens", "7", "--shutdown-timeout", "2",
+         "--allowed-hosts", "box.lan", "--allowed-origins", "http://localhost:3000", "--api-key", "k1"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert seen["limits"].max_tokens == 7 and seen["shutdown_timeout"] == 2
+    security = seen["security"]
+    assert security.api_key == "k1" and "box.lan" in security.allowed_hosts and "localhost" in security.allowed_hosts
+    assert security.allowed_origins == ("http://localhost:3000",)
+    monkeypatch.setenv("KVTRIM_API_KEY", "from-env")
+    result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--host", "0.0.0.0"])
+    assert result.exit_code == 0, result.output
+    assert seen["security"].api_key == "from-env" and seen["security"].allowed_hosts is None
+    monkeypatch.delenv("KVTRIM_API_KEY")
+    bad = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--max-tokens", "0"])
+    assert bad.exit_code == 2 and "max_tokens" in bad.output
     bad = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-memory", "lots"])
     assert bad.exit_code == 2 and "--kv-memory" in bad.output
     bad = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "8", "--kv-memory", "1MiB"])

@@ -1,17 +1,24 @@
 """An OpenAI-compatible HTTP server over :class:`kvtrim.serve.engine.Engine` (FastAPI + uvicorn).
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
-with ``stream: true`` as server-sent events ending in ``data: [DONE]``). The engine decodes in its own thread; the
-handlers only submit, await :meth:`RequestHandle.stream` and cancel, so the event loop never blocks. A client that
-disconnects before its request finished has the request cancelled in the engine.
+Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent events ending in ``data: [DONE]``). The
+engine decodes in its own thread; the handlers only submit (tokenization included) in worker threads, await
+:meth:`RequestHandle.stream` and cancel, so the event loop never blocks. A client that disconnects before its
+request finished has the request cancelled in the engine.
+
+Requests pass, outermost first: the response counter (:mod:`.metrics`), the ``Host`` check, CORS (only with
+``allowed_origins``), the ``Origin`` check, the API key and ``Content-Type`` check (:mod:`.security`) and the body
+size limit (:mod:`.limits`); then the body's JSON depth, Unicode and fields are validated before anything is
+tokenized. Shutdown (drain, then abort) is :mod:`.shutdown`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,8 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, KVTrimError
+from .limits import BodyLimitMiddleware, ServerLimits, parse_json
+from .metrics import Metrics, RequestCounterMiddleware
 from .openai_schema import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     RequestError,
@@ -31,11 +41,14 @@ from .openai_schema import (
     parse_chat,
     parse_completion,
 )
+from .security import AuthMiddleware, HostOriginMiddleware, SecurityConfig
+from .shutdown import GracefulServer, ShutdownController
 from .types import RequestHandle, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
     from .engine import Engine
 
+logger = logging.getLogger("uvicorn.error")
 CHAT_DEFAULT_MAX_TOKENS = 512
 DISCONNECT_POLL_S = 0.2
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -61,11 +74,27 @@ def _engine_param(message: str) -> str | None:
     return None
 
 
-def _failure(handles: list[RequestHandle]) -> RequestError | None:
+def _failure(handles: list[RequestHandle], shutdown: ShutdownController) -> RequestError | None:
     for h in handles:
         if h.output.finish_reason == "error":
             return RequestError(f"generation failed: {h.output.error}", None, status=500, type="server_error")
+    if shutdown.aborted and any(h.output.finish_reason == "cancelled" for h in handles):
+        return _shutdown_error(shutdown)
     return None
+
+
+def _shutdown_error(shutdown: ShutdownController) -> RequestError:
+    if shutdown.aborted:
+        message = "the server is shutting down: this request was aborted (--shutdown-timeout)"
+    else:
+        message = "the server is shutting down and accepts no new requests"
+    return RequestError(message, status=503, type="server_error", code="server_shutdown")
+
+
+def engine_stats(engine: Engine) -> Any:
+    """The engine's :class:`EngineStats` snapshot (``stats`` as a property or a method)."""
+    stats = engine.stats
+    return stats() if callable(stats) else stats
 
 
 async def _events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, TokenEvent]]:
@@ -96,9 +125,14 @@ async def _events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Toke
 class _Server:
     """Route implementations bound to one engine."""
 
-    def __init__(self, engine: Engine, chat_default_max_tokens: int):
+    def __init__(
+        self, engine: Engine, chat_default_max_tokens: int, limits: ServerLimits, shutdown: ShutdownController
+    ):
         self.engine = engine
         self.chat_default_max_tokens = chat_default_max_tokens
+        self.limits, self.shutdown = limits, shutdown
+        self.inflight: set[RequestHandle] = set()  # handles not yet finished, for the shutdown's abort
+        shutdown.on_abort(self.abort_all)
         self.model_name: str = getattr(engine, "model_name", None) or "kvtrim"
         config = getattr(getattr(engine, "model", None), "config", None)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
@@ -114,21 +148,54 @@ class _Server:
                 code="model_not_found",
             )
 
-    # -- engine access: submit and cancel run in worker threads (they may wait on the engine's lock)
+    # -- engine access: submit (it tokenizes) and cancel run in worker threads, never on the event loop
     async def submit(
-        self, prompts: list, params: SamplingParams, base_id: str, prompt_param: str = "prompt"
+        self,
+        prompts: list,
+        params: SamplingParams | Callable[[int], SamplingParams],
+        base_id: str,
+        prompt_param: str = "prompt",
     ) -> list[RequestHandle]:
-        """Submit one request per prompt; an engine rejection cancels the ones already submitted (HTTP 400)."""
+        """Submit one request per prompt; an engine rejection cancels the ones already submitted (HTTP 400).
+        ``params`` may be a function of the prompt's token count (chat defaults depend on it)."""
+        if self.shutdown.draining:
+            raise _shutdown_error(self.shutdown)
         handles: list[RequestHandle] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                handles.append(await run_in_threadpool(self.engine.submit, prompt, params, request_id=rid))
+                handle = await run_in_threadpool(self._submit_one, prompt, params, rid)
+                handles.append(handle)
+                self.inflight.add(handle)
         except InvalidParameterError as exc:
-            self.cancel(handles)
+            self.release(handles)
             param = _engine_param(str(exc))
             raise RequestError(str(exc), prompt_param if param == "prompt" else param) from exc
+        except BaseException:  # e.g. the handler was cancelled (client gone) between two prompts
+            self.release(handles)
+            raise
+        if self.shutdown.aborted:  # the abort ran while this request was being tokenized
+            self.cancel(handles)
         return handles
+
+    def _submit_one(self, prompt, params, rid: str) -> RequestHandle:
+        """Worker thread: chat messages are rendered and tokenized here, text prompts inside ``Engine.submit``."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self._chat_ids(prompt)
+        if callable(params):
+            params = params(len(prompt))
+        return self.engine.submit(prompt, params, request_id=rid)
+
+    def abort_all(self) -> None:
+        """Shutdown: cancel every in-flight request; its stream ends with an error event (see _failure)."""
+        for h in list(self.inflight):
+            if not h.finished:
+                self.engine.cancel(h.request_id)
+
+    def release(self, handles: list[RequestHandle]) -> None:
+        """Cancel ``handles`` and forget them (the request is over for the HTTP side)."""
+        self.cancel(handles)
+        self.inflight.difference_update(handles)
 
     def cancel(self, handles: list[RequestHandle]) -> None:
         """Cancel unfinished requests without blocking the caller (also safe inside a cancelled task)."""
@@ -153,7 +220,7 @@ class _Server:
                     yield chunk
             finally:
                 watcher.cancel()
-                self.cancel(handles)
+                self.release(handles)
 
         return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -165,14 +232,14 @@ class _Server:
                     pass
         finally:
             watcher.cancel()
-            self.cancel(handles)
-        failure = _failure(handles)
+            self.release(handles)
+        failure = _failure(handles, self.shutdown)
         if failure is not None:
             raise failure
 
     # -- /v1/completions
     async def completions(self, request: Request) -> Any:
-        req = parse_completion(await _json(request), self.vocab_size)
+        req = parse_completion(await self.json(request), self.vocab_size, self.limits)
         self.check_model(req.model)
         params = req.sampling.params(COMPLETION_DEFAULT_MAX_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -192,8 +259,9 @@ class _Server:
         async for index, event in _events(handles):
             if event.text or event.finished:
                 reason = event.finish_reason if event.finished else None
-                if reason == "error":
-                    yield _sse(_failure(handles).body())
+                failure = _failure(handles, self.shutdown) if reason in ("error", "cancelled") else None
+                if failure is not None:
+                    yield _sse(failure.body())
                     yield _sse("[DONE]")
                     return
                 choice = {"index": index, "text": event.text, "logprobs": None, "finish_reason": reason}
@@ -217,17 +285,17 @@ class _Server:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _chat_params(self, sampling: Sampling, prompt_tokens: int) -> SamplingParams:
-        default = self.chat_default_max_tokens
+        default = min(self.chat_default_max_tokens, self.limits.max_tokens)
         if self.max_positions is not None:
             default = max(1, min(default, self.max_positions - prompt_tokens))
         return sampling.params(default)
 
     async def chat(self, request: Request) -> Any:
-        req = parse_chat(await _json(request))
+        req = parse_chat(await self.json(request), self.limits)
         self.check_model(req.model)
-        ids = await run_in_threadpool(self._chat_ids, req.messages)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        handles = await self.submit([ids], self._chat_params(req.sampling, len(ids)), rid, "messages")
+        params = functools.partial(self._chat_params, req.sampling)
+        handles = await self.submit([req.messages], params, rid, "messages")
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             chunk_head = {**head, "object": "chat.completion.chunk"}
@@ -254,8 +322,9 @@ class _Server:
             if event.text:
                 yield chunk({"content": event.text})
             if event.finished:
-                if event.finish_reason == "error":
-                    yield _sse(_failure(handles).body())
+                failure = _failure(handles, self.shutdown) if event.finish_reason in ("error", "cancelled") else None
+                if failure is not None:
+                    yield _sse(failure.body())
                     yield _sse("[DONE]")
                     return
                 yield chunk({}, event.finish_reason)
@@ -270,18 +339,15 @@ class _Server:
 
     def health(self) -> JSONResponse:
         running = getattr(self.engine, "running", True)
-        out: dict[str, Any] = {"status": "ok" if running else "engine not running", "model": self.model_name}
-        stats = getattr(self.engine, "stats", None)
+        status = "engine not running" if not running else "shutting down" if self.shutdown.draining else "ok"
+        out: dict[str, Any] = {"status": status, "model": self.model_name}
+        stats = engine_stats(self.engine) if hasattr(self.engine, "stats") else None
         if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
             out["stats"] = dataclasses.asdict(stats)
-        return JSONResponse(out, status_code=200 if running else 503)
+        return JSONResponse(out, status_code=200 if status == "ok" else 503)
 
-
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+    async def json(self, request: Request) -> Any:
+        return parse_json(await request.body(), self.limits.max_json_depth)
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -292,15 +358,27 @@ def _error(status: int, message: str, type_: str, param: str | None = None, code
 
 # ---------------------------------------------------------------------------------------------------- the app
 def create_app(
-    engine: Engine, *, manage_engine: bool = True, chat_default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS
+    engine: Engine,
+    *,
+    manage_engine: bool = True,
+    chat_default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
+    limits: ServerLimits | None = None,
+    security: SecurityConfig | None = None,
+    shutdown: ShutdownController | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     With ``manage_engine`` the app starts the engine's background thread on startup and stops it on shutdown.
     ``chat_default_max_tokens`` caps chat replies that give no ``max_tokens`` (also capped by the model's
-    maximum positions); completions default to 16 tokens as in OpenAI's API.
+    maximum positions and ``limits.max_tokens``); completions default to 16 tokens as in OpenAI's API.
+    ``limits`` / ``security`` default to :class:`ServerLimits()` and :class:`SecurityConfig()` (loopback
+    ``Host`` names only, no API key, CORS off); ``shutdown`` is the drain state a :class:`GracefulServer` drives.
     """
-    server = _Server(engine, chat_default_max_tokens)
+    limits = ServerLimits() if limits is None else limits
+    security = SecurityConfig() if security is None else security
+    shutdown = ShutdownController() if shutdown is None else shutdown
+    server = _Server(engine, chat_default_max_tokens, limits, shutdown)
+    metrics = Metrics(lambda: engine_stats(engine))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -309,11 +387,26 @@ def create_app(
         try:
             yield
         finally:
+            shutdown.abort()  # uvicorn waited for the drain; whatever is left ends with an error event
             if manage_engine:
                 await run_in_threadpool(engine.stop)
+                logger.info("kvtrim: engine stopped")
 
     app = FastAPI(title="kvtrim", summary="OpenAI-compatible server over a compressed KV cache", lifespan=lifespan)
-    app.state.server = server
+    app.state.server, app.state.metrics, app.state.shutdown = server, metrics, shutdown
+    # add_middleware wraps: the last one added runs first
+    app.add_middleware(BodyLimitMiddleware, limit=limits.max_request_bytes)
+    app.add_middleware(AuthMiddleware, config=security)
+    app.add_middleware(HostOriginMiddleware, config=security, check="origin")
+    if security.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(security.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
+    app.add_middleware(HostOriginMiddleware, config=security, check="host")
+    app.add_middleware(RequestCounterMiddleware, metrics=metrics)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -329,6 +422,7 @@ def create_app(
 
     routes: list[tuple[str, str, Callable]] = [
         ("GET", "/health", server.health),
+        ("GET", "/metrics", metrics.response),
         ("GET", "/v1/models", server.models),
         ("POST", "/v1/completions", server.completions),
         ("POST", "/v1/chat/completions", server.chat),
@@ -338,9 +432,24 @@ def create_app(
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server with uvicorn until interrupted (starts and stops the engine)."""
+def serve(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    *,
+    limits: ServerLimits | None = None,
+    security: SecurityConfig | None = None,
+    shutdown_timeout: float = 5.0,
+) -> None:
+    """Run the server with uvicorn until SIGTERM/SIGINT (starts and stops the engine; see :mod:`.shutdown`).
+    ``security`` defaults to :meth:`SecurityConfig.for_bind` of ``host``. Returns after a clean stop."""
     import uvicorn
 
-    with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)
+    security = SecurityConfig.for_bind(host) if security is None else security
+    controller = ShutdownController(shutdown_timeout)
+    app = create_app(engine, limits=limits, security=security, shutdown=controller)
+    server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), controller)
+    server.run()
+    if not server.started:
+        raise KVTrimError(f"the server could not start on {host}:{port} (see the log above)")

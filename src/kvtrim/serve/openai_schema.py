@@ -8,13 +8,18 @@ OpenAI parameters that kvtrim does not implement are accepted only with their ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .types import SamplingParams
+
+if TYPE_CHECKING:
+    from .limits import ServerLimits
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_SEED = 2**63 - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Temperatures below this are greedy (as in vLLM): dividing logits by 1e-300 overflows to inf and NaN probabilities.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -51,7 +56,7 @@ class Sampling:
     def params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            temperature=self.temperature,
+            temperature=0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature,
             top_p=self.top_p,
             stop=self.stop,
             seed=self.seed,
@@ -158,6 +163,17 @@ def _reject_unsupported(body: dict, neutral: dict[str, tuple]) -> None:
             )
 
 
+def _max_tokens(body: dict, name: str, limits: ServerLimits | None) -> int | None:
+    value = _optional_int(body, name, 1)
+    if value is not None and limits is not None and value > limits.max_tokens:
+        raise RequestError(
+            f"{name} is {value}, more than this server's limit of {limits.max_tokens} (--max-tokens)",
+            name,
+            code="max_tokens_exceeded",
+        )
+    return value
+
+
 def _sampling(body: dict, max_tokens: int | None) -> Sampling:
     n = _optional_int(body, "n", 1)
     if n is not None and n != 1:
@@ -180,7 +196,7 @@ _COMMON_NEUTRAL = {
 
 
 # --------------------------------------------------------------------------------------------------- requests
-def _prompts(value: Any, vocab_size: int | None) -> list[str | list[int]]:
+def _prompts(value: Any, vocab_size: int | None, limits: ServerLimits | None) -> list[str | list[int]]:
     def ids(tokens: list) -> list[int]:
         if not tokens:
             raise RequestError("prompt must not be an empty list of token ids", "prompt")
@@ -204,11 +220,28 @@ def _prompts(value: Any, vocab_size: int | None) -> list[str | list[int]]:
         )
     if any(isinstance(p, str) and not p for p in prompts):
         raise RequestError("prompt must not be empty", "prompt")
+    if limits is not None:
+        if len(prompts) > limits.max_prompts_per_request:
+            raise RequestError(
+                f"the request has {len(prompts)} prompts, more than this server's limit of "
+                f"{limits.max_prompts_per_request} (--max-prompts-per-request)",
+                "prompt",
+                code="too_many_prompts",
+            )
+        longest = max(prompts, key=len)
+        if len(longest) > limits.max_prompt_chars:
+            unit = "characters" if isinstance(longest, str) else "token ids"
+            raise RequestError(
+                f"a prompt has {len(longest)} {unit}, more than this server's limit of {limits.max_prompt_chars} "
+                "(--max-prompt-chars)",
+                "prompt",
+                code="prompt_too_long",
+            )
     return prompts
 
 
-def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequest:
-    """Validate a ``/v1/completions`` body."""
+def parse_completion(body: Any, vocab_size: int | None = None, limits: ServerLimits | None = None) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body (``limits``: the server's caps, None for none)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     if "prompt" not in body:
@@ -220,8 +253,8 @@ def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequ
     stream = _bool(body, "stream")
     return CompletionRequest(
         model=_model(body),
-        prompts=_prompts(body["prompt"], vocab_size),
-        sampling=_sampling(body, _optional_int(body, "max_tokens", 1)),
+        prompts=_prompts(body["prompt"], vocab_size, limits),
+        sampling=_sampling(body, _max_tokens(body, "max_tokens", limits)),
         stream=stream,
         include_usage=_include_usage(body, stream),
     )
@@ -249,8 +282,8 @@ def _message(index: int, message: Any) -> dict[str, str]:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    """Validate a ``/v1/chat/completions`` body."""
+def parse_chat(body: Any, limits: ServerLimits | None = None) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body (``limits``: the server's caps, None for none)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     messages = body.get("messages")
@@ -268,12 +301,21 @@ def parse_chat(body: Any) -> ChatRequest:
             "response_format": (None, {"type": "text"}),
         },
     )
-    max_tokens = _optional_int(body, "max_tokens", 1)
-    max_completion = _optional_int(body, "max_completion_tokens", 1)
+    max_tokens = _max_tokens(body, "max_tokens", limits)
+    max_completion = _max_tokens(body, "max_completion_tokens", limits)
     stream = _bool(body, "stream")
+    parsed = [_message(i, m) for i, m in enumerate(messages)]
+    chars = sum(len(m["content"]) for m in parsed)
+    if limits is not None and chars > limits.max_prompt_chars:
+        raise RequestError(
+            f"the messages hold {chars} characters, more than this server's limit of {limits.max_prompt_chars} "
+            "(--max-prompt-chars)",
+            "messages",
+            code="prompt_too_long",
+        )
     return ChatRequest(
         model=_model(body),
-        messages=[_message(i, m) for i, m in enumerate(messages)],
+        messages=parsed,
         sampling=_sampling(body, max_completion if max_completion is not None else max_tokens),
         stream=stream,
         include_usage=_include_usage(body, stream),
