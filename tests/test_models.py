@@ -30,7 +30,7 @@ def test_unknown_embedded_model():
 
 
 def test_missing_local_model_error(tmp_path):
-    with pytest.raises(ModelNotAvailableError, match="cannot be downloaded from a hub"):
+    with pytest.raises(ModelNotAvailableError, match="no such directory"):
         models.load_model(str(tmp_path / "nope"))
 
 
