@@ -53,6 +53,8 @@ class GenerationStats:
     compressions: int = 0
     prefill_chunk: int | None = None
     compression_metadata: dict = field(default_factory=dict)
+    prompt_format: str = "kvtrim"
+    separator: str = "\n\n"
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -435,6 +437,8 @@ class Session:
             compressions=int(compressions),
             prefill_chunk=self.prefill_chunk,
             compression_metadata={} if report is None else dict(report.metadata),
+            prompt_format=self.template.format,
+            separator=self.template.separator,
         )
         return Result(answers=answers if self.batched else answers[0], stats=stats)
 
