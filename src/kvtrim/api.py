@@ -186,28 +186,46 @@ def _record_prompt_logprobs(cache, logits, input_ids, input_mask, window: int) -
     cache._last_logprobs = logp[:, -1]
 
 
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
 def _decode(
     model,
     cache,
     mask: torch.Tensor,
     logits: torch.Tensor,
-    sampling: Sampling,
-    prompt_ids: torch.Tensor,
-    tokenizer=None,
+    max_new_tokens: int,
+    eos: set[int],
+    pad: int,
     prefill_s: float = 0.0,
+    *,
+    sampling: Sampling | None = None,
+    prompt_ids: torch.Tensor | None = None,
+    tokenizer=None,
 ) -> _DecodeOutcome:
-    """Decode from ``logits`` ``[batch, vocab]`` (the last prompt position) over ``cache``, choosing tokens with
-    ``sampling`` (greedy or sampled). ``prompt_ids`` ``[batch, n]`` are the prompt's tokens, which logits
-    processors such as a repetition penalty read. A row ends at an EOS token or a stop string."""
+    """Decode from ``logits`` ``[batch, vocab]`` (the last prompt position) over ``cache``.
+
+    Greedy with ``eos``/``pad`` and at most ``max_new_tokens``, unless ``sampling`` (from
+    :func:`kvtrim.sampling.build_sampling`) says otherwise (it then supplies all four). ``prompt_ids``
+    ``[batch, n]`` are the prompt's tokens, which logits processors such as a repetition penalty read;
+    ``tokenizer`` decodes for stop strings. A row ends at an EOS token or a stop string."""
+    if sampling is None:
+        sampling = Sampling(False, [], tuple(sorted(eos)), pad, max_new_tokens)
     batch, device = logits.shape[0], logits.device
-    eos = sampling.eos_tensor(device)
-    seq = prompt_ids.to(device)
+    eos_ids = sampling.eos_tensor(device)
+    seq = logits.new_zeros((batch, 0), dtype=torch.long) if prompt_ids is None else prompt_ids.to(device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     emitted: list[torch.Tensor] = []  # [batch] per step; -1 where the row emitted nothing
     next_token = sampling.pick(seq, logits)
     steps, t0 = 0, time.perf_counter()
     for step in range(sampling.max_new_tokens):
-        is_eos = torch.isin(next_token, eos)
+        is_eos = torch.isin(next_token, eos_ids)
         emitted.append(next_token.masked_fill(done | is_eos, -1))
         done = done | is_eos
         if sampling.stop:  # only with stop strings: decode the answers so far on the host
@@ -395,7 +413,10 @@ class Session:
             timings = {"qprefill": 0.0, "decode": 0.0, "steps": 0}
             peak, compressions = cache.peak_kv_bytes, cache.compressions
             if self.question_aware:
-                outcome = _decode(self.model, cache, pre.mask, pre.logits, sampling, self._ids, self.tokenizer)
+                outcome = _decode(
+                    self.model, cache, pre.mask, pre.logits, 0, set(), 0,
+                    sampling=sampling, prompt_ids=self._ids, tokenizer=self.tokenizer,
+                )  # fmt: skip
                 _collect(outcome, self.tokenizer, answers, timings, sampling)
                 peak, compressions = max(peak, cache.peak_kv_bytes, cache.kv_nbytes()), cache.compressions
             else:
@@ -409,7 +430,10 @@ class Session:
                     check_length(self.model, self._ids.shape[1] + q_ids.shape[1], "context and question")
                     logits, mask, q_s = _feed(self.model, work, pre.mask, q_ids, q_mask)
                     prompt = torch.cat([self._ids, q_ids], dim=1)
-                    outcome = _decode(self.model, work, mask, logits, sampling, prompt, self.tokenizer, q_s)
+                    outcome = _decode(
+                        self.model, work, mask, logits, 0, set(), 0, q_s,
+                        sampling=sampling, prompt_ids=prompt, tokenizer=self.tokenizer,
+                    )  # fmt: skip
                     peak = max(peak, work.peak_kv_bytes, work.kv_nbytes())
                     compressions = max(compressions, work.compressions)
                     if not continuous:
