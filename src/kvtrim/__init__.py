@@ -4,25 +4,46 @@ Quick start::
 
     import kvtrim
     model, tokenizer = kvtrim.load_model("smollm2-135m")
-    result = kvtrim.generate(model, tokenizer, context, "What is the pass key?", method="snapkv", ratio=0.5)
+    result = kvtrim.generate(model, tokenizer, context, "What is the pass key?", method="snapkv", ratio=0.5,
+                             question_aware=True)
     print(result.answers[0], result.stats.kv_bytes_after)
+
+The public names below are imported on first use, so ``import kvtrim`` (and the ``kvtrim`` command's start-up)
+does not pay for torch and transformers until they are needed.
 """
 
-from .api import GenerationStats, Result, Session, compressing, generate, make_cache
-from .cache.kvcache import KVTrimCache
-from .cache.sdpa import get_attention_backend, set_attention_backend
-from .compressor import BudgetSpec
-from .errors import (
-    InvalidParameterError,
-    KVTrimError,
-    MissingArtifactError,
-    ModelNotAvailableError,
-    UnsupportedModelError,
-)
-from .methods import get_method, method_names, methods
-from .models import fetch_model, kvtrim_home, load_model, load_tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "GenerationStats": ".api",
+    "Result": ".api",
+    "Session": ".api",
+    "compressing": ".api",
+    "generate": ".api",
+    "make_cache": ".api",
+    "KVTrimCache": ".cache.kvcache",
+    "get_attention_backend": ".cache.sdpa",
+    "set_attention_backend": ".cache.sdpa",
+    "BudgetSpec": ".compressor",
+    "InvalidParameterError": ".errors",
+    "KVTrimError": ".errors",
+    "MissingArtifactError": ".errors",
+    "ModelNotAvailableError": ".errors",
+    "UnsupportedModelError": ".errors",
+    "get_method": ".methods",
+    "method_names": ".methods",
+    "methods": ".methods",
+    "fetch_model": ".models",
+    "kvtrim_home": ".models",
+    "load_model": ".models",
+    "load_tokenizer": ".models",
+}
 
 __all__ = [
     "BudgetSpec",
@@ -49,3 +70,32 @@ __all__ = [
     "methods",
     "set_attention_backend",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtrim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from .api import GenerationStats, Result, Session, compressing, generate, make_cache
+    from .cache.kvcache import KVTrimCache
+    from .cache.sdpa import get_attention_backend, set_attention_backend
+    from .compressor import BudgetSpec
+    from .errors import (
+        InvalidParameterError,
+        KVTrimError,
+        MissingArtifactError,
+        ModelNotAvailableError,
+        UnsupportedModelError,
+    )
+    from .methods import get_method, method_names, methods
+    from .models import fetch_model, kvtrim_home, load_model, load_tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -11,11 +12,12 @@ import torch
 
 from .cache.kvcache import KVTrimCache
 from .compressor import BudgetSpec
-from .errors import InvalidParameterError
+from .errors import InvalidParameterError, KVTrimError
 from .integration.attention import check_supported, enable, kvtrim_attention_enabled
 from .methods import get_method
 from .pipeline import Pipeline
 from .prompts import prompt_template
+from .sampling import Sampling, build_sampling
 from .scoring.observation import ObservationSpec
 
 FULL = "full"
@@ -51,6 +53,8 @@ class GenerationStats:
     compressions: int = 0
     prefill_chunk: int | None = None
     compression_metadata: dict = field(default_factory=dict)
+    prompt_format: str = "kvtrim"
+    separator: str = "\n\n"
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -92,7 +96,12 @@ def _resolve_method(method, ratio, budget, params: dict | None, model=None):
         raise InvalidParameterError(f"method must be a registry name or a Pipeline, got {method!r}")
     else:
         spec = BudgetSpec(ratio=ratio, budget=budget)
-        pipeline = get_method(method, **(params or {}))
+        try:
+            pipeline = get_method(method, **(params or {}))
+        except KVTrimError:
+            raise
+        except (ValueError, TypeError) as exc:  # a component rejected a value: say which method and parameters
+            raise InvalidParameterError(f"method_params {params!r} for method {method!r}: {exc}") from exc
     pipeline.check(spec.ratio, spec.budget)
     if model is not None:
         pipeline.bind(model)  # loads offline artifacts; a missing one raises before any work
@@ -131,15 +140,6 @@ def _tokenize(tokenizer, texts: Sequence[str], special: bool) -> tuple[torch.Ten
 def _positions(mask: torch.Tensor, new: int) -> torch.Tensor:
     """Logical positions of the last ``new`` columns of a (possibly mid-padded) 2-D mask."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else list(eos))
-    return ids
 
 
 @dataclass
@@ -190,27 +190,61 @@ def _record_prompt_logprobs(cache, logits, input_ids, input_mask, window: int) -
     cache._last_logprobs = logp[:, -1]
 
 
-def _decode(model, cache, mask, logits, max_new_tokens: int, eos: set[int], pad: int, prefill_s: float = 0.0):
-    """Greedy decoding from ``logits`` (the last prompt position) over ``cache``."""
-    batch = logits.shape[0]
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool, device=logits.device)
-    next_token = logits.argmax(-1)
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
+def _decode(
+    model,
+    cache,
+    mask: torch.Tensor,
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    eos: set[int],
+    pad: int,
+    prefill_s: float = 0.0,
+    *,
+    sampling: Sampling | None = None,
+    prompt_ids: torch.Tensor | None = None,
+    tokenizer=None,
+) -> _DecodeOutcome:
+    """Decode from ``logits`` ``[batch, vocab]`` (the last prompt position) over ``cache``.
+
+    Greedy with ``eos``/``pad`` and at most ``max_new_tokens``, unless ``sampling`` (from
+    :func:`kvtrim.sampling.build_sampling`) says otherwise (it then supplies all four). ``prompt_ids``
+    ``[batch, n]`` are the prompt's tokens, which logits processors such as a repetition penalty read;
+    ``tokenizer`` decodes for stop strings. A row ends at an EOS token or a stop string."""
+    if sampling is None:
+        sampling = Sampling(False, [], tuple(sorted(eos)), pad, max_new_tokens)
+    batch, device = logits.shape[0], logits.device
+    eos_ids = sampling.eos_tensor(device)
+    seq = logits.new_zeros((batch, 0), dtype=torch.long) if prompt_ids is None else prompt_ids.to(device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    emitted: list[torch.Tensor] = []  # [batch] per step; -1 where the row emitted nothing
+    next_token = sampling.pick(seq, logits)
     steps, t0 = 0, time.perf_counter()
-    for step in range(max_new_tokens):
-        for row in range(batch):
-            if not done[row]:
-                tok = int(next_token[row])
-                if tok in eos:
-                    done[row] = True
-                else:
-                    tokens[row].append(tok)
-        if bool(done.all()) or step == max_new_tokens - 1:
+    for step in range(sampling.max_new_tokens):
+        is_eos = torch.isin(next_token, eos_ids)
+        emitted.append(next_token.masked_fill(done | is_eos, -1))
+        done = done | is_eos
+        if sampling.stop:  # only with stop strings: decode the answers so far on the host
+            so_far = torch.stack(emitted, dim=1).tolist()
+            texts = [tokenizer.decode([t for t in row if t >= 0], skip_special_tokens=True) for row in so_far]
+            done = done | torch.tensor([sampling.stopped(t) for t in texts], dtype=torch.bool, device=device)
+        if step == sampling.max_new_tokens - 1 or bool(done.all()):
             break
-        feed = next_token.masked_fill(done, pad).view(batch, 1)
+        feed = next_token.masked_fill(done, sampling.pad).view(batch, 1)
+        seq = torch.cat([seq, feed], dim=1)
         logits, mask, _ = _feed(model, cache, mask, feed, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device))
-        next_token = logits.argmax(-1)
+        next_token = sampling.pick(seq, logits)
         steps += 1
+    rows = torch.stack(emitted, dim=1).tolist()
+    tokens = [[t for t in row if t >= 0] for row in rows]
     return _DecodeOutcome(tokens, prefill_s, time.perf_counter() - t0, steps)
 
 
@@ -221,11 +255,6 @@ class _Prefilled:
     logits: torch.Tensor
     before: object
     prefill_s: float
-
-
-def _prefill(model, tokenizer, texts: list[str], special: bool, observation: ObservationSpec) -> _Prefilled:
-    ids, mask = _tokenize(tokenizer, texts, special)
-    return prefill_ids(model, ids, mask, observation)
 
 
 def prefill_ids(model, ids: torch.Tensor, mask: torch.Tensor, observation: ObservationSpec) -> _Prefilled:
@@ -287,6 +316,8 @@ class Session:
         answer_prefix: str | None = None,
         use_chat_template: bool = True,
         prefill_chunk: int | None = None,
+        prompt_format: str = "kvtrim",
+        separator: str | None = None,
     ):
         check_supported(model)
         if prefill_chunk is not None and (
@@ -299,8 +330,8 @@ class Session:
             raise InvalidParameterError("context must be a non-empty string (or a list of non-empty strings)")
         self.model, self.tokenizer = model, tokenizer
         self.batched = isinstance(context, (list, tuple))
-        self.template = prompt_template(tokenizer, use_chat_template)
-        self.special = self.template.prefix == ""  # a chat template already carries its special tokens
+        self.template = prompt_template(tokenizer, use_chat_template, separator, prompt_format)
+        self.special = self.template.add_special_tokens  # a chat template already carries its special tokens
         self.answer_prefix = answer_prefix
         self.question_aware = question is not None
         observation = ObservationSpec()
@@ -315,14 +346,12 @@ class Session:
             if len(qs) != len(contexts) or any(not isinstance(q, str) for q in qs):
                 raise InvalidParameterError("question must be a string or one string per context")
             texts = [t + self.template.question_part(q, answer_prefix) for t, q in zip(texts, qs, strict=True)]
-        self.eos = _eos_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad = pad if pad is not None else next(iter(self.eos), 0)
+        self._ids, self._mask = _tokenize(tokenizer, texts, self.special)
+        check_length(model, self._ids.shape[1], "the prompt" if question is not None else "the context")
         if prefill_chunk is None:
             with torch.inference_mode(), kvtrim_attention_enabled(model):
-                self._pre = _prefill(model, tokenizer, texts, self.special, observation)
+                self._pre = prefill_ids(model, self._ids, self._mask, observation)
         else:  # every method prefills on its own: it compresses between the chunks
-            self._ids, self._mask = _tokenize(tokenizer, texts, self.special)
             self._pre = None
 
     def _prefilled(self, pipeline: Pipeline | None, spec: BudgetSpec | None) -> tuple[_Prefilled, KVTrimCache]:
@@ -334,8 +363,7 @@ class Session:
 
     @property
     def context_tokens_per_row(self) -> list[int]:
-        mask = self._mask if self._pre is None else self._pre.mask
-        return [int(x) for x in mask.sum(-1).tolist()]
+        return [int(x) for x in self._mask.sum(-1).tolist()]
 
     def _check_covered(self, pipeline: Pipeline) -> None:
         if not self.observation.covers(pipeline.observation):
@@ -351,13 +379,31 @@ class Session:
         ratio: float | None = None,
         budget: int | None = None,
         questions: str | list[str] | list[list[str]] | None = None,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         method_params: dict | None = None,
+        generation_config=None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
     ) -> Result:
-        """Compress a copy of the prefilled cache with ``method`` and answer (see :func:`generate`)."""
+        """Compress a copy of the prefilled cache with ``method`` and answer (see :func:`generate` for the
+        decoding settings)."""
         pipeline, spec = _resolve_method(method, ratio, budget, method_params, self.model)
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise InvalidParameterError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        sampling = build_sampling(
+            self.model,
+            self.tokenizer,
+            generation_config,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+        )
         rows = self._question_rows(questions)
         if pipeline is not None and self.prefill_chunk is None:
             self._check_covered(pipeline)
@@ -371,8 +417,11 @@ class Session:
             timings = {"qprefill": 0.0, "decode": 0.0, "steps": 0}
             peak, compressions = cache.peak_kv_bytes, cache.compressions
             if self.question_aware:
-                outcome = _decode(self.model, cache, pre.mask, pre.logits, max_new_tokens, self.eos, self.pad)
-                _collect(outcome, self.tokenizer, answers, timings)
+                outcome = _decode(
+                    self.model, cache, pre.mask, pre.logits, 0, set(), 0,
+                    sampling=sampling, prompt_ids=self._ids, tokenizer=self.tokenizer,
+                )  # fmt: skip
+                _collect(outcome, self.tokenizer, answers, timings, sampling)
                 peak, compressions = max(peak, cache.peak_kv_bytes, cache.kv_nbytes()), cache.compressions
             else:
                 # A decoding-time schedule rewrites the cache while answering: answer from a copy, not a rollback.
@@ -382,13 +431,18 @@ class Session:
                     work = cache.clone(pipeline, spec) if continuous else cache
                     texts = [self.template.question_part(r[qi], self.answer_prefix) for r in rows]
                     q_ids, q_mask = _tokenize(self.tokenizer, texts, False)
+                    check_length(self.model, self._ids.shape[1] + q_ids.shape[1], "context and question")
                     logits, mask, q_s = _feed(self.model, work, pre.mask, q_ids, q_mask)
-                    outcome = _decode(self.model, work, mask, logits, max_new_tokens, self.eos, self.pad, q_s)
+                    prompt = torch.cat([self._ids, q_ids], dim=1)
+                    outcome = _decode(
+                        self.model, work, mask, logits, 0, set(), 0, q_s,
+                        sampling=sampling, prompt_ids=prompt, tokenizer=self.tokenizer,
+                    )  # fmt: skip
                     peak = max(peak, work.peak_kv_bytes, work.kv_nbytes())
                     compressions = max(compressions, work.compressions)
                     if not continuous:
                         cache.rollback(mark)
-                    _collect(outcome, self.tokenizer, answers, timings)
+                    _collect(outcome, self.tokenizer, answers, timings, sampling)
         per_row = self.context_tokens_per_row
         stats = GenerationStats(
             method=FULL if pipeline is None else pipeline.name,
@@ -411,6 +465,8 @@ class Session:
             compressions=int(compressions),
             prefill_chunk=self.prefill_chunk,
             compression_metadata={} if report is None else dict(report.metadata),
+            prompt_format=self.template.format,
+            separator=self.template.separator,
         )
         return Result(answers=answers if self.batched else answers[0], stats=stats)
 
@@ -435,17 +491,29 @@ def generate(
     ratio: float | None = None,
     budget: int | None = None,
     question_aware: bool = False,
-    max_new_tokens: int = 64,
+    max_new_tokens: int | None = None,
     answer_prefix: str | None = None,
     method_params: dict | None = None,
     use_chat_template: bool = True,
     prefill_chunk: int | None = None,
+    prompt_format: str = "kvtrim",
+    separator: str | None = None,
+    generation_config=None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
 ) -> Result:
-    """Compress the KV cache of ``context`` with ``method`` and answer ``questions`` from it (greedy decoding).
+    """Compress the KV cache of ``context`` with ``method`` and answer ``questions`` from it.
 
     Context-only mode (default): the context is prefilled and compressed once; each question is appended after
     compression, answered, and removed again before the next one. Question-aware mode: for each question the
     whole prompt (context and question) is prefilled and compressed, as most papers evaluate.
+
+    Decoding follows the model's ``generation_config`` as ``model.generate`` does (greedy unless it samples);
+    ``generation_config`` or the keyword settings override it.
 
     Args:
         context: the long text, or a list of texts (a left-padded batch)
@@ -453,30 +521,51 @@ def generate(
         method: a registry name (see :func:`kvtrim.methods`), or ``"full"``/None for no compression
         ratio: fraction of entries removed, in [0, 1)
         budget: entries kept per layer and KV head (> 0); at or above the context length keeps everything
+        max_new_tokens: tokens per answer (default: the given ``generation_config``'s, else 64)
         answer_prefix: text placed at the start of the assistant's answer (e.g. RULER answer prefixes)
         method_params: overrides of the method's defaults (e.g. ``{"window": 8}``)
         prefill_chunk: prefill the prompt this many tokens at a time, compressing between chunks (bounded memory)
+        prompt_format: ``"kvtrim"`` (context and question joined by ``"\n\n"``) or ``"kvpress"`` (kvpress's
+            pipeline layout: the question follows the context directly), see :mod:`kvtrim.prompts`
+        separator: text between context and question, overriding the format's
+        generation_config: a ``transformers.GenerationConfig`` (sampling settings, EOS, logits processors)
+        do_sample, temperature, top_p, top_k: sampling settings overriding the configuration
+        seed: seed of the sampler (same seed, same answers)
+        stop: string(s) ending an answer; the answer is cut before the stop string
     Returns:
         :class:`Result` with ``answers`` and ``stats``. In question-aware mode with several questions, sizes
         are those of the first question's prompt and timings are summed.
     """
     check_supported(model)
     pipeline, _ = _resolve_method(method, ratio, budget, method_params, model)
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise InvalidParameterError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    decoding = {
+        "max_new_tokens": max_new_tokens,
+        "method_params": method_params,
+        "generation_config": generation_config,
+        "do_sample": do_sample,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": stop,
+    }
+    build_sampling(model, tokenizer, **{k: v for k, v in decoding.items() if k != "method_params"})  # validate
     contexts, rows, batched = _normalize_inputs(context, questions)
     methods_ = [pipeline] if pipeline is not None else []
+    layout = {"prompt_format": prompt_format, "separator": separator}
     if not question_aware:
-        session = Session(model, tokenizer, context, None, methods_, answer_prefix, use_chat_template, prefill_chunk)
-        return session.run(method, ratio, budget, questions, max_new_tokens, method_params)
+        session = Session(
+            model, tokenizer, context, None, methods_, answer_prefix, use_chat_template, prefill_chunk, **layout
+        )
+        return session.run(method, ratio, budget, questions, **decoding)
     results = []
     for qi in range(len(rows[0])):
         qs = [r[qi] for r in rows]
         question = qs if batched else qs[0]
         session = Session(
-            model, tokenizer, context, question, methods_, answer_prefix, use_chat_template, prefill_chunk
+            model, tokenizer, context, question, methods_, answer_prefix, use_chat_template, prefill_chunk, **layout
         )
-        results.append(session.run(method, ratio, budget, None, max_new_tokens, method_params))
+        results.append(session.run(method, ratio, budget, None, **decoding))
     stats = results[0].stats
     for r in results[1:]:
         for name in ("prefill_s", "compress_s", "question_prefill_s", "decode_s", "decode_tokens"):
@@ -488,9 +577,21 @@ def generate(
     return Result(answers=answers, stats=stats)
 
 
-def _collect(outcome: _DecodeOutcome, tokenizer, answers: list[list[str]], timings: dict) -> None:
+def check_length(model, tokens: int, what: str) -> None:
+    """Raise :class:`InvalidParameterError` when ``tokens`` exceed the model's ``max_position_embeddings``."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and tokens > limit:
+        raise InvalidParameterError(
+            f"{what} is {tokens} tokens, longer than the model's max_position_embeddings={limit}; "
+            f"shorten it to at most {limit} tokens"
+        )
+
+
+def _collect(
+    outcome: _DecodeOutcome, tokenizer, answers: list[list[str]], timings: dict, sampling: Sampling
+) -> None:
     for row, toks in enumerate(outcome.tokens):
-        answers[row].append(tokenizer.decode(toks, skip_special_tokens=True).strip())
+        answers[row].append(sampling.cut(tokenizer.decode(toks, skip_special_tokens=True)).strip())
     timings["qprefill"] += outcome.prefill_s
     timings["decode"] += outcome.decode_s
     timings["steps"] += outcome.steps
@@ -507,17 +608,69 @@ def make_cache(
     return KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)
 
 
+REUSED_CACHE = (
+    "this KVTrimCache was already used by a generate call; a cache serves one generate call: make a new one "
+    "(kvtrim.make_cache), or call model.generate without past_key_values inside kvtrim.compressing, which "
+    "supplies a fresh cache to every call"
+)
+
+
+@contextmanager
+def _supplying_cache(model, first: KVTrimCache, fresh) -> Iterator[None]:
+    """Wrap ``model.generate`` (on the instance) so that a call without ``past_key_values`` gets a kvtrim cache:
+    ``first`` for the first such call, then ``fresh()`` for every later one. The original is restored on exit."""
+    own = model.__dict__.get("generate")  # an instance-level generate someone installed before us
+    original = model.generate
+    unused = [first]
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is None:
+            kwargs["past_key_values"] = unused.pop() if unused else fresh()
+        elif not isinstance(cache, KVTrimCache):
+            raise InvalidParameterError(
+                f"inside kvtrim.compressing, past_key_values must be None (kvtrim supplies a cache) or a "
+                f"KVTrimCache; got a {type(cache).__name__}, which would not be compressed"
+            )
+        else:
+            if cache.layers[0].seen:
+                raise InvalidParameterError(REUSED_CACHE)
+            if cache is first:
+                unused.clear()
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if own is None:
+            model.__dict__.pop("generate", None)
+        else:
+            model.generate = own
+
+
 @contextmanager
 def compressing(
     model, method: str = "snapkv", ratio: float | None = None, budget: int | None = None, **method_params
 ) -> Iterator[KVTrimCache]:
-    """Context manager yielding a :func:`make_cache` cache; restores the model's attention on exit.
+    """Compress the prompt's KV cache in every ``model.generate`` call inside the block (question-aware).
+
+    ``model.generate`` called without ``past_key_values`` gets a kvtrim cache: the yielded one for the first
+    call, a fresh one for each later call (a cache serves one ``generate`` call). Passing the yielded cache
+    explicitly works too. On exit the model's attention implementation and ``generate`` are restored.
 
     Example::
 
         with kvtrim.compressing(model, "snapkv", ratio=0.5) as cache:
-            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+            out = model.generate(**inputs, max_new_tokens=32)
+        print(cache.last_report)
     """
     pipeline, spec = _resolve_method(method, ratio, budget, method_params, model)
-    with kvtrim_attention_enabled(model):
-        yield KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)
+    layers = model.config.num_hidden_layers
+    cache = KVTrimCache(layers, pipeline, spec, auto_compress=True)
+    with (
+        kvtrim_attention_enabled(model),
+        _supplying_cache(model, cache, lambda: KVTrimCache(layers, pipeline, spec, auto_compress=True)),
+    ):
+        yield cache

@@ -28,12 +28,27 @@ def _jsonable(value):
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
+DeviceOption = Annotated[str, typer.Option(help="device to load the model on: cpu, cuda, cuda:N, mps")]
+DtypeOption = Annotated[str, typer.Option(help="model precision: float32, float16, bfloat16 or auto")]
+PromptFormatOption = Annotated[
+    str, typer.Option(help="prompt layout: kvtrim (context, blank line, question) or kvpress (kvpress's pipeline)")
+]
+
+
 @app.command()
-def methods() -> None:
+def methods(
+    list_: Annotated[bool, typer.Option("--list", help="one line per method: name and summary")] = False,
+) -> None:
     """List the compression methods with their papers and default parameters."""
     from .methods import method_info, method_names
 
-    for name in method_names():
+    names = method_names()
+    if list_:
+        width = max(len(n) for n in names)
+        for name in names:
+            typer.echo(f"{name:<{width}}  {method_info(name).summary}")
+        return
+    for name in names:
         info = method_info(name)
         typer.echo(f"{name}\n    {info.summary}\n    paper:    {info.paper}\n    preset:   {info.preset}")
         typer.echo(f"    defaults: {info.defaults() or '{}'}")
@@ -97,21 +112,35 @@ def generate(
     prefill_chunk: Annotated[
         int | None, typer.Option(help="prefill in chunks of this many tokens, compressing between chunks")
     ] = None,
+    prompt_format: PromptFormatOption = "kvtrim",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    do_sample: Annotated[
+        bool | None, typer.Option("--do-sample/--greedy", help="sample (default: the model's generation config)")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option(help="sampling temperature (> 0)")] = None,
+    top_p: Annotated[float | None, typer.Option(help="nucleus sampling mass, in (0, 1]")] = None,
+    top_k: Annotated[int | None, typer.Option(help="sample among the k likeliest tokens (0: all)")] = None,
+    seed: Annotated[int | None, typer.Option(help="sampling seed (same seed, same answers)")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="string ending an answer (repeatable)")] = None,
 ) -> None:
     """Compress the context's KV cache and answer the question(s) from it."""
     from . import api
     from .compressor import BudgetSpec
     from .methods import get_method
-    from .models import load_model
+    from .models import load_model, resolve_device, resolve_dtype
+    from .prompts import check_prompt_format
 
     try:
         if method != api.FULL:
             spec = BudgetSpec(ratio=ratio, budget=budget)  # validate before loading anything
             get_method(method).check(spec.ratio, spec.budget)
+        check_prompt_format(prompt_format)
+        resolve_dtype(dtype), resolve_device(device)
         if not context_file.is_file():
             raise KVTrimError(f"--context-file {str(context_file)!r} does not exist")
         context = context_file.read_text(encoding="utf-8")
-        lm, tokenizer = load_model(model)
+        lm, tokenizer = load_model(model, dtype=dtype, device=device)
         result = api.generate(
             lm,
             tokenizer,
@@ -124,6 +153,13 @@ def generate(
             max_new_tokens=max_new_tokens,
             answer_prefix=answer_prefix,
             prefill_chunk=prefill_chunk,
+            prompt_format=prompt_format,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop or None,
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
@@ -147,6 +183,7 @@ def generate(
             "peak_kv_bytes": s.peak_kv_bytes,
             "compressions": s.compressions,
             "prefill_chunk": s.prefill_chunk,
+            "prompt_format": s.prompt_format,
         }
         typer.echo(json.dumps(payload))
         return
@@ -170,6 +207,8 @@ def demo(
     methods_: Annotated[
         str | None, typer.Option("--methods", help="comma-separated methods (default: kvtrim.demo.DEFAULT_METHODS)")
     ] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """Compress the embedded model's cache with several methods on passkey and needle prompts; print a table."""
     from .demo import run_demo
@@ -181,6 +220,8 @@ def demo(
             length=length,
             ratios=[float(r) for r in ratios.split(",")],
             methods=None if methods_ is None else [m.strip() for m in methods_.split(",") if m.strip()],
+            device=device,
+            dtype=dtype,
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
@@ -215,6 +256,9 @@ def eval_command(
     prefill_chunk: Annotated[
         int | None, typer.Option(help="prefill in chunks of this many tokens, compressing between chunks")
     ] = None,
+    prompt_format: PromptFormatOption = "kvtrim",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """Sweep tasks × methods × ratios (or budgets) on one model; one JSONL record per sample and config."""
     from .eval.runner import run_sweep
@@ -243,6 +287,9 @@ def eval_command(
             max_new_tokens=max_new_tokens,
             progress=progress,
             prefill_chunk=prefill_chunk,
+            prompt_format=prompt_format,
+            device=device,
+            dtype=dtype,
         )
     except (KVTrimError, ValueError, OSError) as exc:
         _fail(exc)
@@ -394,6 +441,8 @@ def analyze_perturbation(
     queries: Annotated[int, typer.Option(help="decoding queries compared")] = 16,
     baseline: Annotated[str, typer.Option(help="attention-only method")] = "snapkv",
     critical: Annotated[str, typer.Option(help="critical method")] = "critical_snapkv",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """CriticalKV's perturbation analysis: per-layer and per-head attention-output L1 perturbation of
     attention-only vs critical selection, and the share of heads where critical selection lowers it."""
@@ -404,7 +453,7 @@ def analyze_perturbation(
         sizes = [int(b) for b in budgets.split(",")]
         if any(b <= 0 for b in sizes):
             raise KVTrimError(f"--budgets must be positive integers, got {budgets!r}")
-        lm, tokenizer = load_model(model)
+        lm, tokenizer = load_model(model, dtype=dtype, device=device)
         report = perturbation_analysis(lm, tokenizer, sizes, prompts, context, queries, baseline, critical)
         files = write_report(report, out)
     except (KVTrimError, ValueError) as exc:
@@ -433,6 +482,8 @@ def analyze_head_masking(
     artifact: Annotated[Path | None, typer.Option(help="compresskv artifact (default: the model's)")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """CompressKV's masking ablation: zero the top-k SRH, top-k TRH or k random query heads and measure retrieval
     accuracy with the full cache (needs the `compresskv` artifact)."""
@@ -449,7 +500,7 @@ def analyze_head_masking(
             if threads <= 0:
                 raise KVTrimError(f"--threads must be positive, got {threads}")
             torch.set_num_threads(threads)
-        lm, tokenizer = load_model(model)
+        lm, tokenizer = load_model(model, dtype=dtype, device=device)
         task_list = [t.strip() for t in tasks.split(",") if t.strip()]
         report = head_masking_analysis(
             lm, tokenizer, sizes, task_list, length, samples, seed, artifact=artifact, progress=progress

@@ -41,8 +41,11 @@ def run_demo(
     ratios: list[float] | None = None,
     methods: list[str] | None = None,
     seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[dict]:
-    """Run the demo and print its table; returns the table rows.
+    """Run the demo and print its table; returns the table rows (``device``/``dtype``: see
+    :func:`kvtrim.load_model`).
 
     Every prompt is prefilled once per mode (context-only and question-aware) and each (method, ratio)
     compresses its own copy of that cache, so the table compares methods on identical inputs.
@@ -52,7 +55,7 @@ def run_demo(
     for name in methods:
         get_method(name)  # fail fast on unknown names
     started = time.perf_counter()
-    lm, tokenizer = load_model(model)
+    lm, tokenizer = load_model(model, dtype=dtype, device=device)
     tasks = {
         "passkey": generate_task("passkey", tokenizer, length, samples, seed=seed),
         "needle": generate_task("needle", tokenizer, length, samples, seed=seed),

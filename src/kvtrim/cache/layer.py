@@ -97,8 +97,8 @@ class CompressibleLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise_if_unconsumed(
             self.cache,
-            "the model must run with attn_implementation='kvtrim' (use KVTrimCache(model, ...) or "
-            "kvtrim.compressing(...))",
+            "the model must run with attn_implementation='kvtrim': use kvtrim.compressing(model, ...) or "
+            "kvtrim.make_cache(model, ...), which install it",
         )
         if self.layer_idx == 0:
             self.cache._before_forward(key_states.shape[2])

@@ -36,7 +36,7 @@ def _parse_ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _load(model: str, threads: int | None):
+def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "float32"):
     import torch
 
     from kvtrim.models import load_model
@@ -45,7 +45,11 @@ def _load(model: str, threads: int | None):
         if threads <= 0:
             _fail(f"threads={threads}: expected a positive integer")
         torch.set_num_threads(threads)
-    return load_model(model)
+    return load_model(model, dtype=dtype, device=device)
+
+
+DeviceOption = Annotated[str, typer.Option(help="device to load the model on: cpu, cuda, cuda:N, mps")]
+DtypeOption = Annotated[str, typer.Option(help="model precision: float32, float16, bfloat16 or auto")]
 
 
 @calibrate_app.command("headkv")
@@ -58,6 +62,8 @@ def headkv(
     haystack: Annotated[str, typer.Option(help="haystack text: 'jargon', 'noise' or file:PATH")] = "jargon",
     out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ) -> None:
     """Detect HeadKV retrieval-reasoning heads on needle tests and save the `headkv` artifact."""
@@ -67,7 +73,7 @@ def headkv(
     grid = _parse_ints(lengths, "lengths")
     start = time.perf_counter()
     try:
-        mdl, tok = _load(model, threads)
+        mdl, tok = _load(model, threads, device, dtype)
         path = calibrate_headkv(
             mdl,
             tok,
@@ -108,6 +114,8 @@ def compresskv(
     heads_per_layer: Annotated[int, typer.Option(help="SRH heads per layer used by the layer profile")] = 4,
     out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ) -> None:
     """CompressKV: SRH/TRH head scores on needle tests and the error-aware layer profile; saves `compresskv`."""
@@ -121,7 +129,7 @@ def compresskv(
         _fail(f"needles={needles}: choose 1..{len(DEFAULT_NEEDLES)}")
     start = time.perf_counter()
     try:
-        mdl, tok = _load(model, threads)
+        mdl, tok = _load(model, threads, device, dtype)
         path = calibrate_compresskv(
             mdl,
             tok,
@@ -168,6 +176,8 @@ def compilerkv(
     epochs: Annotated[int, typer.Option(help="CQL epochs")] = 60,
     out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     progress: Annotated[bool, typer.Option(help="print progress to stderr")] = True,
 ) -> None:
     """CompilerKV: collect rollouts on a calibration corpus and compile the head and threshold tables with CQL."""
@@ -189,7 +199,7 @@ def compilerkv(
             seed=seed,
             cql=CQLSettings(epochs=epochs),
         )
-        mdl, tok = _load(model, threads)
+        mdl, tok = _load(model, threads, device, dtype)
         path = calibrate_compilerkv(mdl, tok, settings, out_dir=out, progress=progress)
         tables = load_compilerkv(mdl, str(path))
     except KVTrimError as exc:

@@ -173,6 +173,7 @@ def _score_plot(
             if r["method"] != FULL and r.get(field) is not None:
                 series[r["method"]][float(r[field])].append(float(r["score"]))
         names = method_order(series)
+        ticks = sorted({x for method in names for x in series[method]})
         for i, method in enumerate(names):
             xs = sorted(series[method])
             ys = [100 * statistics.fmean(series[method][x]) for x in xs]
@@ -187,6 +188,8 @@ def _score_plot(
             ax.set_xlabel("budget (entries kept per layer and KV head)")
         else:
             ax.set_xlabel("compression ratio (fraction of KV entries removed)")
+        if ticks:
+            _frame_x(ax, ticks, x_kind)
         ax.set_ylabel("score (×100)")
         ax.set_ylim(-3, 103)
         ax.set_title(f"{column}: {mode}")
@@ -199,6 +202,19 @@ def _score_plot(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _frame_x(ax: Any, ticks: list[float], x_kind: str) -> None:
+    """An x range that shows the measured points with room around them (a single ratio would otherwise be
+    autoscaled to the width of the dodge, ±0.002), ticks at the measured values."""
+    lo, hi = ticks[0], ticks[-1]
+    if x_kind == "ratio":
+        pad = max(0.1, 0.1 * (hi - lo))
+        ax.set_xlim(max(-0.02, lo - pad), min(1.02, hi + pad))
+    else:
+        ax.set_xlim(lo / 1.5, hi * 1.5)
+    ax.set_xticks(ticks, [format(t, "g") for t in ticks])
+    ax.minorticks_off()
 
 
 def _needle_heatmaps(plt: Any, records: list[dict[str, Any]], plots: Path) -> list[Path]:
@@ -289,12 +305,14 @@ def _header(out: Path, records: list[dict[str, Any]]) -> list[str]:
         f"- tasks: {task_text}",
         f"- haystacks: {', '.join(hay) or '-'} (the Paul Graham essays are not used; see `haystack_info` in records)",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "- prompt layout: " + ", ".join(sorted({str(r.get("prompt_format", "kvtrim")) for r in records})),
     ]
     if runs:
         timed = [r for r in runs if r.get("wall_s") is not None]
         wall = sum(float(r["wall_s"]) for r in timed)
         written = sum(int(r.get("records_written") or 0) for r in runs)
-        threads = sorted({str(r.get("threads")) for r in runs})
+        # --threads when given, else the torch thread count the run recorded in its environment
+        threads = sorted({str(r.get("threads") or r.get("environment", {}).get("torch_threads")) for r in runs})
         untimed = len(runs) - len(timed)
         interrupted = sum(1 for r in runs if r.get("status") == "interrupted")
         notes = []

@@ -51,6 +51,7 @@ from kvtrim.eval.haystacks import haystack_info
 from kvtrim.eval.metrics import aggregate, metric_versions, score_sample
 from kvtrim.eval.tasks import TASKS, Sample, generate_task
 from kvtrim.methods import method_info
+from kvtrim.prompts import check_prompt_format
 
 __all__ = [
     "CONTEXT_ONLY",
@@ -73,7 +74,7 @@ SUMMARY_FILE = "summary.csv"
 CONTEXT_ONLY = "context-only"
 QUESTION_AWARE = "question-aware"
 # Settings that must match the earlier runs recorded in the same directory.
-_CONSISTENT = ("model", "seed", "haystack", "task_options", "max_new_tokens", "prefill_chunk")
+_CONSISTENT = ("model", "seed", "haystack", "task_options", "max_new_tokens", "prefill_chunk", "prompt_format")
 
 
 # ---------------------------------------------------------------------------------------------------- keys
@@ -255,12 +256,15 @@ def _validate(
             raise InvalidParameterError(f"task_options[{name!r}]: expected a dict of options, got {opts!r}")
 
 
-def _resolve_model(model: Any, model_label: str | None) -> tuple[Any, Any, str]:
-    """``model`` is a name (loaded with :func:`kvtrim.load_model`) or a ``(model, tokenizer)`` pair."""
+def _resolve_model(
+    model: Any, model_label: str | None, device: str | None = None, dtype: str | None = None
+) -> tuple[Any, Any, str]:
+    """``model`` is a name (loaded with :func:`kvtrim.load_model` on ``device`` in ``dtype``) or a
+    ``(model, tokenizer)`` pair."""
     if isinstance(model, str):
         from kvtrim.models import load_model
 
-        lm, tok = load_model(model)
+        lm, tok = load_model(model, dtype=dtype or "float32", device=device or "cpu")
         return lm, tok, model_label or model
     if isinstance(model, (tuple, list)) and len(model) == 2:
         lm, tok = model
@@ -347,6 +351,9 @@ def run_sweep(
     max_new_tokens: int | None = None,
     progress: bool = True,
     prefill_chunk: int | None = None,
+    prompt_format: str = "kvtrim",
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Run (or resume) a sweep and return ``out_dir`` (see the module docstring for the files written).
 
@@ -362,6 +369,9 @@ def run_sweep(
         model_label: the name recorded for a ``(model, tokenizer)`` pair
         max_new_tokens: cap on generated tokens (default: each task's own; for smoke tests only)
         progress: show tqdm progress bars
+        prompt_format: the prompt layout, ``"kvtrim"`` or ``"kvpress"`` (see :mod:`kvtrim.prompts`); recorded in
+            run.json and in every record, and one output directory holds one layout
+        device, dtype: where and in which precision a model given by name is loaded (default cpu, float32)
         prefill_chunk: prefill every prompt this many tokens at a time, compressing between chunks (each method
             then prefills on its own); one output directory holds one setting
     """
@@ -387,11 +397,12 @@ def run_sweep(
     ):
         raise InvalidParameterError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
 
+    check_prompt_format(prompt_format)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records_path, run_path = out / RECORDS_FILE, out / RUN_FILE
     run_data = _read_run_file(run_path)
-    lm, tokenizer, label = _resolve_model(model, model_label)
+    lm, tokenizer, label = _resolve_model(model, model_label, device, dtype)
     mode = QUESTION_AWARE if question_aware else CONTEXT_ONLY
     config = {
         "model": label,
@@ -410,6 +421,9 @@ def run_sweep(
         "threads": threads,
         "max_new_tokens": max_new_tokens,
         "prefill_chunk": prefill_chunk,
+        "prompt_format": prompt_format,
+        "device": str(next(lm.parameters()).device),
+        "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
     }
     for previous in run_data["runs"]:
         for name in _CONSISTENT:
@@ -505,6 +519,7 @@ def run_sweep(
                     answer_prefix=sample.answer_prefix or None,
                     use_chat_template=bool(sample.meta.get("chat_template", True)),
                     prefill_chunk=prefill_chunk,
+                    prompt_format=prompt_format,
                 )
                 full_key = (sample.task, sample.index, mode, target)
                 for cfg in pending:
@@ -613,6 +628,8 @@ def _run_one(
         "compressions": stats.compressions,
         "prefill_chunk": stats.prefill_chunk,
         "compression_metadata": stats.compression_metadata,
+        "prompt_format": stats.prompt_format,
+        "separator": stats.separator,
         "meta": sample.meta,
     }
     record["key"] = record_key(record)

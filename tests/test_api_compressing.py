@@ -1,0 +1,85 @@
+"""`with kvtrim.compressing(model): model.generate(...)` without a cache compresses; misuse gets kvtrim errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvtrim
+from conftest import random_text
+from kvtrim.errors import InvalidParameterError, KVTrimError
+
+CTX = random_text(150, seed=3)
+
+
+@pytest.fixture
+def inputs(tokenizer):
+    ids = tokenizer(CTX, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def test_generate_without_a_cache_compresses(llama, inputs):
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5) as cache:
+        implicit = llama.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert cache.compressions == 1 and cache.last_report is not None
+    assert cache.stats().entries < cache.layers[0].seen * llama.config.num_key_value_heads * 2  # evicted for real
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5) as explicit_cache:
+        explicit = llama.generate(**inputs, past_key_values=explicit_cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(implicit, explicit)
+    assert "generate" not in llama.__dict__  # restored on exit
+    assert llama.config._attn_implementation != "kvtrim"
+
+
+def test_every_call_without_a_cache_gets_a_fresh_compressing_cache(llama, inputs):
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5) as cache:
+        first = llama.generate(**inputs, max_new_tokens=4, do_sample=False)
+        second = llama.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(first, second)
+    assert cache.compressions == 1  # the yielded cache served the first call only
+
+
+def test_compressing_differs_from_the_full_cache(llama, inputs):
+    full = llama.generate(**inputs, max_new_tokens=8, do_sample=False)
+    with kvtrim.compressing(llama, "streaming_llm", ratio=0.9):
+        trimmed = llama.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(full, trimmed)  # the compression changes what the model sees
+
+
+def test_another_cache_type_inside_compressing_raises(llama, inputs):
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5), pytest.raises(InvalidParameterError, match="DynamicCache"):
+        llama.generate(**inputs, past_key_values=DynamicCache(), max_new_tokens=2)
+
+
+def test_reusing_a_cache_raises_a_kvtrim_error(llama, inputs):
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5) as cache:
+        llama.generate(**inputs, past_key_values=cache, max_new_tokens=3)
+        with pytest.raises(InvalidParameterError, match="serves one generate call"):
+            llama.generate(**inputs, past_key_values=cache, max_new_tokens=3)
+    cache = kvtrim.make_cache(llama, "snapkv", ratio=0.5)
+    llama.generate(**inputs, past_key_values=cache, max_new_tokens=3)
+    with pytest.raises(InvalidParameterError, match="serves one generate call"):
+        llama.generate(**inputs, past_key_values=cache, max_new_tokens=3)
+
+
+def test_wrong_attention_message_names_real_constructors(llama, inputs):
+    cache = kvtrim.KVTrimCache(llama.config.num_hidden_layers)
+    with pytest.raises(KVTrimError, match=r"kvtrim\.compressing\(model, \.\.\.\) or kvtrim\.make_cache") as info:
+        llama(**inputs, past_key_values=cache)
+        llama(**inputs, past_key_values=cache)
+    assert "KVTrimCache(model" not in str(info.value)
+
+
+def test_bad_method_params_are_kvtrim_errors(llama, tokenizer):
+    with pytest.raises(InvalidParameterError, match=r"'window': 0.*snapkv.*window must be positive"):
+        kvtrim.generate(llama, tokenizer, CTX, "q?", ratio=0.5, method_params={"window": 0})
+    with pytest.raises(InvalidParameterError, match="window must be positive"):
+        kvtrim.compressing(llama, "snapkv", ratio=0.5, window=0).__enter__()
+
+
+def test_context_longer_than_the_model_raises(llama, tokenizer):
+    limit = llama.config.max_position_embeddings
+    with pytest.raises(InvalidParameterError, match=f"longer than the model's max_position_embeddings={limit}"):
+        kvtrim.generate(llama, tokenizer, "x" * (limit + 1), "q?", ratio=0.5)
+    with pytest.raises(InvalidParameterError, match="max_position_embeddings"):
+        kvtrim.generate(llama, tokenizer, "x" * (limit - 3), "a longer question", method="full")
