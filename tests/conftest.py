@@ -118,6 +118,10 @@ RATIO_ONLY_METHODS = {"lagkv", "localkv", "lag_knorm"}  # keep fractions per lag
 # one budget for the whole sequence, ranked in blocks of 16 across layers and heads: per-head counts vary and the
 # total kept is ceil(M·L·H / 16) blocks (KV-Compress)
 GLOBAL_BLOCK_METHODS = {"kvcompress", "kvc_w8", "kvc_full"}
+# Keep whole chunks of contiguous tokens plus the window: up to chunk - 1 entries below the budget (ChunkKV)
+WHOLE_CHUNK_METHODS = {"chunkkv", "chunkkv_reuse"}
+# One token-level score threshold across layers and heads: per-head counts vary, the total is M·L·H (KVzip)
+GLOBAL_TOKEN_METHODS = {"kvzip"}
 
 
 def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:

@@ -93,6 +93,7 @@ def layer_views(
             logits=logits,
             compressed_until=layer.compressed_until,
             prompt_logprobs=cache.prompt_logprobs,
+            prompt_ids=cache.prompt_ids,
             shared=shared,
         )
         for layer in cache.kv_layers

@@ -19,6 +19,7 @@ from .budgets.error_aware import (
     LayerThenHeadBudget,
 )
 from .budgets.global_blocks import GlobalBlockBudget
+from .budgets.global_threshold import GlobalThresholdBudget
 from .budgets.head_adaptive import HeadAdaptiveBudget
 from .budgets.head_scores import DEFAULT_BETA, DEFAULT_TEMPERATURE
 from .budgets.partition import PartitionBudget
@@ -29,15 +30,19 @@ from .errors import InvalidParameterError
 from .pipeline import Pipeline
 from .schedule import TailFull, parse_schedule
 from .scoring.cumulative_attention import CumulativeAttentionScorer
+from .scoring.expected_attention import ExpectedAttentionScorer
 from .scoring.head_subset import ArtifactHeadSubsetScorer
+from .scoring.key_diff import KeyDiffScorer
 from .scoring.key_norm import KeyNormScorer
 from .scoring.lag_relative import LagRelativeScorer
 from .scoring.observation import ObservationSpec
 from .scoring.position import RecencyScorer
 from .scoring.random import RandomScorer
+from .scoring.reconstruction import ReconstructionScorer
 from .scoring.squared_attention import SquaredAttentionScorer
 from .scoring.stabilized_utility import StabilizedUtilityScorer
 from .scoring.window_attention import WindowAttentionScorer
+from .selection.chunk import ChunkSelector
 from .selection.critical import CriticalSelector
 from .selection.partition import PartitionTopKSelector
 from .selection.threshold import ThresholdGateSelector
@@ -846,6 +851,117 @@ def kvc_w8(
 def kvc_full(protected_window: int = 32, buffer: int = 10, kernel: int = 1, block_size: int = 16) -> Pipeline:
     """KV-Compress (Rehg, arXiv 2410.00161), the KVC-full preset (metric over all prompt queries)."""
     return _kvcompress("kvc_full", None, protected_window, kernel, buffer, block_size)
+
+
+# ---------------------------------------------------------------- kvpress methods (issue 19): ExpectedAttention,
+# KeyDiff, ChunkKV, KVzip
+
+
+@register(
+    "expected_attention",
+    "Expected attention of future queries (Gaussian query statistics moved by the average rotary rotation "
+    "ahead) times ‖v‖; sinks kept. Query-agnostic.",
+    "Devoto et al., Expected Attention: KV Cache Compression by Estimating Attention from Future Queries "
+    "Distribution (arXiv 2510.00636); kvpress ExpectedAttentionPress",
+    "kvpress defaults: 512 future positions, 4 sinks, covariance on, value-norm rescaling on, ε=0; statistics "
+    "from the post-RoPE prompt queries un-rotated (kvtrim records every prompt query)",
+)
+def expected_attention(
+    n_future: int = 512, n_sink: int = 4, use_covariance: bool = True, use_vnorm: bool = True, eps: float = 0.0
+) -> Pipeline:
+    """Expected Attention (Devoto et al., arXiv 2510.00636): kvpress's query-agnostic expected-attention score."""
+    return Pipeline(
+        "expected_attention",
+        ExpectedAttentionScorer(
+            n_future=n_future, n_sink=n_sink, use_covariance=use_covariance, use_vnorm=use_vnorm, eps=eps
+        ),
+        UniformBudget(),
+        TopKSelector(sink=n_sink),
+        {"n_future": n_future, "n_sink": n_sink, "use_covariance": use_covariance, "use_vnorm": use_vnorm,
+         "eps": eps},
+    )
+
+
+@register(
+    "keydiff",
+    "Keep the keys least similar (cosine) to the head's mean key direction (attention-free).",
+    "Park et al., KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in "
+    "Resource-Constrained Environments (arXiv 2504.15364)",
+    "kvpress KeyDiffPress: anchor = mean of the unit-normalized keys of each KV head, score −cos(k, anchor), "
+    "one-shot after prefill, no protected window",
+)
+def keydiff() -> Pipeline:
+    """KeyDiff (Park et al., arXiv 2504.15364), one-shot after prefill."""
+    return Pipeline("keydiff", KeyDiffScorer(), UniformBudget(), TopKSelector(), {})
+
+
+_CHUNKKV_PAPER = (
+    "Liu et al., ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM Inference "
+    "(arXiv 2502.00299)"
+)
+
+
+def _chunkkv(name: str, window: int, chunk: int, reuse_layers: int, share_heads: bool) -> Pipeline:
+    scorer = WindowAttentionScorer(window=window, kernel=1, pooling="none", aggregate="mean", group_reduce="mean")
+    return Pipeline(
+        name,
+        scorer,
+        UniformBudget(),
+        ChunkSelector(chunk=chunk, recent=window, reuse_layers=reuse_layers, share_heads=share_heads),
+        {"window": window, "chunk": chunk, "reuse_layers": reuse_layers, "share_heads": share_heads},
+    )
+
+
+@register(
+    "chunkkv",
+    "Window attention summed into chunks of 10 contiguous tokens; whole chunks kept (the same for every KV head "
+    "of a layer) plus the window.",
+    _CHUNKKV_PAPER,
+    "chunk size 10 (paper default), observation window w=8 (kvtrim's SnapKV preset, no pooling), chunk score = "
+    "mean token score summed over the KV heads (kvpress ChunkKVPress), no layer reuse",
+)
+def chunkkv(window: int = 8, chunk: int = 10, reuse_layers: int = 1, share_heads: bool = True) -> Pipeline:
+    """ChunkKV (Liu et al., arXiv 2502.00299): chunk-granular selection; ``reuse_layers`` > 1 shares indices."""
+    return _chunkkv("chunkkv", window, chunk, reuse_layers, share_heads)
+
+
+@register(
+    "chunkkv_reuse",
+    "ChunkKV with layer-wise index reuse: each pair of layers keeps the chunks chosen by its first layer.",
+    _CHUNKKV_PAPER,
+    "as chunkkv with reuse_layers=2 (the paper's index-reuse setting of 2 layers per group)",
+)
+def chunkkv_reuse(window: int = 8, chunk: int = 10, reuse_layers: int = 2, share_heads: bool = True) -> Pipeline:
+    """ChunkKV (arXiv 2502.00299) with layer-wise index reuse (layers grouped by ``reuse_layers``)."""
+    return _chunkkv("chunkkv_reuse", window, chunk, reuse_layers, share_heads)
+
+
+@register(
+    "kvzip",
+    "Query-agnostic: the model re-reads its context after a repeat instruction; an entry scores the largest "
+    "attention the reconstruction pays it; one global threshold across layers and heads (stored ragged). "
+    "Costs one extra forward pass over the prompt at compression.",
+    "Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction, NeurIPS 2025 "
+    "(arXiv 2505.23416)",
+    "kvpress KVzipPress defaults: prompt 'Repeat the previous context exactly.' in the chat template, 4 sinks, "
+    "max over the group and the reconstruction queries, non-layerwise (global) budgets; layerwise=True gives "
+    "every layer the same budget; one reconstruction pass instead of 2K-token chunks",
+)
+def kvzip(
+    prompt: str = "Repeat the previous context exactly.",
+    n_sink: int = 4,
+    layerwise: bool = False,
+    chunk: int = 256,
+    tokenizer: str | None = None,
+) -> Pipeline:
+    """KVzip (Kim et al., arXiv 2505.23416): context-reconstruction scores, global or per-layer budgets."""
+    return Pipeline(
+        "kvzip",
+        ReconstructionScorer(prompt=prompt, n_sink=n_sink, chunk=chunk, tokenizer=tokenizer),
+        UniformBudget() if layerwise else GlobalThresholdBudget(),
+        TopKSelector(sink=n_sink),
+        {"prompt": prompt, "n_sink": n_sink, "layerwise": layerwise, "chunk": chunk, "tokenizer": tokenizer},
+    )
 
 
 def method_names() -> list[str]:

@@ -79,6 +79,8 @@ class KVTrimCache(Cache):
         # when the method's observation asks for token_logprobs
         self.prompt_logprobs: torch.Tensor | None = None
         self._last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last prefill position
+        # [batch, n] the prompt's token ids (-1: padding), when the method's observation asks for input_ids
+        self.prompt_ids: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -164,6 +166,7 @@ class KVTrimCache(Cache):
             other.tokens_since_compression = self.tokens_since_compression
         other.peak_kv_bytes = self.kv_nbytes()
         other.prompt_logprobs = None if self.prompt_logprobs is None else self.prompt_logprobs.clone()
+        other.prompt_ids = self.prompt_ids  # never written in place: appends build a new tensor
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             theirs.seen = mine.seen
             theirs.module = mine.module

@@ -15,6 +15,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from ..cache.attention import grouped_attention
 from ..cache.layer import take_current_layer
 from ..errors import UnsupportedModelError
+from . import prompt_ids
 
 IMPLEMENTATION = "kvtrim"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -96,6 +97,7 @@ def enable(model: torch.nn.Module) -> str:
     """Install kvtrim attention on ``model``; returns the implementation it replaced."""
     check_supported(model)
     register()
+    prompt_ids.install(model)
     previous = model.config._attn_implementation
     if previous != IMPLEMENTATION:
         model.set_attn_implementation(IMPLEMENTATION)

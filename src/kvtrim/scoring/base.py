@@ -26,6 +26,8 @@ class LayerView:
         compressed_until: ``[batch]`` first position a recursive method has not compressed yet (None: never ran)
         prompt_logprobs: ``[batch, w]`` log p(x_j | x_<j) of the last prompt tokens (NaN: padding), when the
             method's observation asked for them and the prefill ran through :mod:`kvtrim.api`
+        prompt_ids: ``[batch, n]`` the prompt's token ids (``-1``: padding), when the method's observation asked
+            for ``input_ids``
         shared: one dict shared by the views of all layers in a compression, for cross-layer quantities
     """
 
@@ -42,6 +44,7 @@ class LayerView:
     logits: torch.Tensor | None = None
     compressed_until: torch.Tensor | None = None
     prompt_logprobs: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
     shared: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
 

@@ -23,12 +23,15 @@ class ObservationSpec:
     Attributes:
         window: keep the last ``window`` queries of the prompt (observation window), 0 for none
         accumulate: per-slot attention statistics summed over all prompt queries, computed in query chunks:
-            ``"attn_sum"`` (attention mass received), ``"attn_sq_sum"`` (squared attention) and/or
-            ``"attn_band_sum"`` (attention received from the queries at most ``band`` positions after the key)
+            ``"attn_sum"`` (attention mass received), ``"attn_sq_sum"`` (squared attention),
+            ``"attn_band_sum"`` (attention received from the queries at most ``band`` positions after the key) and/or
+            ``"attn_max"`` (the largest attention any query of the KV head's group paid the slot)
         chunk: number of queries per chunk when accumulating (bounds memory to ``chunk × seq`` per head); long
             prompts use fewer, so a chunk holds at most ``MAX_CHUNK_PROBABILITIES`` probabilities
         token_logprobs: keep the teacher-forced log-probabilities of the last ``token_logprobs`` prompt tokens
             (from the prefill logits; recorded by :mod:`kvtrim.api`, which owns the LM head's output)
+        input_ids: keep the prompt's token ids (``KVTrimCache.prompt_ids``), for methods that feed the prompt
+            to the model again (KVzip); recorded by :mod:`kvtrim.integration.prompt_ids`
     """
 
     window: int = 0
@@ -36,6 +39,7 @@ class ObservationSpec:
     chunk: int = 256
     token_logprobs: int = 0
     band: int = 32
+    input_ids: bool = False
 
     def covers(self, need: ObservationSpec) -> bool:
         """Whether a prefill recorded with this spec holds everything ``need`` asks for."""
@@ -44,6 +48,7 @@ class ObservationSpec:
             and set(need.accumulate) <= set(self.accumulate)
             and need.token_logprobs <= self.token_logprobs
             and ("attn_band_sum" not in need.accumulate or need.band <= self.band)
+            and (self.input_ids or not need.input_ids)
         )
 
     def merge(self, other: ObservationSpec) -> ObservationSpec:
@@ -53,6 +58,7 @@ class ObservationSpec:
             chunk=min(self.chunk, other.chunk),
             token_logprobs=max(self.token_logprobs, other.token_logprobs),
             band=max(self.band, other.band),
+            input_ids=self.input_ids or other.input_ids,
         )
 
 
@@ -126,5 +132,8 @@ def record(
         if "attn_band_sum" in sums:
             near = (kp[:, :, None, :] >= (qpos[:, None, :, None] - spec.band))[:, :, None]  # [b, hkv, 1, c, limit]
             sums["attn_band_sum"][..., :limit] += (probs * near).sum(dim=(2, 3))
+        if "attn_max" in sums:
+            best = sums["attn_max"]
+            best[..., :limit] = torch.maximum(best[..., :limit], probs.amax(dim=(2, 3)))
         if "attn_sq_sum" in sums:  # last: squares in place, no second chunk-sized buffer
             sums["attn_sq_sum"][..., :limit] += probs.square_().sum(dim=(2, 3))
