@@ -39,7 +39,7 @@ def grouped_attention(
     if not bool(m.any(-1).all()):
         # Queries that may see nothing (padding tokens) produce NaN; zero them so no NaN reaches stored values.
         out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
-    return out.reshape(b, hq, tq, d).transpose(1, 2)
+    return out.reshape(b, hq, tq, -1).transpose(1, 2)  # values' head_dim may differ from the query's
 
 
 def attention_probabilities(

@@ -67,7 +67,7 @@ class RaggedStore:
         rows = torch.arange(b * h, device=indices.device).view(b, h, 1)
         src = (rows * s + indices)[keep_mask]  # row-major: rows consecutive, ascending slots within a row
         keys = dense.keys.reshape(b * h * s, d).index_select(0, src)
-        values = dense.values.reshape(b * h * s, d).index_select(0, src)
+        values = dense.values.reshape(b * h * s, -1).index_select(0, src)
         positions = dense.positions.reshape(-1).index_select(0, src)
         length = keep_mask.sum(-1).reshape(-1)
         store = cls(keys, values, positions, length.cumsum(0) - length, length, length.clone(), b, h)
@@ -172,7 +172,7 @@ class RaggedStore:
         b, h, d = self.batch_size, self.kv_heads, self._k.shape[-1]
         width = int(self.length.max()) if len(self.length) else 0
         keys = self._k.new_zeros(b, h, width, d)
-        values = self._v.new_zeros(b, h, width, d)
+        values = self._v.new_zeros(b, h, width, self._v.shape[-1])
         pos = torch.full((b, h, width), INVALID, dtype=torch.long, device=self._pos.device)
         src = _ranges(self.start, self.length)
         rows = torch.repeat_interleave(torch.arange(b * h, device=src.device), self.length)
@@ -180,7 +180,7 @@ class RaggedStore:
             self.length.cumsum(0) - self.length, self.length
         )
         keys.view(b * h, width, d)[rows, slot] = self._k[src]
-        values.view(b * h, width, d)[rows, slot] = self._v[src]
+        values.view(b * h, width, -1)[rows, slot] = self._v[src]
         pos.view(b * h, width)[rows, slot] = self._pos[src]
         dense = DenseStore(keys, values, pos, width)
         for name, stat in self._stats.items():
@@ -212,7 +212,8 @@ class RaggedStore:
         of the flat buffers (nothing is copied). Returns ``[batch, q, q_heads, head_dim]``."""
         b, hq, tq, d = query.shape
         group = hq // self.kv_heads
-        out = query.new_zeros(b, hq, tq, d)
+        dv = self._v.shape[-1]  # may differ from the query's head_dim (channel-pruned keys)
+        out = query.new_zeros(b, hq, tq, dv)
         starts, lengths = self.start.tolist(), self.length.tolist()
         row_max = self.row_max_positions() if tq == 1 else None
         for bi in range(b):
@@ -233,5 +234,5 @@ class RaggedStore:
                     logits = logits.masked_fill_(~vis, float("-inf"))
                 weights = torch.softmax(logits, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(v.dtype)
                 o = torch.mm(weights, v)
-                out[bi, h * group : (h + 1) * group] = o.view(group, tq, d)
+                out[bi, h * group : (h + 1) * group] = o.view(group, tq, dv)
         return out.transpose(1, 2)
