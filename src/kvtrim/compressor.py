@@ -129,8 +129,7 @@ def compress_cache(
         entries_after=before,
         seconds=0.0,
     )
-    prune_channels = pipeline.channels is not None and pipeline.channels.pruned_fraction(spec.ratio) > 0
-    if bool((keep >= context).all()) and not prune_channels:
+    if bool((keep >= context).all()):
         report.skipped = True
         report.seconds = time.perf_counter() - start
         return report
