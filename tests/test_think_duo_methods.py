@@ -229,3 +229,17 @@ def test_no_tensor_on_the_default_device(method, duo_artifact):
     assert cache.stats().kv_bytes < cache.last_report.entries_before * 2 * 16 * 4
     if method == "duo_attention":
         assert cache.layers[0].store.layout == "ragged"
+
+
+@pytest.mark.slow
+def test_shipped_duo_artifact_loads_for_embedded_model(smollm2, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))  # only the artifact shipped in the package can be found
+    model, _ = smollm2
+    art = load_artifact("duo", model)
+    assert art.source == "package" and art.tensors["gates"].shape == (30, 3)
+    assert art.meta["settings"]["sink"] == 16 and art.meta["settings"]["recent"] == 48
+    assert art.meta["summary"]["prompts"] == 8
+    budget = DuoHeadBudget()
+    budget.bind(model)
+    request = BudgetRequest(keep=torch.tensor([256]), context_lengths=torch.tensor([1024]), num_layers=30, kv_heads=3)
+    assert int((budget.allocate(request, []) < 1024).sum()) == 72  # ratio 0.75: 72 of 90 heads stream
