@@ -111,10 +111,12 @@ ARTIFACT_METHODS = {
     "compilerkv_elastic",
     "compilerkv_raw_attention",
     "compilerkv_static_threshold",
+    "duo_attention",
 }
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
 RATIO_ONLY_METHODS = {"lagkv", "localkv", "lag_knorm"}  # keep fractions per lag partition: no budget
+CHANNEL_METHODS = {"think", "think_snapkv"}  # ThinK: keys stored with head_dim/2 channels at the default ratios
 # one budget for the whole sequence, ranked in blocks of 16 across layers and heads: per-head counts vary and the
 # total kept is ceil(M·L·H / 16) blocks (KV-Compress)
 GLOBAL_BLOCK_METHODS = {"kvcompress", "kvc_w8", "kvc_full"}
@@ -140,6 +142,17 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
     )
     install_compresskv_scores(model, seed=seed)
     install_compilerkv_tables(model, seed=seed)
+    install_duo_gates(model, seed=seed)
+
+
+def install_duo_gates(model, directory=None, seed: int = 0):
+    """Save random DuoAttention gates ``[layers, kv_heads]`` for ``model`` (default: in the kvtrim home)."""
+    from kvtrim.calibration.artifacts import save_artifact
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 3)
+    gates = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=g)
+    return save_artifact("duo", model, {"gates": gates}, {"settings": {"test": True}, "seconds": 0.0}, directory)
 
 
 def install_compilerkv_tables(model, directory=None, seed: int = 0, budgets=(20, 40)):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .budgets.base import BudgetRequest
+from .cache.channel_pruned import ChannelPrunedStore
 from .cache.ragged import RaggedStore
 from .errors import InvalidParameterError
 from .scoring.base import LayerView
@@ -109,6 +110,11 @@ def compress_cache(
     if not layers:
         raise InvalidParameterError("the cache is empty: prefill a context before compressing")
     for layer in layers:  # re-compressing a ragged layer: score it through a padded dense copy
+        if isinstance(layer.store, ChannelPrunedStore):
+            raise InvalidParameterError(
+                f"layer {layer.layer_idx} holds channel-pruned keys (ThinK): they cannot be scored again; "
+                "compress a fresh cache instead"
+            )
         if layer.store.layout != "dense":
             layer.store = layer.store.to_dense()
     first = layers[0].store
@@ -170,8 +176,15 @@ def compress_cache(
             layer.store.keep(sel.indices, sel.keep_mask)
         else:  # a different number of entries per head: store exactly that many
             layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)
+        if pipeline.channels is not None:  # ThinK: the kept keys lose channels too
+            kept = pipeline.channels.select(view, sel, spec.ratio)
+            layer.store = ChannelPrunedStore.prune(layer.store, kept)
         del view, s, sel
     report.budgets = budgets
+    if pipeline.channels is not None:
+        store = layers[0].store
+        report.metadata["key_channels_kept"] = store.kept_channels
+        report.metadata["key_head_dim"] = store.head_dim
     for part in (pipeline.scorer, pipeline.budget, pipeline.selector):
         describe = getattr(part, "describe_compression", None)
         if describe is not None:

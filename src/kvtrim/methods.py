@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .budgets.artifact_head_scores import ArtifactHeadScoreBudget
+from .budgets.duo_heads import DuoHeadBudget
 from .budgets.error_aware import (
     DEFAULT_MAX_FACTOR,
     DEFAULT_MIN_BUDGET,
@@ -22,6 +23,7 @@ from .budgets.global_blocks import GlobalBlockBudget
 from .budgets.global_threshold import GlobalThresholdBudget
 from .budgets.head_adaptive import HeadAdaptiveBudget
 from .budgets.head_scores import DEFAULT_BETA, DEFAULT_TEMPERATURE
+from .budgets.keep_all import KeepAllBudget
 from .budgets.partition import PartitionBudget
 from .budgets.pyramid import PyramidBudget
 from .budgets.uniform import UniformBudget
@@ -44,6 +46,7 @@ from .scoring.stabilized_utility import StabilizedUtilityScorer
 from .scoring.window_attention import WindowAttentionScorer
 from .selection.chunk import ChunkSelector
 from .selection.critical import CriticalSelector
+from .selection.key_channels import QueryDrivenChannels
 from .selection.partition import PartitionTopKSelector
 from .selection.threshold import ThresholdGateSelector
 from .selection.topk import TopKSelector
@@ -961,6 +964,86 @@ def kvzip(
         UniformBudget() if layerwise else GlobalThresholdBudget(),
         TopKSelector(sink=n_sink),
         {"prompt": prompt, "n_sink": n_sink, "layerwise": layerwise, "chunk": chunk, "tokenizer": tokenizer},
+    )
+
+
+# ---------------------------------------------------------------------------------------- ThinK and DuoAttention
+_THINK_PAPER = "Xu et al., ThinK: Thinner Key Cache by Query-Driven Pruning, ICLR 2025 (arXiv 2407.21018)"
+_DUO_PAPER = (
+    "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, "
+    "ICLR 2025 (arXiv 2410.10819)"
+)
+
+
+@register(
+    "think",
+    "Key-channel pruning: per KV head, the key channels with the largest ||Q_obs[:,i]||*||K[:,i]|| are kept "
+    "(keys stored thinner); no token is evicted. The ratio is the fraction of key channels pruned.",
+    _THINK_PAPER,
+    "observation window w=8 (as kvtrim's SnapKV), post-rotary queries of the GQA group stacked; ratio = λ "
+    "(paper: 0.4-0.5); tokens appended after compression are pruned to the same channels",
+)
+def think(window: int = 8) -> Pipeline:
+    """ThinK (Xu et al., 2025, arXiv 2407.21018) alone: prune a ``ratio`` fraction of every KV head's key channels.
+
+    Keys are stored with ``head_dim − ⌊ratio·head_dim⌋`` channels (values untouched), so the K/V bytes drop by
+    about ``ratio / 2``. Needs a ratio; a budget of entries has no channel meaning.
+    """
+    return Pipeline(
+        "think",
+        RecencyScorer(),
+        KeepAllBudget(),
+        TopKSelector(),
+        {"window": window},
+        channels=QueryDrivenChannels(window=window),
+    )
+
+
+@register(
+    "think_snapkv",
+    "SnapKV token selection, then ThinK key-channel pruning of the kept keys.",
+    _THINK_PAPER + "; " + "Li et al., SnapKV, NeurIPS 2024 (arXiv 2404.14469)",
+    "SnapKV as `snapkv` (w=8, max-pool k=7) under the requested ratio/budget; channel_ratio λ=0.5 of the key "
+    "channels (the paper's SnapKV+ThinK setting prunes 40-50%), scored by the same window",
+)
+def think_snapkv(window: int = 8, kernel: int = 7, pooling: str = "max", channel_ratio: float = 0.5) -> Pipeline:
+    """ThinK (arXiv 2407.21018) on top of SnapKV (arXiv 2404.14469): tokens by SnapKV, then key channels.
+
+    The ratio/budget is SnapKV's (tokens); ``channel_ratio`` of the kept keys' channels is pruned on top, so the
+    K/V bytes are about ``(1 − ratio)·(1 − channel_ratio/2)`` of the full cache.
+    """
+    return Pipeline(
+        "think_snapkv",
+        _snap_scorer(window, kernel, pooling),
+        UniformBudget(),
+        TopKSelector(recent=window),
+        {"window": window, "kernel": kernel, "pooling": pooling, "channel_ratio": channel_ratio},
+        channels=QueryDrivenChannels(window=window, fraction=channel_ratio),
+    )
+
+
+@register(
+    "duo_attention",
+    "Retrieval heads keep the whole context, streaming heads keep sinks + recent tokens; heads ranked by offline "
+    "DuoAttention gates, the number of streaming heads set by the ratio (stored ragged).",
+    _DUO_PAPER,
+    "sink 16 + recent 48 (scaled down from the paper's 64-128 + 256 for ~1k-token contexts); the lowest-gate "
+    "heads stream, as many as the ratio/budget needs (kvpress-style head_compression), ties by (layer, head); "
+    "needs `kvtrim calibrate duo`",
+)
+def duo_attention(sink: int = 16, recent: int = 48, artifact: str | None = None) -> Pipeline:
+    """DuoAttention (Xiao et al., 2025, arXiv 2410.10819) with gates from the ``duo`` artifact.
+
+    ``n_s = ⌈N (T − B)/(T − W)⌉`` of the ``N`` (layer, KV head) pairs stream (``W = sink + recent``, ``B`` the
+    requested mean keep, ``T`` the context), so memory matches the ratio like every other method; when ``B < W``
+    every head streams with ``B`` tokens (:mod:`kvtrim.budgets.duo_heads`). ``artifact=PATH`` loads another file.
+    """
+    return Pipeline(
+        "duo_attention",
+        RecencyScorer(),
+        DuoHeadBudget(sink=sink, recent=recent, path=artifact),
+        TopKSelector(sink=sink),
+        {"sink": sink, "recent": recent, "artifact": artifact},
     )
 
 

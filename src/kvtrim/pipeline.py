@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .budgets.base import BudgetAllocator
+from .errors import InvalidParameterError
 from .schedule import AfterPrefill, Schedule
 from .scoring.base import Scorer
 from .scoring.observation import ObservationSpec
 from .selection.base import Selector
+from .selection.key_channels import QueryDrivenChannels
 
 
 @dataclass
@@ -24,6 +26,8 @@ class Pipeline:
         layout: storage after compression: ``auto`` (dense when every head keeps the same count, else ragged),
             ``dense`` (pad every head to the widest one), or ``ragged`` (exact counts per head)
         schedule: when to compress (:mod:`kvtrim.schedule`); the default compresses once after prefill
+        channels: optional key-channel pruning applied after the token selection (ThinK); the layer's keys are
+            then stored with fewer channels (:class:`~kvtrim.cache.channel_pruned.ChannelPrunedStore`)
     """
 
     name: str
@@ -33,6 +37,7 @@ class Pipeline:
     params: dict = field(default_factory=dict)
     layout: str = "auto"
     schedule: Schedule = field(default_factory=AfterPrefill)
+    channels: QueryDrivenChannels | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):
@@ -52,7 +57,16 @@ class Pipeline:
             check = getattr(part, "check", None)
             if check is not None:
                 check(ratio, budget)
+        if self.channels is not None:
+            self.channels.check(ratio, budget)
+            if self.schedule.continuous:
+                raise InvalidParameterError(
+                    f"method {self.name!r} prunes key channels once after prefill; a decoding-time schedule would "
+                    "have to re-score keys that lost channels: use it without '@schedule'"
+                )
 
     @property
     def observation(self) -> ObservationSpec:
+        if self.channels is not None:
+            return self.scorer.observation.merge(self.channels.observation)
         return self.scorer.observation

@@ -41,7 +41,7 @@ def grouped_attention(
             out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
     else:  # the same without a host sync (the check would stall the device every layer)
         out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
-    return out.reshape(b, hq, tq, d).transpose(1, 2)
+    return out.reshape(b, hq, tq, -1).transpose(1, 2)  # values' head_dim may differ from the query's
 
 
 def low_precision_matmul(*tensors: torch.Tensor) -> bool:

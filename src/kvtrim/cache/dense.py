@@ -78,10 +78,11 @@ class DenseStore:
         if needed <= self.capacity:
             return
         new_cap = max(needed, self.capacity + max(self.capacity // 8, 16))
-        b, h, _, d = self._k.shape
+        b, h = self._k.shape[:2]
 
         def grow(t: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
-            shape = (b, h, new_cap, d) if t.dim() == 4 else (b, h, new_cap)
+            # keys and values may differ in head_dim (channel-pruned keys): each keeps its own
+            shape = (b, h, new_cap, t.shape[-1]) if t.dim() == 4 else (b, h, new_cap)
             out = torch.full(shape, fill, dtype=t.dtype, device=t.device) if fill else t.new_zeros(shape)
             out[:, :, : self.length] = t[:, :, : self.length]
             return out
@@ -123,10 +124,9 @@ class DenseStore:
         ``keep_mask`` ``[batch, kv_heads, k]`` marks selected slots that must nevertheless be emptied (a head
         whose budget is below ``k``); they keep occupying a slot but are never attended to.
         """
-        d = self._k.shape[-1]
-        idx4 = indices.unsqueeze(-1).expand(-1, -1, -1, d)
-        self._k = torch.gather(self.keys, 2, idx4).contiguous()
-        self._v = torch.gather(self.values, 2, idx4).contiguous()
+        idx = indices.unsqueeze(-1)  # keys and values may differ in head_dim (channel-pruned keys)
+        self._k = torch.gather(self.keys, 2, idx.expand(-1, -1, -1, self._k.shape[-1])).contiguous()
+        self._v = torch.gather(self.values, 2, idx.expand(-1, -1, -1, self._v.shape[-1])).contiguous()
         pos = torch.gather(self.positions, 2, indices)
         if keep_mask is not None:
             pos = pos.masked_fill(~keep_mask, INVALID)

@@ -88,7 +88,7 @@ class RaggedStore:
         rows = torch.arange(b * h, device=indices.device).view(b, h, 1)
         src = (rows * s + indices)[keep_mask]  # row-major: rows consecutive, ascending slots within a row
         keys = dense.keys.reshape(b * h * s, d).index_select(0, src)
-        values = dense.values.reshape(b * h * s, d).index_select(0, src)
+        values = dense.values.reshape(b * h * s, -1).index_select(0, src)
         positions = dense.positions.reshape(-1).index_select(0, src)
         length = keep_mask.sum(-1).reshape(-1)
         store = cls(keys, values, positions, length.cumsum(0) - length, length, length.clone(), b, h)
@@ -205,7 +205,7 @@ class RaggedStore:
         b, h, d = self.batch_size, self.kv_heads, self._k.shape[-1]
         width = int(self.length.max()) if len(self.length) else 0
         keys = self._k.new_zeros(b, h, width, d)
-        values = self._v.new_zeros(b, h, width, d)
+        values = self._v.new_zeros(b, h, width, self._v.shape[-1])
         pos = torch.full((b, h, width), INVALID, dtype=torch.long, device=self._pos.device)
         src = _ranges(self.start, self.length)
         rows = torch.repeat_interleave(torch.arange(b * h, device=src.device), self.length)
@@ -213,7 +213,7 @@ class RaggedStore:
             self.length.cumsum(0) - self.length, self.length
         )
         keys.view(b * h, width, d)[rows, slot] = self._k[src]
-        values.view(b * h, width, d)[rows, slot] = self._v[src]
+        values.view(b * h, width, -1)[rows, slot] = self._v[src]
         pos.view(b * h, width)[rows, slot] = self._pos[src]
         dense = DenseStore(keys, values, pos, width)
         for name, stat in self._stats.items():
@@ -247,7 +247,7 @@ class RaggedStore:
         chunk sees the entries whose position is not after its own. Returns ``[batch, q, q_heads, head_dim]``.
         """
         b, h, tq = self.batch_size, self.kv_heads, query.shape[2]
-        if tq == 1 and flash_varlen_available(query):
+        if tq == 1 and query.shape[-1] == self._v.shape[-1] and flash_varlen_available(query):
             return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._max_len, scaling)
         width = self._max_len  # columns past every row's length are left out of the padded view
         index = self._index[:, :width]

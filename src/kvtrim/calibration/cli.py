@@ -213,10 +213,43 @@ def compilerkv(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+@calibrate_app.command("duo")
+def duo(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    samples: Annotated[int, typer.Option(help="synthetic passkey prompts")] = 8,
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 1024,
+    sink: Annotated[int, typer.Option(help="streaming heads' attention sinks (tokens)")] = 16,
+    recent: Annotated[int, typer.Option(help="streaming heads' recent window (tokens)")] = 48,
+    answer_window: Annotated[int, typer.Option(help="last positions the deviation is averaged over")] = 32,
+    seed: Annotated[int, typer.Option(help="passkey task seed (evaluation uses 42)")] = 1234,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    progress: Annotated[bool, typer.Option(help="print progress")] = True,
+) -> None:
+    """DuoAttention: rank (layer, KV head) pairs by how much streaming them changes the attention output on
+    passkey prompts; saves the `duo` artifact of head gates."""
+    from kvtrim.budgets.duo_heads import load_duo_gates
+    from kvtrim.calibration.duo import DuoCalibration, calibrate_duo
+
+    start = time.perf_counter()
+    try:
+        settings = DuoCalibration(
+            samples=samples, length=length, sink=sink, recent=recent, answer_window=answer_window, seed=seed
+        )
+        mdl, tok = _load(model, threads)
+        path = calibrate_duo(mdl, tok, settings, out_dir=out, progress=progress)
+        gates, _ = load_duo_gates(mdl, path)
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"duo artifact: {path}")
+    typer.echo(f"gates: {tuple(gates.shape)}, {int((gates >= 0.5).sum())} heads at or above 0.5")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
 @calibrate_app.command("show")
 def show(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
-    kind: Annotated[str, typer.Option(help="artifact kind: headkv, compresskv or compilerkv")] = "headkv",
+    kind: Annotated[str, typer.Option(help="artifact kind: headkv, compresskv, compilerkv or duo")] = "headkv",
     path: Annotated[Path | None, typer.Option(help="artifact file or directory (default: search)")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a layer x head heatmap (PNG)")] = None,
     tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the artifact's primary one)")] = None,
