@@ -85,7 +85,12 @@ class VLLMEvictionConfig:
         return self.spec.keep_count(prompt_len)
 
     def describe(self) -> dict:
-        return {"method": self.method, **self.spec.describe(), "params": dict(self.params), "min_prompt": self.min_prompt}
+        return {
+            "method": self.method,
+            **self.spec.describe(),
+            "params": dict(self.params),
+            "min_prompt": self.min_prompt,
+        }
 
 
 def parse_config(raw: dict) -> VLLMEvictionConfig:

@@ -90,15 +90,33 @@ def _patch_update_after_schedule(orig):
 
 def _patch_blocks_to_allocate(orig):
     @functools.wraps(orig)
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
-                                   total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
-                                   *args, **kwargs):
+    def get_num_blocks_to_allocate(
+        self,
+        request_id,
+        num_tokens,
+        new_computed_blocks,
+        num_encoder_tokens,
+        total_computed_tokens,
+        num_local_computed_tokens,
+        num_tokens_main_model,
+        *args,
+        **kwargs,
+    ):
         d = getattr(self, "_kvtrim_dropped", {}).get(request_id, 0)
         if d and "prefill_end" in kwargs:
             kwargs["prefill_end"] = max(kwargs["prefill_end"] - d, 0)
-        return orig(self, request_id, num_tokens - d, new_computed_blocks, num_encoder_tokens,
-                    total_computed_tokens - d, num_local_computed_tokens - d, num_tokens_main_model - d,
-                    *args, **kwargs)
+        return orig(
+            self,
+            request_id,
+            num_tokens - d,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens - d,
+            num_local_computed_tokens - d,
+            num_tokens_main_model - d,
+            *args,
+            **kwargs,
+        )
 
     return get_num_blocks_to_allocate
 

@@ -53,7 +53,9 @@ def _state(runner) -> WorkerState | None:
 def _group0(runner):
     groups = runner.kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise RuntimeError(f"kvtrim eviction needs one KV cache group (full attention only), this model has {len(groups)}")
+        raise RuntimeError(
+            f"kvtrim eviction needs one KV cache group (full attention only), this model has {len(groups)}"
+        )
     return runner.input_batch.block_table[0]
 
 
