@@ -90,8 +90,14 @@ def probe_layout(impl, layer, kv_cache: torch.Tensor) -> BlockLayout:
     value_index = torch.full_like(key_index, -1)
     where = torch.arange(slot.numel(), device=device)
     for mask, index, sign in ((is_key, key_index, 1), (is_value, value_index, -1)):
-        s, h, c = ((sign * x[mask] - int(sign < 0)).long() for x in (slot, head, chan))
-        index[s, h, c] = where[mask]
+        s, h, c = ((sign * x[mask] - int(sign < 0)) for x in (slot, head, chan))
+        bounds = ((s, block_size), (h, kv_heads), (c, head_dim))
+        if any(bool(((x < 0) | (x >= n) | (x != x.round())).any()) for x, n in bounds):
+            raise UnsupportedModelError(
+                f"the {type(impl).__name__} cache layout is not a permutation of (slot, head, channel); "
+                "kvtrim cannot compact it (quantized KV caches are not supported)"
+            )
+        index[s.long(), h.long(), c.long()] = where[mask]
     if bool((key_index < 0).any()) or bool((value_index < 0).any()):
         raise UnsupportedModelError(
             f"the {type(impl).__name__} cache layout is not a permutation of (slot, head, channel); "
