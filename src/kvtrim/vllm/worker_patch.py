@@ -1,0 +1,195 @@
+"""Worker side: compact each request's prompt cache after prefill and keep its positions logical.
+
+Patched methods of vLLM's V1 ``GPUModelRunner`` (the CPU runner inherits them):
+
+- ``_update_states``: forget the eviction state of requests that finish or restart.
+- ``_prepare_inputs``: (a) note the requests whose prompt completes in this step (:class:`PendingEviction`);
+  (b) for already compressed requests, turn the logical positions vLLM computed (``num_computed_tokens`` +
+  offset, used unchanged for rotary embeddings) into physical ones for ``seq_lens`` and the slot mapping:
+  physical = logical − dropped.
+- ``execute_model``: after the forward, record the dropped count and cut the request's block table row and
+  block list to the kept blocks (the scheduler already returned the rest to its pool).
+- each attention impl's ``forward``: after attention for the step, score/select/compact the pending requests'
+  entries in that layer's cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .config import VLLMEvictionConfig, load_config
+from .evictor import PendingEviction, evict_layer
+from .kv_layout import BlockLayout, probe_layout
+
+
+@dataclass
+class WorkerState:
+    """Per model runner: the configuration and each compressed request's dropped count."""
+
+    config: VLLMEvictionConfig
+    dropped: dict[str, int] = field(default_factory=dict)
+    pending: list[PendingEviction] = field(default_factory=list)
+    layouts: dict = field(default_factory=dict)
+    num_layers: int = 0
+    pipeline: object = None
+    evictions: int = 0
+
+
+_ACTIVE: WorkerState | None = None  # the state of the runner whose step is executing (one runner per process)
+_PATCHED_IMPLS: set[type] = set()
+
+
+def _state(runner) -> WorkerState | None:
+    if not hasattr(runner, "_kvtrim_state"):
+        config = load_config(runner.vllm_config.additional_config)
+        runner._kvtrim_state = None if config is None else WorkerState(config, pipeline=config.pipeline())
+    return runner._kvtrim_state
+
+
+def _group0(runner):
+    groups = runner.kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise RuntimeError(
+            f"kvtrim eviction needs one KV cache group (full attention only), this model has {len(groups)}"
+        )
+    return runner.input_batch.block_table[0]
+
+
+def _patch_update_states(orig):
+    @functools.wraps(orig)
+    def _update_states(self, scheduler_output):
+        state = _state(self)
+        if state is not None:
+            restarted = set(scheduler_output.finished_req_ids)
+            restarted.update(r.req_id for r in scheduler_output.scheduled_new_reqs)
+            restarted.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+            for req_id in restarted:
+                state.dropped.pop(req_id, None)
+        return orig(self, scheduler_output)
+
+    return _update_states
+
+
+def _patch_prepare_inputs(orig):
+    @functools.wraps(orig)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        state = _state(self)
+        if state is None:
+            return orig(self, scheduler_output, num_scheduled_tokens)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        computed = batch.num_computed_tokens_cpu[:num_reqs].copy()
+        starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])])
+        result = orig(self, scheduler_output, num_scheduled_tokens)
+        table = _group0(self)
+        bs = table.block_size
+        state.pending = []
+        for i, req_id in enumerate(batch.req_ids[:num_reqs]):
+            d = state.dropped.get(req_id, 0)
+            qs, qe = int(starts[i]), int(starts[i + 1])
+            if d:
+                # Physical slots: the request's entries are compacted, the rotary positions stay logical.
+                phys = computed[i] - d + np.arange(qe - qs)
+                row = table.block_table.np[i]
+                slots = row[phys // bs].astype(np.int64) * bs + phys % bs
+                table.slot_mapping.gpu[qs:qe].copy_(torch.from_numpy(slots), non_blocking=True)
+                self.seq_lens[i] -= d
+                self.optimistic_seq_lens_cpu[i] -= d
+                continue
+            req = self.requests[req_id]
+            prompt = int(batch.num_prompt_tokens[i])
+            if req.output_token_ids or not computed[i] < prompt == computed[i] + (qe - qs):
+                continue
+            keep = state.config.keep_count(prompt)
+            if keep < prompt:
+                blocks = torch.tensor(req.block_ids[0], dtype=torch.long, device=self.device)
+                state.pending.append(PendingEviction(req_id, qs, qe, prompt, keep, blocks))
+        return result
+
+    return _prepare_inputs
+
+
+def _patch_execute_model(orig):
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        global _ACTIVE
+        state = _state(self)
+        if state is None:
+            return orig(self, scheduler_output, *args, **kwargs)
+        _install_impl_patches(self, state)
+        state.pending = []
+        _ACTIVE = state
+        try:
+            out = orig(self, scheduler_output, *args, **kwargs)
+        finally:
+            _ACTIVE = None
+        if state.pending:
+            table = _group0(self)
+            for p in state.pending:
+                state.dropped[p.req_id] = p.prompt_len - p.keep
+                n = -(-p.keep // table.block_size)
+                del self.requests[p.req_id].block_ids[0][n:]
+                table.num_blocks_per_row[self.input_batch.req_id_to_index[p.req_id]] = n
+                state.evictions += 1
+            state.pending = []
+        return out
+
+    return execute_model
+
+
+def _install_impl_patches(runner, state: WorkerState) -> None:
+    if state.num_layers:
+        return
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = [m for m in runner.compilation_config.static_forward_context.values() if isinstance(m, Attention)]
+    state.num_layers = len(layers)
+    for layer in layers:
+        cls = type(layer.impl)
+        if cls not in _PATCHED_IMPLS:
+            cls.forward = _patch_forward(cls.forward)
+            _PATCHED_IMPLS.add(cls)
+
+
+def _layer_index(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(name)
+
+
+def _patch_forward(orig):
+    @functools.wraps(orig)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        out = orig(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        state = _ACTIVE
+        if state is None or not state.pending or attn_metadata is None:
+            return out
+        layout_key = (type(self), tuple(kv_cache.shape[1:]), kv_cache.dtype)
+        layout: BlockLayout | None = state.layouts.get(layout_key)
+        if layout is None:
+            layout = state.layouts[layout_key] = probe_layout(self, layer, kv_cache)
+        query = query.view(query.shape[0], self.num_heads, self.head_size)
+        idx = _layer_index(layer.layer_name)
+        ratio = state.config.spec.ratio
+        with torch.no_grad():
+            for pending in state.pending:
+                evict_layer(state.pipeline, layout, kv_cache, query, pending, idx, state.num_layers, self.scale, ratio)
+        return out
+
+    return forward
+
+
+def install() -> None:
+    """Patch vLLM's V1 model runner (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_kvtrim_patched", False):
+        return
+    GPUModelRunner._update_states = _patch_update_states(GPUModelRunner._update_states)
+    GPUModelRunner._prepare_inputs = _patch_prepare_inputs(GPUModelRunner._prepare_inputs)
+    GPUModelRunner.execute_model = _patch_execute_model(GPUModelRunner.execute_model)
+    GPUModelRunner._kvtrim_patched = True

@@ -1,0 +1,134 @@
+"""The plugin's configuration, block-layout probe and per-layer eviction, without vLLM (fake paged caches)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtrim.errors import InvalidParameterError, UnsupportedModelError
+from kvtrim.methods import get_method
+from kvtrim.scoring.partitions import kept_length
+from kvtrim.vllm.config import ENV_VAR, load_config, parse_config
+from kvtrim.vllm.evictor import PendingEviction, evict_layer
+from kvtrim.vllm.kv_layout import probe_layout
+
+
+def test_keep_count_follows_budget_ratio_and_lag_partitions():
+    assert parse_config({"method": "snapkv", "budget": 64}).keep_count(200) == 64
+    assert parse_config({"method": "snapkv", "budget": 64}).keep_count(50) == 50
+    assert parse_config({"method": "knorm", "ratio": 0.75}).keep_count(400) == 100
+    assert parse_config({"method": "knorm", "ratio": 0.75, "min_prompt": 500}).keep_count(400) == 400
+    lag = parse_config({"method": "lagkv", "ratio": 0.5, "params": {"sink": 4, "lag": 32}})
+    assert lag.keep_count(300) == kept_length(300, 4, 32, 16) == 172
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"method": "pyramidkv", "budget": 8}, "not supported inside vLLM"),
+        ({"method": "nope", "budget": 8}, "not a kvtrim method"),
+        ({"method": "snapkv"}, "exactly one of ratio"),
+        ({"method": "snapkv", "ratio": 1.5}, "ratio must be in [0, 1)"),
+        ({"method": "snapkv", "budget": 8, "colour": 1}, "unknown kvtrim vLLM configuration keys"),
+        ({"method": "lagkv", "budget": 8}, "takes ratio"),
+        ({"method": "lagkv", "ratio": 0.5, "params": {"skip_layers": [0]}}, "skip_layers"),
+        ({"method": "snapkv", "budget": 8, "min_prompt": -1}, "min_prompt"),
+    ],
+)
+def test_bad_configurations_are_refused(raw, needle):
+    with pytest.raises(InvalidParameterError, match=None) as err:
+        parse_config(raw)
+    assert needle in str(err.value)
+
+
+def test_additional_config_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, json.dumps({"method": "knorm", "ratio": 0.5}))
+    assert load_config(None).method == "knorm"
+    assert load_config({"kvtrim": {"method": "tova", "budget": 9}}).method == "tova"
+    monkeypatch.setenv(ENV_VAR, "{not json")
+    with pytest.raises(InvalidParameterError, match=ENV_VAR):
+        load_config(None)
+    monkeypatch.delenv(ENV_VAR)
+    assert load_config({"other": 1}) is None
+
+
+class _TransposedImpl:
+    """A fake backend storing per (block, head) the keys transposed ``[dim, slot]`` then values ``[slot, dim]``
+    (the layout of vLLM's CPU ``vec`` kernels)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, block: int, broken: bool = False):
+        self.num_kv_heads, self.head_size, self.block, self.broken = kv_heads, head_dim, block, broken
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        h, d, bs = self.num_kv_heads, self.head_size, self.block
+        for t, slot in enumerate(slot_mapping.tolist()):
+            b, s = divmod(slot, bs)
+            area = kv_cache[b].view(h, 2 * bs * d)
+            area[:, :bs * d].view(h, d, bs)[:, :, s] = key[t]
+            area[:, bs * d :].view(h, bs, d)[:, s] = value[t] * (2 if self.broken else 1)
+
+
+def test_probe_learns_a_transposed_layout_and_reads_writes_it():
+    h, d, bs = 3, 8, 4
+    impl = _TransposedImpl(h, d, bs)
+    cache = torch.zeros(6, h, bs, 2 * d)
+    layout = probe_layout(impl, None, cache)
+    keys, values = torch.randn(10, h, d), torch.randn(10, h, d)
+    blocks = torch.tensor([5, 2, 3])
+    impl.do_kv_cache_update(None, keys, values, cache, (blocks.repeat_interleave(bs) * bs + torch.arange(12) % bs)[:10])
+    k, v = layout.read(cache, blocks, 10)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    layout.write(cache, blocks, keys[:3].flip(0), values[:3].flip(0))
+    k, v = layout.read(cache, blocks, 10)
+    assert torch.equal(k[:3], keys[:3].flip(0)) and torch.equal(k[3:], keys[3:])
+
+
+def test_probe_refuses_a_layout_it_cannot_reproduce():
+    with pytest.raises(UnsupportedModelError):
+        probe_layout(_TransposedImpl(2, 4, 4, broken=True), None, torch.zeros(3, 2, 4, 8))
+
+
+def test_evict_layer_keeps_sinks_and_recent_entries_per_head_in_order():
+    h, d, bs, p, keep = 2, 8, 4, 14, 6
+    impl = _TransposedImpl(h, d, bs)
+    cache = torch.zeros(8, h, bs, 2 * d)
+    layout = probe_layout(impl, None, cache)
+    keys, values = torch.randn(p, h, d), torch.randn(p, h, d)
+    blocks = torch.tensor([7, 1, 4, 6])
+    impl.do_kv_cache_update(None, keys, values, cache, (blocks.repeat_interleave(bs) * bs + torch.arange(16) % bs)[:p])
+    pending = PendingEviction("r", 0, 3, p, keep, blocks)
+    query = torch.randn(3, 2 * h, d)
+    evict_layer(get_method("streaming_llm", sink=2), layout, cache, query, pending, 0, 1, d**-0.5, None)
+    k, v = layout.read(cache, blocks, keep)
+    want = torch.tensor([0, 1, 10, 11, 12, 13])
+    assert torch.equal(k, keys[want]) and torch.equal(v, values[want])
+
+
+def test_evict_layer_snapkv_matches_kvtrims_selector_on_the_same_entries():
+    h, d, bs, p, keep = 2, 8, 4, 15, 7
+    impl = _TransposedImpl(h, d, bs)
+    cache = torch.zeros(8, h, bs, 2 * d)
+    layout = probe_layout(impl, None, cache)
+    torch.manual_seed(0)
+    keys, values = torch.randn(p, h, d), torch.randn(p, h, d)
+    blocks = torch.tensor([3, 0, 5, 2])
+    impl.do_kv_cache_update(None, keys, values, cache, (blocks.repeat_interleave(bs) * bs + torch.arange(16) % bs)[:p])
+    query = torch.randn(p, 2 * h, d)
+    pipeline = get_method("snapkv", window=4, kernel=3)
+    evict_layer(pipeline, layout, cache, query, PendingEviction("r", 0, p, p, keep, blocks), 0, 1, d**-0.5, None)
+    k, _ = layout.read(cache, blocks, keep)
+    # Reference: SnapKV's rule by hand — window queries' mean attention, mean over the GQA group, max-pool 3,
+    # the last 4 positions protected, the rest by score; kept in position order.
+    q = query[-4:].view(4, h, 2, d)
+    att = torch.softmax(torch.einsum("whgd,phd->hgwp", q, keys) * d**-0.5 + _causal(p, 4), dim=-1)
+    score = torch.nn.functional.max_pool1d(att.mean(2).mean(1).unsqueeze(1), 3, 1, 1).squeeze(1)  # [h, p]
+    score[:, -4:] = float("inf")
+    idx = score.topk(keep, dim=-1).indices.sort(dim=-1).values  # [h, keep]
+    assert torch.equal(k, keys[idx.T, torch.arange(h)])
+
+
+def _causal(p: int, w: int) -> torch.Tensor:
+    qpos = torch.arange(p - w, p).view(-1, 1)
+    return torch.where(torch.arange(p).view(1, -1) <= qpos, 0.0, float("-inf")).view(1, 1, w, p)

@@ -1,0 +1,171 @@
+"""kvtrim's vLLM plugin through ``vllm.LLM``: exactness without eviction, freed blocks, reuse, no leaks."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.inputs import TokensPrompt
+from vllm_helpers import BLOCK, close, gauge, make_llm, scheduler, token_prompts, used_blocks
+
+from kvtrim.vllm.config import parse_config
+from vllm import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = [60, 300, 700]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _generate(llm, prompts, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return token_prompts(LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def vanilla(prompts) -> list[list[int]]:
+    llm = make_llm()
+    try:
+        return _generate(llm, prompts)
+    finally:
+        close(llm)
+
+
+def test_budget_at_or_above_prompt_is_vanilla(prompts, vanilla):
+    llm = make_llm({"method": "snapkv", "budget": 2048})
+    try:
+        assert _generate(llm, prompts) == vanilla
+        assert scheduler(llm)._kvtrim_state.requests_compressed == 0
+    finally:
+        close(llm)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "streaming_llm", "budget": 128},
+        {"method": "snapkv", "budget": 200},
+        {"method": "tova", "ratio": 0.75},
+        {"method": "knorm", "budget": 150},
+        {"method": "lagkv", "ratio": 0.5, "params": {"sink": 4, "lag": 64}},
+    ],
+    ids=lambda c: c["method"],
+)
+def test_eviction_frees_the_expected_blocks(prompts, vanilla, config):
+    keep = [parse_config(config).keep_count(len(p)) for p in prompts]
+    llm = make_llm(config)
+    try:
+        out = _generate(llm, prompts)
+        state = scheduler(llm)._kvtrim_state
+        # The first token comes from the prefill logits, computed before anything is evicted.
+        assert [o[0] for o in out] == [v[0] for v in vanilla]
+        assert all(len(o) == GREEDY.max_tokens for o in out)
+        assert state.requests_compressed == sum(k < len(p) for k, p in zip(keep, prompts, strict=True))
+        freed = [_cdiv(len(p), BLOCK) - _cdiv(k, BLOCK) for k, p in zip(keep, prompts, strict=True)]
+        assert state.blocks_freed == sum(freed)
+        assert state.dropped == {} and used_blocks(llm) == 0
+    finally:
+        close(llm)
+
+
+def _run_until_done(llm, prompts, params, step_hook=None) -> int:
+    """Feed ``prompts`` through ``LLMEngine.add_request``/``step``; returns the most requests running at once."""
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, int(gauge(llm, "vllm:num_requests_running")))
+        if step_hook is not None:
+            step_hook(engine)
+    return most
+
+
+def test_blocks_in_use_drop_and_freed_blocks_admit_more_requests():
+    # 8 usable blocks of 128 tokens; every 400-token prompt needs 4 blocks to be admitted.
+    prompts = token_prompts([400] * 6, seed=1)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    config = {"method": "snapkv", "budget": 128}
+
+    llm = make_llm(disable_log_stats=False, num_gpu_blocks_override=9)
+    try:
+        llm.llm_engine.add_request("one", TokensPrompt(prompt_token_ids=prompts[0]), params)
+        llm.llm_engine.step()
+        vanilla_blocks = used_blocks(llm)
+        llm.llm_engine.abort_request(["one"])
+        llm.llm_engine.step()
+        vanilla_running = _run_until_done(llm, prompts, params)
+    finally:
+        close(llm)
+
+    llm = make_llm(config, disable_log_stats=False, num_gpu_blocks_override=9)
+    try:
+        llm.llm_engine.add_request("one", TokensPrompt(prompt_token_ids=prompts[0]), params)
+        llm.llm_engine.step()
+        kvtrim_blocks = used_blocks(llm)
+        usage = gauge(llm, "vllm:kv_cache_usage_perc")
+        llm.llm_engine.abort_request(["one"])
+        llm.llm_engine.step()
+        kvtrim_running = _run_until_done(llm, prompts, params)
+        assert used_blocks(llm) == 0
+    finally:
+        close(llm)
+
+    assert vanilla_blocks == _cdiv(400, BLOCK) == 4
+    assert kvtrim_blocks == _cdiv(128, BLOCK) == 1
+    assert usage == pytest.approx(1 / 8)
+    # Four requests hold 4 x 4 prompt blocks at admission, twice the pool: only reused freed blocks allow that.
+    assert vanilla_running == 2
+    assert kvtrim_running >= 4
+
+
+LEAK_REQUESTS = int(os.environ.get("KVTRIM_VLLM_LEAK_REQUESTS", "60"))
+
+
+def test_no_block_leaks_after_randomized_requests_with_aborts():
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 900) for _ in range(LEAK_REQUESTS)]
+    prompts = token_prompts(lengths, seed=2)
+    config = {"method": "snapkv", "budget": 96}
+    # A small pool (16 usable blocks) also forces preemptions of compressed requests.
+    llm = make_llm(config, disable_log_stats=False, num_gpu_blocks_override=17)
+    engine = llm.llm_engine
+    aborted = []
+    try:
+        outstanding = set()
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+            outstanding.add(str(i))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outstanding.discard(out.request_id)
+            if outstanding and rng.random() < 0.2:
+                victim = rng.choice(sorted(outstanding))
+                engine.abort_request([victim])
+                outstanding.discard(victim)
+                aborted.append(victim)
+        state = scheduler(llm)._kvtrim_state
+        worker = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner._kvtrim_state
+        assert aborted, "the test aborted nothing"
+        assert state.requests_compressed > LEAK_REQUESTS // 2
+        assert used_blocks(llm) == 0
+        assert gauge(llm, "vllm:kv_cache_usage_perc") == 0.0
+        assert state.dropped == {} and worker.dropped == {}
+    finally:
+        close(llm)

@@ -1,0 +1,59 @@
+"""Shared helpers of the vLLM tests (importing this module needs vLLM)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+
+MODEL_DIR = Path.home() / ".cache" / "kvtrim" / "models" / "smollm2-135m"
+BLOCK = 128  # vLLM CPU backend's default block size
+
+
+def token_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Deterministic prompts of the given token counts (ids from the common part of the vocabulary)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(200, 20000, size=n).tolist() for n in lengths]
+
+
+def make_llm(config: dict | None = None, **kwargs):
+    """A ``vllm.LLM`` on the embedded SmolLM2 (float32, eager, no prefix caching), kvtrim on when ``config``."""
+    from vllm import LLM
+
+    args = dict(
+        model=str(MODEL_DIR),
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+        seed=0,
+    )
+    args.update(kwargs)
+    if config is not None:
+        args["additional_config"] = {"kvtrim": config}
+    return LLM(**args)
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def scheduler(llm):
+    """The in-process scheduler (VLLM_ENABLE_V1_MULTIPROCESSING=0), for exact block counts."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def used_blocks(llm) -> int:
+    pool = scheduler(llm).kv_cache_manager.block_pool
+    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # block 0 is vLLM's null block
+
+
+def gauge(llm, name: str) -> float:
+    """A gauge from ``LLM.get_metrics()`` (vLLM's public metrics snapshot)."""
+    values = [m.value for m in llm.get_metrics() if m.name == name]
+    assert values, f"metric {name} not reported"
+    return float(values[-1])
