@@ -72,6 +72,7 @@ class RaggedStore:
         self._slack_min = int((self.capacity - self.length).min()) if rows else 0
         self._width = int(self.capacity.max()) if rows else 0
         self._max_len = int(self.length.max()) if rows else 0  # an upper bound between repacks
+        self._min_len = int(self.length.min()) if rows else 0  # a lower bound: appends only add, truncation resets
         self._index = gather_index(self.start, self._width, self._k.shape[0])
 
     def row_max_positions(self) -> torch.Tensor:
@@ -171,6 +172,7 @@ class RaggedStore:
         if bool((mark > self.length).any()):
             raise ValueError("cannot truncate a ragged store to a longer mark")
         self.length = mark.clone()  # rows only gain free slots: the host-side slack bound still holds
+        self._min_len = 0  # unknown without reading the device; only costs the empty-row guard in attention
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder or select sequences (beam search, ``num_return_sequences``)."""
@@ -255,7 +257,8 @@ class RaggedStore:
         values = gather_rows(self._v, index, b, h)
         if tq == 1:
             mask = ragged_mask(self.length, width, b, h)
-        else:
-            kpos = gather_rows(self._pos, index, b, h)
-            mask = ragged_mask(self.length, width, b, h, kpos, query_positions)
+            # Every row holds an entry (known on the host): no query can see nothing, skip the guard.
+            return attend_padded(query, keys, values, mask, scaling, may_be_empty=self._min_len == 0)
+        kpos = gather_rows(self._pos, index, b, h)
+        mask = ragged_mask(self.length, width, b, h, kpos, query_positions)
         return attend_padded(query, keys, values, mask, scaling)
