@@ -3,6 +3,7 @@ httpx and with the official ``openai`` client."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -454,11 +455,12 @@ def test_serve_command(tmp_path, monkeypatch):
     byte_tokenizer().save_pretrained(tmp_path)
     seen = {}
     monkeypatch.setattr(http_module, "serve", lambda engine, **kw: seen.update(engine=engine, **kw))
+    monkeypatch.setattr(gc, "freeze", lambda: seen.update(frozen=True))  # the command freezes before the exit
     args = ["serve", "--model", str(tmp_path), "--port", "8123", "--kv-memory", "1MiB", "--compression-rate", "4"]
     result = CliRunner().invoke(app, [*args, "--method", "kvc_w8", "--protected-window", "12", "--max-batch", "3"])
     assert result.exit_code == 0, result.output
     engine = seen["engine"]
-    assert seen["port"] == 8123 and seen["host"] == "127.0.0.1"
+    assert seen["port"] == 8123 and seen["host"] == "127.0.0.1" and seen["frozen"]
     assert engine.compression_rate == 4 and engine.method == "kvc_w8" and engine.protected_window == 12
     assert engine.pool.nbytes() <= 2**20 and engine.model_name == str(tmp_path)
 
