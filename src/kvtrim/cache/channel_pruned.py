@@ -104,7 +104,7 @@ class ChannelPrunedStore:
     def stat(self, name: str) -> torch.Tensor:
         return self.inner.stat(name)
 
-    def row_max_positions(self) -> list[int]:
+    def row_max_positions(self) -> torch.Tensor:
         return self.inner.row_max_positions()
 
     def mark(self):
@@ -135,13 +135,16 @@ class ChannelPrunedStore:
         self.channels = self.channels[index]
 
     # ------------------------------------------------------------------ appends and attention
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, padded: bool | None = None
+    ) -> None:
         """Append new tokens with their keys pruned to the kept channels.
 
         Args:
             keys, values: ``[batch, kv_heads, q, head_dim]``; positions ``[batch, q]``
+            padded: as the inner store's ``append`` (whether some tokens may be padding; None reads the device)
         """
-        self.inner.append(gather_channels(keys, self.channels), values, positions)
+        self.inner.append(gather_channels(keys, self.channels), values, positions, padded=padded)
 
     def query_channels(self, query: torch.Tensor) -> torch.Tensor:
         """``query`` ``[batch, q_heads, q, head_dim]`` restricted to its KV head's kept channels."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-import torch.nn.functional as F
+
+from .sdpa import sdpa as backend_sdpa
 
 _FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -31,8 +32,9 @@ _FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 def sdpa(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """The single place this module calls ``F.scaled_dot_product_attention`` (``[b, h, q, d]`` each)."""
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    """The single place this module calls scaled-dot-product attention (``[b, h, q, d]`` each), through
+    :func:`kvtrim.cache.sdpa.sdpa` so the CUDA backend is chosen on purpose."""
+    return backend_sdpa(query, keys, values, attn_mask=mask, scale=scaling)
 
 
 def attend_padded(
