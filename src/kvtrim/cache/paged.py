@@ -86,8 +86,9 @@ class PagedSequence:
         self.num_layers, self.kv_heads = num_layers, kv_heads
         self.seen = 0
         self.tables: list[list[int]] = [[] for _ in range(num_layers * kv_heads)]
-        self._length = torch.zeros(num_layers * kv_heads, dtype=torch.long)
-        self._nblocks = torch.zeros(num_layers * kv_heads, dtype=torch.long)
+        # host-side bookkeeping (block tables are Python lists); the device copy is made in table_tensor()
+        self._length = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
+        self._nblocks = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
         self._table_tensor: torch.Tensor | None = None
 
     @property
@@ -166,10 +167,10 @@ class PagedSequence:
         """``[layers * kv_heads, max_blocks]`` block ids, padded with 0 (padding is masked by the lengths)."""
         if self._table_tensor is None:
             width = max(1, int(self._nblocks.max()))
-            t = torch.zeros(self.num_rows, width, dtype=torch.long)
+            t = torch.zeros(self.num_rows, width, dtype=torch.long, device="cpu")
             for r, table in enumerate(self.tables):
                 if table:
-                    t[r, : len(table)] = torch.tensor(table, dtype=torch.long)
+                    t[r, : len(table)] = torch.tensor(table, dtype=torch.long, device="cpu")
             self._table_tensor = t.to(self.pool.device)
         return self._table_tensor
 
