@@ -65,3 +65,16 @@ def test_low_precision_scoring_only_off_the_cpu():
     fake_cuda = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"))
     assert low_precision_matmul(fake_cuda, fake_cuda)
     assert not low_precision_matmul(fake_cuda, SimpleNamespace(dtype=torch.float32, device=torch.device("cuda")))
+
+
+def test_bounded_squared_attention_chunks_give_the_same_metric(monkeypatch):
+    from kvtrim.scoring import squared_attention as sq
+
+    g = torch.Generator().manual_seed(2)
+    query = torch.randn(1, 4, 80, 16, generator=g) * 2
+    keys = torch.randn(1, 2, 80, 16, generator=g)
+    kpos = torch.arange(80).view(1, 1, -1).repeat(1, 2, 1)
+    ref = sq.squared_attention(query, kpos[:, 0], keys, kpos, 0.25, buffer=4, chunk=1024)
+    monkeypatch.setattr(sq, "MAX_CHUNK_PROBABILITIES", 1 * 4 * 80 * 16)  # 16 queries per step
+    torch.testing.assert_close(sq.squared_attention(query, kpos[:, 0], keys, kpos, 0.25, buffer=4, chunk=1024), ref)
+    assert float(ref.sum()) > 0
