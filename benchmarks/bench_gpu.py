@@ -27,6 +27,7 @@ Usage::
     python benchmarks/bench_gpu.py --shape llama-8b --device cuda --dtype bfloat16 --contexts 4096,32768 \\
         --batches 1,8 --ratio 0.875
     python benchmarks/bench_gpu.py --device cpu --shape tiny       # smoke run, about a minute
+    python benchmarks/bench_gpu.py --contexts 32768 --batches 8 --prefill-chunk 4096   # bounded prefill activations
 
 Writes ``<out>/bench_gpu_<shape>_<device>.json`` and ``.md`` (default ``benchmarks/results/bench_gpu/``).
 """
@@ -150,6 +151,17 @@ def _cache_for(model, method: str, ratio: float):
     return KVTrimCache(layers, pipeline, spec, auto_compress=False), kvtrim_attention_enabled(model)
 
 
+def _prefill(model, cache, ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """Feed the prompt (in ``chunk``-token pieces when given, each attending to the cache so far); returns the
+    last position's logits ``[batch, vocab]``. Only the last position's logits are computed."""
+    step = chunk or ids.shape[1]
+    for start in range(0, ids.shape[1], step):
+        piece = ids[:, start : start + step]
+        pos = torch.arange(start, start + piece.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        out = model(input_ids=piece, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
 def _decode(model, cache, token, start: int, warmup: int, steps: int, device) -> float:
     """Median milliseconds per greedy step of the forward alone (positions continue from ``start``)."""
     b = token.shape[0]
@@ -198,10 +210,8 @@ def run_config(model, method: str, context: int, batch: int, args, device) -> di
         ctx = attention if attention is not None else _null()
         with ctx:
             t0 = clock(device)
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = _prefill(model, cache, ids, args.prefill_chunk)
             row["prefill_s"] = clock(device) - t0
-            logits = out.logits[:, -1]
-            del out
             is_kvtrim = isinstance(cache, KVTrimCache)
             row["kv_bytes_prefill"] = cache.kv_nbytes() if is_kvtrim else dynamic_kv_bytes(cache)
             row["compress_s"] = None
@@ -332,6 +342,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32; tiny 8)")
     p.add_argument("--decode-warmup", type=int, default=3)
     p.add_argument("--attention-backend", default=None, help="kvtrim.set_attention_backend value (default: auto)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill this many tokens per forward pass (default: the whole prompt at once); kvtrim "
+                   "compresses after the last chunk")  # fmt: skip
     p.add_argument("--no-generate", action="store_true", help="skip the model.generate timing")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--note", default="", help="free text stored with the results (e.g. 'machine shared')")
@@ -343,6 +356,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.steps = args.steps or (8 if tiny else 32)
     if args.steps <= 0 or args.decode_warmup < 0:
         p.error("--steps must be positive and --decode-warmup >= 0")
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        p.error(f"--prefill-chunk must be positive, got {args.prefill_chunk}")
     known = set(kvtrim.method_names()) | {HF, FULL}
     args.methods = [m.strip() for m in args.methods.split(",")] if args.methods else default_methods()
     unknown = [m for m in args.methods if m not in known]
@@ -368,6 +383,7 @@ def main(argv=None) -> dict:
         "ratio": args.ratio,
         "steps": args.steps,
         "decode_warmup": args.decode_warmup,
+        "prefill_chunk": args.prefill_chunk,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cuda": torch.version.cuda,

@@ -57,12 +57,13 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def _peak_bytes(fn) -> int:
-    """Largest total of live CPU bytes allocated while ``fn`` runs (profiler memory events)."""
+    """Largest total of live CPU bytes allocated while ``fn`` runs (the profiler's per-op self allocations, in
+    order; frees count as negative)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live = best = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.cpu_memory_usage
+        live += event.self_cpu_memory_usage
         best = max(best, live)
     return best
 

@@ -64,3 +64,18 @@ def test_shapes_match_the_named_models(bench):
         bench.parse_args(["--methods", "snapkv,nope"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--ratio", "1.5"])
+
+
+def test_chunked_prefill_holds_the_whole_prompt_then_compresses(bench, tmp_path):
+    result = bench.main(
+        ["--device", "cpu", "--shape", "tiny", "--methods", "hf,full,h2o", "--contexts", "200", "--steps", "1",
+         "--decode-warmup", "0", "--prefill-chunk", "64", "--no-generate", "--out", str(tmp_path)]
+    )  # fmt: skip
+    rows = {r["method"]: r for r in result["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    exact = 4 * 2 * 32 * 2 * 4 * 200  # every token of the 4 chunks stored
+    assert rows["hf"]["kv_bytes_prefill"] == exact
+    assert rows["full"]["kv_bytes_prefill"] >= exact  # kvtrim's dense store keeps append slack after chunk appends
+    assert rows["h2o"]["entries_before"] == 200 * 4 * 2  # tokens x layers x KV heads
+    assert rows["h2o"]["entries_after"] == rows["h2o"]["entries_before"] // 8
+    assert result["meta"]["prefill_chunk"] == 64

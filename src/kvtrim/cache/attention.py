@@ -79,6 +79,7 @@ def attention_probabilities(
     logits = logits.masked_fill_(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     seen = mask.any(-1)  # [b, hkv, tq]
-    if not bool(seen.all()):  # rows that see nothing are NaN after softmax: make them zero
+    # rows that see nothing are NaN after softmax: make them zero (off the CPU without the host sync of a check)
+    if probs.device.type != "cpu" or not bool(seen.all()):
         probs = probs.masked_fill_(~seen[:, :, None, :, None], 0.0)
     return probs.reshape(b, hq, tq, -1)

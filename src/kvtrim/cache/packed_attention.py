@@ -69,7 +69,7 @@ def attend_padded(
         # A query that sees nothing gets NaN from the softmax; zero it on the device (no host check).
         seen = m.any(-1, keepdim=True)  # [b, hkv, group*tq or 1, 1]
         out = out.masked_fill(~seen, 0.0)
-    return out.view(b, hq, tq, d).transpose(1, 2)
+    return out.view(b, hq, tq, values.shape[-1]).transpose(1, 2)  # values may be wider than pruned keys
 
 
 def gather_index(start: torch.Tensor, width: int, total: int) -> torch.Tensor:

@@ -87,8 +87,9 @@ class PagedSequence:
         self.num_layers, self.kv_heads = num_layers, kv_heads
         self.seen = 0
         self.tables: list[list[int]] = [[] for _ in range(num_layers * kv_heads)]
-        self._length = torch.zeros(num_layers * kv_heads, dtype=torch.long)
-        self._nblocks = torch.zeros(num_layers * kv_heads, dtype=torch.long)
+        # host-side bookkeeping (block tables are Python lists); the device copy is made in table_tensor()
+        self._length = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
+        self._nblocks = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
         self._table_tensor: torch.Tensor | None = None
 
     @property

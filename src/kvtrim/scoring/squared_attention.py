@@ -15,7 +15,7 @@ import torch
 from ..cache.attention import attention_probabilities
 from ..errors import InvalidParameterError
 from .base import LayerView
-from .observation import ObservationSpec
+from .observation import MAX_CHUNK_PROBABILITIES, ObservationSpec
 from .reduce import pool_sequence
 
 ALL_QUERIES = 1 << 30  # an observation window that records every prompt query
@@ -45,7 +45,8 @@ def squared_attention(
         keys: ``[batch, kv_heads, seq, head_dim]``
         key_positions: ``[batch, kv_heads, seq]`` (``-1`` for empty slots)
         kernel: max-pool kernel (``<= 1`` for none), padding ``kernel // 2``
-        chunk: queries per step (bounds memory to ``chunk × seq`` per query head)
+        chunk: queries per step (bounds memory to ``chunk × seq`` per query head); fewer on long prompts, so a
+            step holds at most ``MAX_CHUNK_PROBABILITIES`` probabilities
     Returns:
         ``[batch, kv_heads, seq]`` float32
     """
@@ -54,6 +55,7 @@ def squared_attention(
     group = hq // hkv
     total = torch.zeros(b, hq, s, dtype=torch.float32, device=keys.device)
     valid = key_positions >= 0
+    chunk = max(16, min(chunk, MAX_CHUNK_PROBABILITIES // max(1, b * hq * s)))  # bounded memory on long prompts
     for start in range(0, w, chunk):
         q = query[:, :, start : start + chunk]
         qpos = query_positions[:, start : start + chunk]  # [b, c]
