@@ -116,7 +116,7 @@ def test_ragged_rows_with_their_own_channels():
     torch.testing.assert_close(pruned.attend(query, qpos, 0.5), reference.attend(query, qpos, 0.5, False))
     pruned.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[10]]))
     assert pruned.entries_per_head().tolist() == [[7, 4]]
-    assert pruned.row_max_positions() == [10, 10]
+    assert pruned.row_max_positions().tolist() == [10, 10]
 
 
 def test_already_pruned_store_is_rejected():

@@ -170,7 +170,7 @@ def test_every_sdpa_call_in_kvtrim_goes_through_the_module():
 
 def test_full_method_attends_through_the_entry_point(monkeypatch):
     """kvtrim's full-cache decode (and every compressed method) attends through ``sdpa``: one call per layer."""
-    from kvtrim.cache import attention
+    from kvtrim.cache import attention, packed_attention
 
     calls = []
     real = attention.sdpa
@@ -179,7 +179,8 @@ def test_full_method_attends_through_the_entry_point(monkeypatch):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "sdpa", spy)
+    monkeypatch.setattr(attention, "sdpa", spy)  # fresh causal prefill
+    monkeypatch.setattr(packed_attention, "backend_sdpa", spy)  # every store's masked / decoding attention
     model = tiny_model("llama", layers=2)
     ids = torch.randint(3, 250, (1, 20), generator=torch.Generator().manual_seed(0))
     ref = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)

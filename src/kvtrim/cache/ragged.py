@@ -161,7 +161,7 @@ class RaggedStore:
             added = count.expand(b, h).reshape(-1)
             dest = ((self.start + self.length).view(b, h, 1) + rank[:, None, :]).view(-1)
         self._k.index_copy_(0, dest, keys.reshape(-1, d))
-        self._v.index_copy_(0, dest, values.reshape(-1, d))
+        self._v.index_copy_(0, dest, values.reshape(-1, values.shape[-1]))  # values keep every channel (ThinK)
         self._pos.index_copy_(0, dest, positions[:, None, :].expand(b, h, q).reshape(-1))
         for s in self._stats.values():
             s.index_fill_(0, dest, 0)
