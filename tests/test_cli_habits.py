@@ -37,8 +37,9 @@ def test_help_does_not_import_torch_or_transformers():
 
 
 def test_import_kvtrim_is_lazy_but_complete():
-    out = _python("import sys, kvtrim\nprint('torch' in sys.modules)\nprint(kvtrim.generate.__module__)")
-    assert out.split() == ["False", "kvtrim.api"]
+    out = _python("import sys, kvtrim\nprint('torch' in sys.modules)\nprint(kvtrim.generate.__module__)\n"
+                  "import kvtrim.methods\nprint(callable(kvtrim.methods))")  # fmt: skip
+    assert out.split() == ["False", "kvtrim.api", "True"]  # the submodule does not hide kvtrim.methods()
 
 
 def test_python_dash_m_kvtrim_works():

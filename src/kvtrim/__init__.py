@@ -15,6 +15,8 @@ does not pay for torch and transformers until they are needed.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -70,6 +72,19 @@ __all__ = [
     "methods",
     "set_attention_backend",
 ]
+
+
+class _Package(types.ModuleType):
+    """kvtrim's module type: importing the submodule ``kvtrim.methods`` must not replace the function
+    ``kvtrim.methods()`` (the import system sets a package attribute for every submodule it loads)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):

@@ -239,6 +239,17 @@ def test_mismatched_directory_is_refused(pair, swept, tmp_path):
         _sweep(pair, out, seed=7)
 
 
+def test_prompt_layout_is_recorded_and_not_mixed(pair, swept, tmp_path):
+    assert {r["prompt_format"] for r in load_records(swept)} == {"kvtrim"}
+    assert {r["separator"] for r in load_records(swept)} == {"\n\n"}
+    (entry,) = json.loads((swept / RUN_FILE).read_text())["runs"]
+    assert entry["prompt_format"] == "kvtrim" and entry["device"] == "cpu" and entry["dtype"] == "float32"
+    out = tmp_path / "other"
+    shutil.copytree(swept, out)
+    with pytest.raises(InvalidParameterError, match="prompt_format='kvtrim', this one has prompt_format='kvpress'"):
+        _sweep(pair, out, prompt_format="kvpress")
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
@@ -251,6 +262,7 @@ def test_mismatched_directory_is_refused(pair, swept, tmp_path):
         ({"samples": 0}, "samples"),
         ({"task_options": {"vt": {}}}, "not in the sweep"),
         ({"threads": 0}, "threads"),
+        ({"prompt_format": "vllm"}, "prompt_format must be one of"),
     ],
 )
 def test_invalid_arguments(pair, tmp_path, kw, message):
