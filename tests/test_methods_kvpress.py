@@ -1,0 +1,123 @@
+"""ExpectedAttention, KeyDiff, ChunkKV and KVzip in the registry: papers, exactness, real compaction, both modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtrim
+from conftest import byte_tokenizer, random_text, tiny_model
+from kvtrim.errors import InvalidParameterError
+from kvtrim.methods import get_method, method_info
+
+PAPERS = {
+    "expected_attention": "2510.00636",
+    "keydiff": "2504.15364",
+    "chunkkv": "2502.00299",
+    "chunkkv_reuse": "2502.00299",
+    "kvzip": "2505.23416",
+}
+CTX = random_text(300, seed=3)
+
+
+@pytest.fixture
+def tok_dir(tmp_path):
+    path = tmp_path / "tok"
+    byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _params(method, tok_dir):
+    return {"tokenizer": tok_dir} if method == "kvzip" else {}
+
+
+@pytest.mark.parametrize("method", sorted(PAPERS))
+def test_registry_entries_cite_their_paper(method):
+    info = method_info(method)
+    assert PAPERS[method] in info.paper and PAPERS[method] in (info.factory.__doc__ or "")
+    pipe = get_method(method)
+    assert PAPERS[method] in (type(pipe.scorer).__doc__ or "") + (type(pipe.selector).__doc__ or "")
+
+
+@pytest.mark.parametrize("question_aware", [False, True])
+@pytest.mark.parametrize("method", sorted(PAPERS))
+def test_budget_at_context_answers_like_the_full_cache(method, question_aware, tokenizer, tok_dir):
+    model = tiny_model("llama")
+    full = kvtrim.generate(model, tokenizer, CTX, ["q?", "r?"] if not question_aware else "q?", method="full",
+                           question_aware=question_aware, max_new_tokens=8)
+    res = kvtrim.generate(model, tokenizer, CTX, ["q?", "r?"] if not question_aware else "q?", method=method,
+                          budget=10_000, question_aware=question_aware, max_new_tokens=8,
+                          method_params=_params(method, tok_dir))
+    assert res.answers == full.answers
+    assert res.stats.kv_entries_after == res.stats.kv_entries_before
+
+
+@pytest.mark.parametrize("question_aware", [False, True])
+@pytest.mark.parametrize("method", sorted(PAPERS))
+def test_compression_frees_bytes_of_the_evicted_entries(method, question_aware, tokenizer, tok_dir):
+    model = tiny_model("qwen2", layers=3)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method=method, ratio=0.75, question_aware=question_aware,
+                          max_new_tokens=4, method_params=_params(method, tok_dir))
+    st = res.stats
+    per_entry = st.kv_bytes_before / st.kv_entries_before  # K and V of one (token, layer, KV head)
+    assert st.kv_bytes_after == st.kv_entries_after * per_entry
+    budget_total = round(st.context_tokens * 0.25) * 3 * 2
+    if method.startswith("chunkkv"):  # whole chunks: at most chunk - 1 entries under the budget per head
+        assert budget_total - 9 * 3 * 2 <= st.kv_entries_after <= budget_total
+    else:
+        assert st.kv_entries_after == budget_total
+    assert len(res.answers) == 1
+
+
+def test_kvzip_rereads_the_prompt_after_the_instruction(tokenizer, tok_dir):
+    model = tiny_model("llama")
+    session = kvtrim.Session(model, tokenizer, CTX, methods=["kvzip"])
+    a = session.run("kvzip", ratio=0.5, questions="q?", max_new_tokens=4, method_params={"tokenizer": tok_dir})
+    meta = a.stats.compression_metadata
+    n_instr = len(byte_tokenizer()("\n\nRepeat the previous context exactly.", add_special_tokens=False)["input_ids"])
+    assert meta["kvzip_repeat_tokens"] == n_instr
+    assert meta["kvzip_reread_tokens"] == a.stats.context_tokens and meta["kvzip_scores_reused"] is False
+    b = session.run("kvzip", ratio=0.75, questions="q?", max_new_tokens=4, method_params={"tokenizer": tok_dir})
+    assert b.stats.compression_metadata["kvzip_scores_reused"] is True  # one pass per prefill, any ratio
+    fresh = kvtrim.Session(model, tokenizer, CTX, methods=["kvzip"])
+    c = fresh.run("kvzip", ratio=0.75, questions="q?", max_new_tokens=4, method_params={"tokenizer": tok_dir})
+    assert c.answers == b.answers and c.stats.kv_entries_after == b.stats.kv_entries_after
+    with pytest.raises(InvalidParameterError, match="tokenizer"):
+        session.run("kvzip", ratio=0.5, questions="q?", method_params={"tokenizer": "/nonexistent/tok"})
+
+
+def test_kvzip_without_a_tokenizer_warns_and_says_so(tokenizer):
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="without the repeat instruction"):
+        res = kvtrim.generate(model, tokenizer, CTX, "q?", method="kvzip", ratio=0.5, max_new_tokens=2)
+    assert res.stats.compression_metadata["kvzip_repeat_tokens"] == 0
+
+
+def test_prompt_ids_are_recorded_for_the_prompt_only():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 200, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with pytest.warns(UserWarning, match="kvzip"), kvtrim.compressing(model, "kvzip", ratio=0.5) as cache:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                       eos_token_id=None, past_key_values=cache)
+    assert cache.compressions == 1 and cache.prompt_ids.shape == (2, 30)  # decoded tokens are not the prompt
+    assert bool((cache.prompt_ids[0, :5] == -1).all()) and torch.equal(cache.prompt_ids[1], ids[1])
+    with kvtrim.compressing(model, "snapkv", ratio=0.5) as other:
+        model(input_ids=ids, past_key_values=other, use_cache=True)
+    assert other.prompt_ids is None  # only methods that ask for the ids get them
+
+
+def test_chunkkv_reuse_shares_positions_between_paired_layers():
+    model = tiny_model("llama", layers=4)
+    ids = torch.randint(3, 200, (1, 80), generator=torch.Generator().manual_seed(5))
+    kept = {}
+    for method in ("chunkkv", "chunkkv_reuse"):
+        with kvtrim.compressing(model, method, budget=30) as cache:
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.compress()
+        kept[method] = [layer.store.positions[0, 0].tolist() for layer in cache.layers]
+    reuse = kept["chunkkv_reuse"]
+    assert reuse[0] == reuse[1] and reuse[2] == reuse[3]
+    assert kept["chunkkv"][0] == reuse[0] and kept["chunkkv"][2] == reuse[2]  # reference layers select alone
+    assert kept["chunkkv"] != reuse  # random layers disagree without reuse
