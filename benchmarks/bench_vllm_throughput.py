@@ -50,7 +50,7 @@ def make_llm(config: dict | None, blocks: int | None):
     kwargs = dict(
         model=str(MODEL_DIR),
         dtype="float32",
-        max_model_len=4096,
+        max_model_len=2048,
         enforce_eager=True,
         enable_prefix_caching=False,
         max_num_seqs=64,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
 from vllm.inputs import TokensPrompt
 from vllm_helpers import BLOCK, close, gauge, make_llm, scheduler, token_prompts, used_blocks
@@ -101,7 +101,7 @@ def test_blocks_in_use_drop_and_freed_blocks_admit_more_requests():
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     config = {"method": "snapkv", "budget": 128}
 
-    llm = make_llm(disable_log_stats=False, num_gpu_blocks_override=9)
+    llm = make_llm(disable_log_stats=False, num_gpu_blocks_override=9, max_model_len=1024)
     try:
         llm.llm_engine.add_request("one", TokensPrompt(prompt_token_ids=prompts[0]), params)
         llm.llm_engine.step()
@@ -112,7 +112,7 @@ def test_blocks_in_use_drop_and_freed_blocks_admit_more_requests():
     finally:
         close(llm)
 
-    llm = make_llm(config, disable_log_stats=False, num_gpu_blocks_override=9)
+    llm = make_llm(config, disable_log_stats=False, num_gpu_blocks_override=9, max_model_len=1024)
     try:
         llm.llm_engine.add_request("one", TokensPrompt(prompt_token_ids=prompts[0]), params)
         llm.llm_engine.step()
