@@ -6,6 +6,7 @@ import os
 import random
 
 import pytest
+import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 

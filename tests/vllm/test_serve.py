@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import pytest
+import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 openai = pytest.importorskip("openai")
