@@ -65,7 +65,8 @@ $(VLLM_STAMP): pyproject.toml
 	# wheels built against another torch; vLLM's text models run without them
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q --no-deps -e .
-	$(VPY) -m pip install -q "accelerate>=1.15,<2" "gguf>=0.19,<0.20" "pytest>=9.2,<10" "openai>=3.40,<4"
+	$(VPY) -m pip install -q "accelerate>=1.15,<2" "gguf>=0.19,<0.20" "pytest>=9.2,<10" "openai>=3.40,<4" \
+		"wonderwords>=3.0,<4" "rapidfuzz>=3.14,<4" "rouge-score==0.1.2"
 	touch $(VLLM_STAMP)
 
 vllm-test: $(VLLM_STAMP)

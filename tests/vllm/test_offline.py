@@ -6,8 +6,9 @@ import os
 import random
 
 import pytest
+import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
 from vllm.inputs import TokensPrompt
 from vllm_helpers import BLOCK, close, gauge, make_llm, scheduler, token_prompts, used_blocks
@@ -99,9 +100,9 @@ def test_blocks_in_use_drop_and_freed_blocks_admit_more_requests():
     # 8 usable blocks of 128 tokens; every 400-token prompt needs 4 blocks to be admitted.
     prompts = token_prompts([400] * 6, seed=1)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    config = {"method": "snapkv", "budget": 128}
+    config = {"method": "snapkv", "budget": 100}  # 100 kept + 24 new tokens stay in one block
 
-    llm = make_llm(disable_log_stats=False, num_gpu_blocks_override=9)
+    llm = make_llm(disable_log_stats=False, num_gpu_blocks_override=9, max_model_len=1024)
     try:
         llm.llm_engine.add_request("one", TokensPrompt(prompt_token_ids=prompts[0]), params)
         llm.llm_engine.step()
@@ -112,7 +113,7 @@ def test_blocks_in_use_drop_and_freed_blocks_admit_more_requests():
     finally:
         close(llm)
 
-    llm = make_llm(config, disable_log_stats=False, num_gpu_blocks_override=9)
+    llm = make_llm(config, disable_log_stats=False, num_gpu_blocks_override=9, max_model_len=1024)
     try:
         llm.llm_engine.add_request("one", TokensPrompt(prompt_token_ids=prompts[0]), params)
         llm.llm_engine.step()
@@ -126,14 +127,15 @@ def test_blocks_in_use_drop_and_freed_blocks_admit_more_requests():
         close(llm)
 
     assert vanilla_blocks == _cdiv(400, BLOCK) == 4
-    assert kvtrim_blocks == _cdiv(128, BLOCK) == 1
+    assert kvtrim_blocks == _cdiv(100, BLOCK) == 1
     assert usage == pytest.approx(1 / 8)
-    # Four requests hold 4 x 4 prompt blocks at admission, twice the pool: only reused freed blocks allow that.
+    # Four requests were admitted with 4 x 4 prompt blocks, twice the pool: only reused freed blocks allow that.
     assert vanilla_running == 2
     assert kvtrim_running >= 4
 
 
-LEAK_REQUESTS = int(os.environ.get("KVTRIM_VLLM_LEAK_REQUESTS", "60"))
+# 200 in the issue; 40 by default keeps this test near 5 minutes on a shared 2-core CPU (docs/vllm.md).
+LEAK_REQUESTS = int(os.environ.get("KVTRIM_VLLM_LEAK_REQUESTS", "40"))
 
 
 def test_no_block_leaks_after_randomized_requests_with_aborts():
@@ -160,12 +162,18 @@ def test_no_block_leaks_after_randomized_requests_with_aborts():
                 engine.abort_request([victim])
                 outstanding.discard(victim)
                 aborted.append(victim)
+        # The worker hears of the last aborts with the next scheduled step: run one short request to deliver them.
+        flush = SamplingParams(max_tokens=1, temperature=0.0)
+        engine.add_request("flush", TokensPrompt(prompt_token_ids=token_prompts([8], seed=3)[0]), flush)
+        while engine.has_unfinished_requests():
+            engine.step()
         state = scheduler(llm)._kvtrim_state
         worker = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner._kvtrim_state
         assert aborted, "the test aborted nothing"
         assert state.requests_compressed > LEAK_REQUESTS // 2
+        # Exact count from the block pool (the usage gauge is only refreshed by the next scheduled step).
         assert used_blocks(llm) == 0
-        assert gauge(llm, "vllm:kv_cache_usage_perc") == 0.0
-        assert state.dropped == {} and worker.dropped == {}
+        assert state.dropped == {}, state.dropped
+        assert worker.dropped == {}, worker.dropped
     finally:
         close(llm)

@@ -1,11 +1,19 @@
-"""Shared helpers of the vLLM tests (importing this module needs vLLM)."""
+"""Shared helpers of the vLLM tests (importing this module does not import vLLM)."""
 
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import numpy as np
+
+# Before vLLM is imported (the test modules import this first): engine core in this process (tests also read
+# the scheduler's counters), a small CPU KV cache, no thread pinning on a shared machine. Not a conftest.py:
+# other test modules import helpers from the top-level ``conftest`` by that name.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 MODEL_DIR = Path.home() / ".cache" / "kvtrim" / "models" / "smollm2-135m"
 BLOCK = 128  # vLLM CPU backend's default block size
