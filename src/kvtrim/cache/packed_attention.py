@@ -59,6 +59,11 @@ def attend_padded(
     b, hq, tq, d = query.shape
     hkv = keys.shape[1]
     group = hq // hkv
+    if mask is None:
+        # Unmasked (a decoding step over a store without empty slots): the same GQA call as transformers' own
+        # SDPA path, so the result is bitwise the uncompressed model's (folded queries differ in bf16 rounding).
+        out = backend_sdpa(query, keys, values, scale=scaling, enable_gqa=group > 1)
+        return out.transpose(1, 2)
     # Fold the group into the query axis: [b, hkv, group * tq, d] (a view) against [b, hkv, width, d].
     q = query.reshape(b, hkv, group * tq, d)
     m = mask
