@@ -12,10 +12,16 @@ prefill included), decode-only tokens per second, the largest and the mean decod
 compressions and evicted blocks, and writes ``serving_throughput.json``, ``serving_throughput.md`` and
 ``serving_throughput.png`` (throughput vs. compression rate per input length) to the results directory.
 
+``--shape`` swaps the embedded model for a random-weight model of a named shape (``llama-8b``, ``llama-1b``,
+``tiny``; prompts are the same SmolLM2 token ids, wrapped into the shape's vocabulary) and ``--device`` picks where
+it runs, so one command judges CPU and GPU (``--dtype bfloat16`` for GPU runs).
+
 Usage::
 
     python benchmarks/bench_serving_throughput.py             # full run (see NOTES.md for time and command)
     python benchmarks/bench_serving_throughput.py --quick     # smoke run: short prompts, ~1-2 min
+    python benchmarks/bench_serving_throughput.py --shape llama-8b --device cuda --dtype bfloat16 \
+        --lengths 2048 --prompts 32 --output-tokens 128 --fit 4 --rates 1 4 8
 """
 
 from __future__ import annotations
@@ -39,6 +45,34 @@ from kvtrim.serve.engine import Engine
 from kvtrim.serve.types import SamplingParams
 
 MODEL = "smollm2-135m"
+# Random-weight shapes (Llama-3.x configs; the lead unifies this table with benchmarks/bench_gpu.py's at merge).
+SHAPES = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                     tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192),
+}  # fmt: skip
+
+
+def load(shape: str | None, device: str, dtype: torch.dtype):
+    """The embedded SmolLM2 (``shape`` None) or a random-weight Llama of ``shape``; SmolLM2's tokenizer either way."""
+    model, tok = kvtrim.load_model(MODEL)
+    if shape is not None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).to(dtype).eval()
+        model.generation_config.eos_token_id = None
+    else:
+        model = model.to(device=device, dtype=dtype)
+    return model, tok
+
+
 OUT_DIR = Path(__file__).parent / "results" / "serving_throughput"
 
 
@@ -55,6 +89,10 @@ def make_prompts(tokenizer, length: int, count: int, haystack: str = "jargon") -
             raise RuntimeError(f"the {haystack} haystack is too short for {count} prompts of {length} tokens")
         chars *= 2
     return [ids[i * stride : i * stride + length] for i in range(count)]
+
+
+def to_vocab(prompts: list[list[int]], vocab: int) -> list[list[int]]:
+    return [[t % vocab for t in p] for p in prompts]
 
 
 def pool_blocks(model, longest: int, output_tokens: int, fit: float, block_size: int) -> int:
@@ -74,6 +112,8 @@ def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: in
         method=args.method,
         protected_window=args.protected_window,
         min_cache_tokens=args.min_cache_tokens,
+        prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     gc.collect()
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
@@ -121,10 +161,13 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         "# Serving throughput vs. compression rate (KV-Compress, fixed KV memory)",
         "",
         f"Model {meta['model']}, {meta['method']}, pool {meta['pool_blocks']} blocks of {meta['block_size']} tokens "
-        f"({meta['pool_mib']:.0f} MiB of K/V, fp32) = {meta['fit']:.2f} uncompressed sequences of the longest input; "
+        f"({meta['pool_mib']:.0f} MiB of K/V, {meta['dtype']}, {meta['device']}) = {meta['fit']:.2f} uncompressed "
+        "sequences of the longest input; "
         f"{meta['output_tokens']} output tokens per request (EOS ignored), protected window "
         f"{meta['protected_window']}, min cache tokens {meta['min_cache_tokens']}, continual compression; "
-        f"torch threads {meta['threads']}. Prompts per input length: {meta['prompts_per_length']}.",
+        f"torch threads {meta['threads']}; prefill chunk {meta['prefill_chunk']}, "
+        f"max_num_batched_tokens {meta['max_num_batched_tokens']}. Prompts per input length: "
+        f"{meta['prompts_per_length']}.",
         "",
         "Throughput counts generated tokens over the whole run (prefills included); `decode tok/s` counts only "
         "the batched decode forwards.",
@@ -165,7 +208,7 @@ def plot(path: Path, rows: list[dict]) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("KV-Compress serving throughput at a fixed KV memory budget (SmolLM2-135M, CPU)")
+    fig.suptitle("KV-Compress serving throughput at a fixed KV memory budget")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -186,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-cache-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random-weight shape (default: SmolLM2)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     if args.quick:
@@ -199,11 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
 
-    model, tok = kvtrim.load_model(MODEL)
+    dtype = getattr(torch, args.dtype)
+    model, tok = load(args.shape, args.device, dtype)
     blocks = args.pool_blocks or pool_blocks(model, max(args.lengths), args.output_tokens, args.fit, args.block_size)
-    block_mib = 2 * args.block_size * model.config.head_dim * 4 / 2**20
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    block_mib = 2 * args.block_size * head_dim * torch.empty((), dtype=dtype).element_size() / 2**20
     meta = {
-        "model": MODEL,
+        "model": MODEL if args.shape is None else f"random {args.shape}",
+        "device": args.device,
+        "dtype": args.dtype,
+        "prefill_chunk": args.prefill_chunk,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "method": args.method,
         "block_size": args.block_size,
         "pool_blocks": blocks,
@@ -225,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     t0 = time.perf_counter()
     for length, count in zip(args.lengths, args.prompts, strict=True):
-        prompts = make_prompts(tok, length, count)
+        prompts = to_vocab(make_prompts(tok, length, count), model.config.vocab_size)
         for rate in args.rates:
             row = run_setting(model, tok, prompts, args.output_tokens, rate, blocks, args)
             rows.append(row)

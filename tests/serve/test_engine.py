@@ -519,6 +519,26 @@ def test_submit_tokenizes_without_blocking_the_engine_thread(model, tok):
         engine.stop()
 
 
+def test_encode_is_thread_safe_and_matches_submit(model, tok):
+    engine = Engine(model, tok, kv_blocks=100)
+    texts = [random_text(200 + i, seed=i) for i in range(8)]
+    results: dict[int, list[int]] = {}
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            results[i] = engine.encode(texts[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results[i] == tok(texts[i])["input_ids"] for i in range(8))
+    assert engine.encode("hi", chat=True) == tok("user: hi\nassistant:")["input_ids"]
+    with pytest.raises(InvalidParameterError, match="prompt"):
+        engine.encode("")
+
+
 def test_stats_expose_gauges_and_counters(model, tok):
     engine = Engine(model, tok, kv_blocks=300, block_size=8, prefill_chunk=16)
     engine.submit(random_text(40, seed=1), SamplingParams(max_tokens=5, ignore_eos=True))

@@ -164,6 +164,23 @@ class PagedSequence:
             self._table_tensor = None
         return dropped
 
+    def _shrink_rows(self, new_lengths: torch.Tensor) -> list[int]:
+        """Set every row's length to ``new_lengths`` (``[rows]``, each <= its length); returns the now-unneeded
+        trailing blocks of all rows (not yet freed). Lengths are set in one tensor op; only the tables of rows
+        that lose blocks are touched."""
+        new_lengths = new_lengths.to(self._length.device)
+        keep = _ceil_div(new_lengths, self.block_size)
+        shrunk = torch.nonzero(keep < self._nblocks).flatten().tolist()
+        dropped: list[int] = []
+        if shrunk:
+            for row, k in zip(shrunk, keep[shrunk].tolist(), strict=True):
+                dropped.extend(self.tables[row][k:])
+                del self.tables[row][k:]
+            self._table_tensor = None
+        self._length.copy_(new_lengths)
+        self._nblocks.copy_(keep)
+        return dropped
+
     def table_tensor(self) -> torch.Tensor:
         """``[layers * kv_heads, max_blocks]`` block ids, padded with 0 (padding is masked by the lengths)."""
         if self._table_tensor is None:

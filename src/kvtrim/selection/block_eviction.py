@@ -179,11 +179,7 @@ def apply_evictions(sequence: PagedSequence, plan: EvictionPlan) -> int:
     vacated = slot[valid & (idx >= new_lengths[:, None])]
     pool.positions.view(-1)[vacated] = EMPTY
     pool.metric.view(-1)[vacated] = 0.0
-    lengths, new_lengths = lengths.tolist(), new_lengths.tolist()
-    dropped: list[int] = []
-    for r, new_len in enumerate(new_lengths):
-        if new_len != lengths[r]:
-            dropped.extend(sequence._set_row(r, new_len))
+    dropped = sequence._shrink_rows(new_lengths)  # one length update; only rows that lose blocks are touched
     pool.free(dropped)
     return len(dropped)
 

@@ -353,6 +353,11 @@ class Engine:
         self._wake.set()
         return handle
 
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        """The prompt token ids ``submit`` would queue (thread-safe, in the caller's thread with its own tokenizer
+        copy; takes no lock the engine loop needs). Raises :class:`InvalidParameterError` for bad prompts."""
+        return self._encode(prompt, chat)
+
     def cancel(self, request_id: str) -> bool:
         """Cancel an unfinished request (thread-safe); False if it is unknown or already finished."""
         with self._lock:
