@@ -16,7 +16,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import InvalidParameterError
@@ -24,6 +23,7 @@ from ..scoring.squared_attention import squared_attention
 from .attention import grouped_attention
 from .block_pool import EMPTY, BlockPool, OutOfBlocks
 from .layer import hand_over, raise_if_unconsumed
+from .sdpa import sdpa
 
 __all__ = [
     "PAGED_METHODS",
@@ -466,7 +466,7 @@ class PagedBatchCache(Cache):
             # Every query sees at least its own new key, so no row is empty (no NaN check, no host sync).
             qg = query.reshape(n, h, group * q, d)
             m = mask[:, :, None].expand(n, h, group, q, mask.shape[-1]).reshape(n, h, group * q, -1)
-            out = F.scaled_dot_product_attention(qg, k.to(query.dtype), v.to(query.dtype), attn_mask=m, scale=scaling)
+            out = sdpa(qg, k.to(query.dtype), v.to(query.dtype), attn_mask=m, scale=scaling)
             return out.reshape(n, hq, q, d).transpose(1, 2)
 
         logits = torch.matmul(query.reshape(n, h, group * q, d).float() * scaling, k.float().transpose(-1, -2))

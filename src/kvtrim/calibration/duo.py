@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvtrim.budgets.duo_heads import DUO_KIND
+from kvtrim.cache.sdpa import sdpa
 from kvtrim.calibration.artifacts import model_display_name, save_artifact
 from kvtrim.errors import InvalidParameterError
 
@@ -91,12 +91,12 @@ def streaming_deviation(
     b, hq, n, d = query.shape
     hkv = key.shape[1]
     group = hq // hkv
-    full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+    full = sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
     m = min(last, n)
     qpos = torch.arange(n - m, n, device=query.device)
     kpos = torch.arange(n, device=query.device)
     visible = (kpos[None, :] <= qpos[:, None]) & ((kpos[None, :] < sink) | (kpos[None, :] > qpos[:, None] - recent))
-    stream = F.scaled_dot_product_attention(
+    stream = sdpa(
         query[:, :, -m:], key, value, attn_mask=visible, scale=scaling, enable_gqa=group > 1
     )
     w = o_proj_weight.view(o_proj_weight.shape[0], hq, d).to(query.dtype)  # [hidden, hq, d]
