@@ -330,6 +330,8 @@ def _parse_bytes(text: str) -> int:
 @app.command()
 def serve(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     kv_memory: Annotated[
@@ -391,7 +393,7 @@ def serve(
             import torch
 
             torch.set_num_threads(threads)
-        lm, tokenizer = load_model(model)
+        lm, tokenizer = load_model(model, device=device, dtype=dtype)
         engine = Engine(
             lm,
             tokenizer,

@@ -464,6 +464,13 @@ def test_serve_command(tmp_path, monkeypatch):
     assert engine.compression_rate == 4 and engine.method == "kvc_w8" and engine.protected_window == 12
     assert engine.pool.nbytes() <= 2**20 and engine.model_name == str(tmp_path)
 
+    # --device / --dtype reach load_model: the engine's model is in the asked precision; a bad dtype names the option
+    result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    assert next(seen["engine"].model.parameters()).dtype == torch.bfloat16
+    result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--dtype", "bfloat8"])
+    assert result.exit_code == 2 and "dtype" in result.output
+
     # without --protected-window each method keeps its preset's window (issue 15: the CLI used to force 32)
     for method, window in (("kvc_w8", 8), ("kvcompress", 32)):
         result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--method", method])

@@ -156,7 +156,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """One token from ``logits`` ``[vocab]``: argmax at temperature 0, else temperature + nucleus (top-p)."""
     if params.temperature == 0.0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    # Per-request generators live on the CPU (seeds reproduce across devices): sample where the generator is.
+    probs = torch.softmax(logits.float().to(generator.device) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # always keeps the most likely token
