@@ -252,13 +252,15 @@ def test_chat_stream(client, http, model):
     assert raw[-1] == "[DONE]" and raw[-2]["choices"][0]["delta"] == {}
 
 
-def test_chat_without_template_uses_a_transcript(http, model, engine):
-    template, engine.tokenizer.chat_template = engine.tokenizer.chat_template, None
-    try:
-        body = {"model": model, "messages": [{"role": "user", "content": "xyz"}], "max_tokens": 2}
-        r = http.post("/v1/chat/completions", json=body)
-    finally:
-        engine.tokenizer.chat_template = template
+def test_chat_without_template_uses_a_transcript(http, model, engine, monkeypatch):
+    # Engine.encode renders with per-thread copies of the engine's tokenizer: drop the copies made so far
+    inner = engine._engine
+    monkeypatch.setattr(inner._pristine_tok, "chat_template", None)
+    monkeypatch.setattr(inner, "_thread_tok", threading.local())
+    body = {"model": model, "messages": [{"role": "user", "content": "xyz"}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    monkeypatch.undo()
+    inner._thread_tok = threading.local()  # later tests render with the template again
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len("user: xyz\nassistant:")
 
@@ -409,6 +411,10 @@ class _FailingEngine:
 
     def __init__(self):
         self.tokenizer = byte_tokenizer()
+
+    def encode(self, prompt, chat=False):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant:"
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def submit(self, prompt, params=None, request_id=None, chat=False):
         handle = RequestHandle(request_id, 3)

@@ -272,17 +272,15 @@ class _Server:
 
     # -- /v1/chat/completions
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt token ids: the tokenizer's chat template, or a plain ``role: content`` transcript when the
-        tokenizer has none (as :class:`~kvtrim.serve.engine.Engine` does for chat prompts)."""
-        tokenizer = self.engine.tokenizer
-        if getattr(tokenizer, "chat_template", None):
-            try:
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as exc:  # jinja errors (e.g. roles not alternating) are the caller's
-                raise RequestError(f"messages could not be rendered with the chat template: {exc}", "messages") from exc
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        """The prompt token ids, rendered and tokenized by :meth:`Engine.encode` (the chat template, or a plain
+        ``role: content`` transcript when the tokenizer has none) with this worker thread's own tokenizer copy:
+        a fast tokenizer must not be used by several threads at once."""
+        try:
+            return self.engine.encode(messages)
+        except InvalidParameterError:
+            raise
+        except Exception as exc:  # jinja errors (e.g. roles not alternating) are the caller's
+            raise RequestError(f"messages could not be rendered with the chat template: {exc}", "messages") from exc
 
     def _chat_params(self, sampling: Sampling, prompt_tokens: int) -> SamplingParams:
         default = min(self.chat_default_max_tokens, self.limits.max_tokens)
