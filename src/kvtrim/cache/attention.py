@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .packed_attention import attend_padded
 from .sdpa import sdpa
 
 
@@ -25,23 +26,10 @@ def grouped_attention(
     Returns:
         ``[batch, q, q_heads, head_dim]``
     """
-    b, hq, tq, d = query.shape
-    hkv = keys.shape[1]
-    group = hq // hkv
-    if mask is None:
-        out = sdpa(query, keys, values, is_causal=causal and tq > 1, scale=scaling, enable_gqa=group > 1)
-        return out.transpose(1, 2)
-    # Fold the group into the query axis: [b, hkv, group*tq, d] against [b, hkv, s, d].
-    q = query.reshape(b, hkv, group * tq, d)
-    m = mask[:, :, None].expand(b, hkv, group, tq, mask.shape[-1]).reshape(b, hkv, group * tq, -1)
-    out = sdpa(q, keys, values, attn_mask=m, scale=scaling)
-    if m.device.type == "cpu":
-        if not bool(m.any(-1).all()):
-            # Queries that may see nothing (padding tokens) produce NaN; zero them so no NaN reaches stored values.
-            out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
-    else:  # the same without a host sync (the check would stall the device every layer)
-        out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
-    return out.reshape(b, hq, tq, -1).transpose(1, 2)  # values' head_dim may differ from the query's
+    if causal and mask is None and query.shape[2] > 1:
+        group = query.shape[1] // keys.shape[1]
+        return sdpa(query, keys, values, is_causal=True, scale=scaling, enable_gqa=group > 1).transpose(1, 2)
+    return attend_padded(query, keys, values, mask, scaling)
 
 
 def low_precision_matmul(*tensors: torch.Tensor) -> bool:
