@@ -20,6 +20,10 @@ class ArtifactHeadScoreBudget:
     ``kvtrim calibrate headkv`` before anything runs.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+    artifact_kind = "headkv"
+
     beta: float = DEFAULT_BETA
     temperature: float = DEFAULT_TEMPERATURE
     window: int = 8

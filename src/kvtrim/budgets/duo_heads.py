@@ -58,6 +58,10 @@ class DuoHeadBudget:
         gates: ``[layers, kv_heads]`` gates given directly (tests, user patterns) instead of an artifact
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+    artifact_kind = DUO_KIND
+
     sink: int = 16
     recent: int = 48
     path: str | None = None

@@ -140,6 +140,10 @@ class ArtifactErrorAwareBudget:
     ``kvtrim calibrate compresskv`` at bind time, before anything runs.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "layer"
+    artifact_kind = "compresskv"
+
     min_budget: int = DEFAULT_MIN_BUDGET
     max_factor: float = DEFAULT_MAX_FACTOR
     path: str | None = None
@@ -171,8 +175,16 @@ class LayerThenHeadBudget:
         heads: the within-layer split (:class:`HeadAdaptiveBudget`); each layer's total stays ``kv_heads · b_l``
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+
     layers: object
     heads: HeadAdaptiveBudget
+
+    @property
+    def artifact_kind(self) -> str | None:
+        """The calibration artifact its layer allocator reads; read by the method registry."""
+        return getattr(self.layers, "artifact_kind", None)
 
     def bind(self, model: torch.nn.Module) -> None:
         bind = getattr(self.layers, "bind", None)

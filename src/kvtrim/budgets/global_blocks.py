@@ -27,6 +27,10 @@ class GlobalBlockBudget:
         protected_window: the most recent tokens that are never evicted (32)
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+    paged_engine = True  # kvtrim.serve runs this ranking on paged storage
+
     block_size: int = 16
     protected_window: int = 32
 

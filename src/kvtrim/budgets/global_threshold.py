@@ -18,6 +18,9 @@ class GlobalThresholdBudget:
     freely. Scores must be comparable across layers and heads (KVzip's attention maxima are probabilities).
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
         b, layers, heads = len(request.keep), request.num_layers, request.kv_heads
         width = max(s.shape[-1] for s in scores)

@@ -68,6 +68,9 @@ class HeadAdaptiveBudget:
         window: the observation window kept on top of the selected entries (scores there do not compete)
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+
     alpha: float = 0.2
     window: int = 8
     rule: str = "official"

@@ -23,6 +23,10 @@ class PartitionBudget:
     of them. Needs a ratio (the keep fraction ``r = 1 − ratio`` applies per partition); ``skip_layers`` keep all.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "none"
+    runs_in_vllm = True
+
     sink: int = 16
     lag: int = 128
     skip_layers: tuple[int, ...] = ()

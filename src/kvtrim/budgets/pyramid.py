@@ -42,6 +42,9 @@ class PyramidBudget:
         window: the observation window kept on top of the selected entries
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "layer"
+
     beta: float = 20.0
     window: int = 32
 

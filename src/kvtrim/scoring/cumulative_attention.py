@@ -18,6 +18,10 @@ class CumulativeAttentionScorer:
     ``chunk × seq`` per head instead of ``seq × seq``.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = False  # every prompt query counts alike
+
     chunk: int = 256
     observation: ObservationSpec = field(init=False)
 

@@ -95,6 +95,10 @@ class ExpectedAttentionScorer:
     q/k-normed models (Qwen3) are thus those of the normed queries.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False  # attention is estimated from query statistics
+    question_aware = False
+
     n_future: int = 512
     n_sink: int = 4
     use_covariance: bool = True

@@ -125,6 +125,11 @@ class ArtifactHeadSubsetScorer:
         path: an explicit artifact file or directory (default: search the kvtrim home, then the package)
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = True
+    artifact_kind = "compresskv"
+
     ranking: str = "srh"
     heads_per_layer: int = 4
     window: int = 8

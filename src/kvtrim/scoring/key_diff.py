@@ -36,6 +36,10 @@ class KeyDiffScorer:
     context-only and question-aware mode.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False
+    question_aware = False
+
     observation: ObservationSpec = field(default_factory=ObservationSpec)
 
     def score(self, view: LayerView) -> torch.Tensor:

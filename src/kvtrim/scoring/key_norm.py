@@ -14,6 +14,11 @@ from .observation import ObservationSpec
 class KeyNormScorer:
     """Score ``-‖k‖₂`` per entry: the lowest-norm keys are kept. Needs no attention weights."""
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False
+    question_aware = False
+    runs_in_vllm = True
+
     observation: ObservationSpec = field(default_factory=ObservationSpec)
 
     def score(self, view: LayerView) -> torch.Tensor:

@@ -49,6 +49,11 @@ class LagRelativeScorer:
             code has none)
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False
+    question_aware = False
+    runs_in_vllm = True
+
     sink: int = 16
     lag: int = 128
     statistic: str = "lag_std"

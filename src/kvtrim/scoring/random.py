@@ -14,6 +14,11 @@ from .observation import ObservationSpec
 class RandomScorer:
     """Uniform random scores, reproducible from ``seed`` (and the layer index)."""
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False
+    question_aware = False
+    runs_in_vllm = True
+
     seed: int = 0
     observation: ObservationSpec = field(default_factory=ObservationSpec)
 

@@ -88,6 +88,10 @@ class ReconstructionScorer:
     compression metadata says so (``kvzip_repeat_tokens = 0``), with a warning.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = False  # scores come from re-reading the context
+
     prompt: str = "Repeat the previous context exactly."
     n_sink: int = 4
     chunk: int = 256

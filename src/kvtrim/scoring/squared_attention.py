@@ -89,11 +89,19 @@ class SquaredAttentionScorer:
         chunk: queries per step when computing the metric
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry); see also question_aware
+    uses_attention = True
+
     window: int | None = 32
     kernel: int = 7
     buffer: int = 0
     chunk: int = 512
     observation: ObservationSpec = field(init=False)
+
+    @property
+    def question_aware(self) -> bool:
+        """Whether the last prompt queries alone drive the metric (KVC-w); KVC-full observes every query."""
+        return self.window is not None
 
     def __post_init__(self) -> None:
         if self.window is not None and (isinstance(self.window, bool) or self.window <= 0):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..artifacts.compilerkv import TableSource
+from ..artifacts.compilerkv import KIND, TableSource
 from .base import LayerView
 from .observation import ObservationSpec
 from .risk import EPS, RiskSignals, local_perplexity, structural_entropy
@@ -41,6 +41,10 @@ class StabilizedUtilityScorer:
     the last ``window`` prompt tokens) for the threshold gate, in ``view.shared["risk"]``.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = True
+
     tables: TableSource
     window: int = 64
     utility: str = "stabilized"
@@ -61,6 +65,11 @@ class StabilizedUtilityScorer:
         self.observation = ObservationSpec(
             window=self.window, token_logprobs=self.window, accumulate=accumulate, band=self.band
         )
+
+    @property
+    def artifact_kind(self) -> str | None:
+        """The calibration artifact it reads (none for the neutral tables)."""
+        return None if self.tables.neutral else KIND
 
     def bind(self, model: torch.nn.Module) -> None:
         self.tables.bind(model)

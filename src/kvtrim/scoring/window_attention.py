@@ -28,6 +28,11 @@ class WindowAttentionScorer:
             entries (TOVA)
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = True
+    runs_in_vllm = True
+
     window: int = 32
     kernel: int = 7
     pooling: str = "max"

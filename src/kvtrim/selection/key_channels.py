@@ -58,6 +58,9 @@ class QueryDrivenChannels:
             (the ``think`` method alone, where the ratio is a channel fraction)
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry): the window queries pick the channels
+    question_aware = True
+
     window: int = 8
     fraction: float | None = None
     observation: ObservationSpec = field(init=False)

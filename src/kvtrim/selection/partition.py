@@ -18,6 +18,10 @@ class PartitionTopKSelector:
     never re-scores what was compressed (the recursion of LagKV).
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    runs_in_vllm = True
+    lag_partitions = True
+
     sink: int = 16
     lag: int = 128
     skip_layers: tuple[int, ...] = ()

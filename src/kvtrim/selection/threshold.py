@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..artifacts.compilerkv import TableSource
+from ..artifacts.compilerkv import KIND, TableSource
 from ..errors import InvalidParameterError
 from .topk import Selection
 
@@ -47,6 +47,11 @@ class ThresholdGateSelector:
             raise ValueError(f"missing_logprobs must be one of {MISSING_LOGPROBS}, got {self.missing_logprobs!r}")
         if self.keep_window < 0:
             raise ValueError(f"keep_window must be >= 0, got {self.keep_window}")
+
+    @property
+    def artifact_kind(self) -> str | None:
+        """The calibration artifact it reads (none for the neutral tables); read by the method registry."""
+        return None if self.tables.neutral else KIND
 
     def bind(self, model: torch.nn.Module) -> None:
         self.tables.bind(model)

@@ -50,6 +50,9 @@ class TopKSelector:
     Empty slots are never selected over real tokens.
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    runs_in_vllm = True
+
     sink: int = 0
     recent: int | float = 0
 
