@@ -39,7 +39,22 @@ from .registry import (
     split_schedule,
 )
 
+# the order of the families in listings and the README table
+FAMILIES = (
+    attention,
+    attention_free,
+    lag,
+    critical,
+    head_budgets,
+    retrieval_heads,
+    compiled,
+    kv_compress,
+    kvpress,
+    channels,
+)
+
 __all__ = [
+    "FAMILIES",
     "Capabilities",
     "MethodInfo",
     "attention",

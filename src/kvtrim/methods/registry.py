@@ -28,6 +28,7 @@ __all__ = [
     "methods",
     "parts",
     "register",
+    "registered",
     "split_schedule",
 ]
 
@@ -70,8 +71,10 @@ class Capabilities:
         out = ["attention" if self.attention else "attention-free"]
         if self.question_aware:
             out.append("question-aware")
-        out.append(f"{self.budgets} budgets")
-        out += [f"artifact: {kind}" for kind in self.artifacts]
+        if self.budgets != "uniform":
+            out.append(f"{self.budgets.replace(' ', '-')} budgets")
+        if self.artifacts:
+            out.append(f"calibrate: {', '.join(self.artifacts)}")
         if self.channels:
             out.append("key channels")
         if self.recursive:
@@ -197,6 +200,11 @@ def split_schedule(name: str) -> tuple[str, str | None]:
     """``"snapkv@every:64"`` → ``("snapkv", "every:64")``; a plain name has no schedule."""
     base, sep, schedule = name.partition("@")
     return base, (schedule if sep else None)
+
+
+def registered() -> list[MethodInfo]:
+    """Every entry, in registration order (grouped by family, as :mod:`kvtrim.methods` imports them)."""
+    return list(_REGISTRY.values())
 
 
 def method_info(name: str) -> MethodInfo:
