@@ -18,7 +18,7 @@ START = "<!-- methods-table:start -->"
 END = "<!-- methods-table:end -->"
 
 _ARXIV = re.compile(r"arXiv (\d{4}\.\d{4,5})")
-_AUTHORS = re.compile(r"[A-Z][\w-]+ et al\.")
+_AUTHORS = re.compile(r"[A-Z][\w-]* et al\.")
 
 
 def cite(paper: str) -> str:
