@@ -17,19 +17,19 @@ from kvtrim.selection.topk import TopKSelector
 VLLM_METHODS = {"streaming_llm", "snapkv", "tova", "knorm", "random", "lagkv", "localkv", "lag_knorm"}
 
 
-def _with(name: str, check) -> set[str]:
+def _with(check) -> set[str]:
     return {n for n in method_names() if check(method_info(n).capabilities)}
 
 
 def test_vllm_methods_are_the_ones_the_plugin_supported():
-    assert _with("vllm", lambda c: c.vllm) == VLLM_METHODS
+    assert _with(lambda c: c.vllm) == VLLM_METHODS
     from kvtrim.vllm.config import SUPPORTED_METHODS
 
     assert set(SUPPORTED_METHODS) == VLLM_METHODS
 
 
 def test_paged_engine_methods_are_the_kv_compress_presets():
-    assert _with("paged", lambda c: c.paged_engine) == set(KV_COMPRESS)
+    assert _with(lambda c: c.paged_engine) == set(KV_COMPRESS)
 
 
 def test_artifacts_come_from_the_parts():
@@ -48,7 +48,7 @@ def test_artifacts_come_from_the_parts():
     }
     for name, kinds in expect.items():
         assert method_info(name).capabilities.artifacts == kinds, name
-    assert _with("artifact", lambda c: bool(c.artifacts)) == {
+    assert _with(lambda c: bool(c.artifacts)) == {
         "headkv", "critical_headkv", "compresskv", "compresskv_srh_only", "compresskv_trh", "ada_compresskv",
         "head_compresskv", "duo_attention", "compilerkv", "compilerkv_elastic", "compilerkv_raw_attention",
         "compilerkv_static_threshold",
@@ -72,7 +72,7 @@ def test_budget_kinds():
 
 def test_attention_and_question_awareness():
     caps = {n: method_info(n).capabilities for n in method_names()}
-    assert _with("free", lambda c: not c.attention) == {
+    assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
         "duo_attention", "think",
     }  # fmt: skip
@@ -113,3 +113,12 @@ def test_declarations_are_class_attributes_not_dataclass_fields():
         for part in (pipe.scorer, pipe.budget, pipe.selector):
             names = {f.name for f in fields(part)}
             assert not names & {"uses_attention", "question_aware", "varies_by", "artifact_kind", "runs_in_vllm"}
+
+
+def test_the_suites_hand_kept_method_sets_match_the_declared_capabilities():
+    from conftest import ARTIFACT_METHODS, CHANNEL_METHODS, GLOBAL_BLOCK_METHODS, RATIO_ONLY_METHODS
+
+    assert _with(lambda c: bool(c.artifacts)) == ARTIFACT_METHODS
+    assert _with(lambda c: c.channels) == CHANNEL_METHODS
+    assert _with(lambda c: c.paged_engine) == GLOBAL_BLOCK_METHODS
+    assert _with(lambda c: c.recursive) == RATIO_ONLY_METHODS
