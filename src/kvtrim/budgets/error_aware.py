@@ -146,7 +146,7 @@ class ArtifactErrorAwareBudget:
     _inner: ErrorAwareLayerBudget | None = field(default=None, repr=False)
 
     def bind(self, model: torch.nn.Module) -> None:
-        from ..calibration.compresskv import load_compresskv
+        from ..artifacts.compresskv import load_compresskv
 
         artifact = load_compresskv(model, self.path)
         source = {"artifact": str(artifact.path), "model_key": artifact.meta.get("model_key")}

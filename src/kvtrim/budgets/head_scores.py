@@ -150,9 +150,10 @@ class HeadScoreBudget:
 
         Raises :class:`~kvtrim.errors.MissingArtifactError` naming ``kvtrim calibrate headkv`` when none exists.
         """
+        from kvtrim.artifacts.kinds import HEADKV_KIND
         from kvtrim.artifacts.store import load_artifact
 
-        artifact = load_artifact("headkv", model, path)
+        artifact = load_artifact(HEADKV_KIND, model, path)
         if scores not in artifact.tensors:
             raise InvalidParameterError(f"scores={scores!r}: the artifact holds {sorted(artifact.tensors)}")
         source = {"artifact": str(artifact.path), "model_key": artifact.meta.get("model_key"), "scores": scores}

@@ -147,7 +147,7 @@ class ArtifactHeadSubsetScorer:
         self.observation = ObservationSpec(window=self.window)
 
     def bind(self, model: torch.nn.Module) -> None:
-        from ..calibration.compresskv import load_compresskv
+        from ..artifacts.compresskv import load_compresskv
 
         artifact = load_compresskv(model, self.path)
         if self.ranking not in artifact.tensors:
