@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_model
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.compression.pipeline import Pipeline
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.scoring.base import LayerView
 from kvtrim.scoring.cumulative_attention import CumulativeAttentionScorer
 from kvtrim.scoring.key_norm import KeyNormScorer

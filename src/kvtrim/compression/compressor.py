@@ -16,8 +16,8 @@ from ..errors import InvalidParameterError
 from ..scoring.base import LayerView
 
 if TYPE_CHECKING:
-    from ..cache.kvcache import KVTrimCache
     from .pipeline import Pipeline
+    from .target import CompressibleCache
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class CompressionReport:
 
 
 def layer_views(
-    cache: KVTrimCache,
+    cache: CompressibleCache,
     context: torch.Tensor,
     accumulate: tuple[str, ...] = (),
     logits: torch.Tensor | None = None,
@@ -102,7 +102,7 @@ def layer_views(
 
 
 def compress_cache(
-    cache: KVTrimCache, pipeline: Pipeline, spec: BudgetSpec, logits: torch.Tensor | None = None
+    cache: CompressibleCache, pipeline: Pipeline, spec: BudgetSpec, logits: torch.Tensor | None = None
 ) -> CompressionReport:
     """Compress every layer of ``cache`` in place with ``pipeline`` under ``spec``."""
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Recording the prompt's token ids into a :class:`~kvtrim.cache.kvcache.KVTrimCache` whose method asks for them
+"""Recording the prompt's token ids into a :class:`~kvtrim.integration.cache.KVTrimCache` whose method asks for them
 (``ObservationSpec.input_ids``: KVzip feeds the prompt to the model again at compression time).
 
 The cache never sees token ids, so a forward pre-hook on the base model (installed once per model by
@@ -14,7 +14,7 @@ _HOOKED = "_kvtrim_prompt_ids_hook"
 
 
 def _record(module, args, kwargs) -> None:
-    from ..cache.kvcache import KVTrimCache
+    from .cache import KVTrimCache
 
     cache = kwargs.get("past_key_values")
     ids = kwargs.get("input_ids")
@@ -22,7 +22,7 @@ def _record(module, args, kwargs) -> None:
         return
     if not (cache.observing or cache.compressions == 0):
         return  # compressed and no longer observing: these tokens (a question, an answer) are not the prompt
-    if cache._prefilled_uncompressed and cache.auto_compress:
+    if cache.compression.prefilled_uncompressed and cache.auto_compress:
         return  # this forward compresses the prompt first: its tokens come after the prompt
     mask = kwargs.get("attention_mask")
     ids = ids.long()

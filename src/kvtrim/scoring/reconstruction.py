@@ -133,8 +133,8 @@ class ReconstructionScorer:
     def prepare(self, views: list[LayerView]) -> None:
         """Run the reconstruction pass once per compression; scores go to ``views[0].shared``."""
         from ..cache.dense import DenseStore
-        from ..cache.kvcache import KVTrimCache
         from ..integration.attention import kvtrim_attention_enabled
+        from ..integration.cache import KVTrimCache
 
         if self._model is None:
             raise RuntimeError("kvzip needs the model: build the cache with kvtrim (generate, Session, make_cache)")
