@@ -22,7 +22,7 @@ import torch
 
 from ..artifacts.duo import DUO_KIND, load_duo_gates
 from ..errors import InvalidParameterError
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 __all__ = ["DUO_KIND", "DuoHeadBudget", "load_duo_gates", "streaming_head_order"]
 
@@ -35,7 +35,7 @@ def streaming_head_order(gates: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class DuoHeadBudget:
+class DuoHeadBudget(BudgetAllocator):
     """Per-(layer, KV head) budgets from DuoAttention gates (see the module notes for the ratio mapping).
 
     Args:

@@ -29,7 +29,7 @@ import torch
 
 from kvtrim.errors import InvalidParameterError
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 __all__ = ["DEFAULT_BETA", "DEFAULT_TEMPERATURE", "HeadScoreBudget", "exact_bounded_round", "head_score_capacities"]
 
@@ -105,7 +105,7 @@ def exact_bounded_round(x: torch.Tensor, total: int, lo: int, hi: int) -> torch.
 
 
 @dataclass
-class HeadScoreBudget:
+class HeadScoreBudget(BudgetAllocator):
     """HeadKV's per-head allocation from offline head scores, at KV-head granularity.
 
     Args:

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.dense import INVALID, DenseStore
 from ..cache.layer import hand_over, raise_if_unconsumed
-from ..cache.ragged import RaggedStore
+from ..cache.store import KVStore
 from ..compression.compressor import BudgetSpec, CompressionReport
 from ..compression.pipeline import Pipeline
 from ..compression.state import CompressionState
@@ -128,16 +128,7 @@ class KVTrimCache(Cache):
         layers = self.kv_layers
         if not layers:
             return None
-        store = layers[0].store
-        if store.layout == "dense":
-            latest = (
-                store.positions.amax(dim=(1, 2))
-                if store.length
-                else torch.full((store.batch_size,), -1, device=store.positions.device)
-            )
-        else:
-            latest = store.row_max_positions().view(store.batch_size, store.kv_heads).amax(dim=1)
-        return (latest + 1).clamp(min=0)
+        return (layers[0].store.latest_positions() + 1).clamp(min=0)
 
     def clone(self, pipeline: Pipeline | None = None, budget: BudgetSpec | None = None) -> KVTrimCache:
         """An independent copy (tensors copied) that may carry another method and budget.
@@ -209,7 +200,7 @@ class CompressibleLayer(CacheLayerMixin):
         self.is_initialized = False
         self._cache = weakref.ref(cache)  # the cache owns its layers; a strong back-reference would form a cycle
         self.layer_idx = layer_idx
-        self.store: DenseStore | RaggedStore | None = None
+        self.store: KVStore | None = None
         self.seen = 0
         self.observation = LayerObservation()
         self.module: torch.nn.Module | None = None
@@ -285,9 +276,7 @@ class CompressibleLayer(CacheLayerMixin):
                 valid = None
         positions = positions.long() if valid is None else positions.long().masked_fill(~valid, INVALID)
         store = self.store
-        fresh = (
-            store.layout == "dense" and store.is_empty and valid is None and bool((positions.diff(dim=1) == 1).all())
-        )
+        fresh = store.causal_prefill_ready and valid is None and bool((positions.diff(dim=1) == 1).all())
         store.append(keys, values, positions, padded=valid is not None)
         out = store.attend(query, positions, scaling, fresh_causal=fresh)
         self.seen += q
@@ -320,9 +309,7 @@ class CompressibleLayer(CacheLayerMixin):
         n = -tokens_to_remove
         if n == 0 or self.store is None:
             return
-        self.store.truncate_to(
-            self.store.mark() - n if self.store.layout == "dense" else (self.store.mark() - n).clamp(min=0)
-        )
+        self.store.drop_last(n)
         self.seen -= n
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

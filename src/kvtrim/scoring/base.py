@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from ..cache.attention import attention_probabilities
+from ..parts import Part
 from .observation import LayerObservation, ObservationSpec
 
 
@@ -79,13 +79,19 @@ class LayerView:
         return probs
 
 
-class Scorer(Protocol):
+class Scorer(Part):
     """Scores how much each stored entry matters: ``score(view) -> [batch, kv_heads, seq]`` (higher = keep).
 
-    A scorer that needs quantities across layers may also define ``prepare(views)``, called once per compression
-    with every layer's view before any ``score`` call (results go in ``view.shared``).
+    A scorer that needs quantities across layers overrides :meth:`prepare`, called once per compression with every
+    layer's view before any ``score`` call (results go in ``view.shared``); the other hooks are :class:`Part`'s.
     """
 
+    _declares_interface = True
     observation: ObservationSpec
 
-    def score(self, view: LayerView) -> torch.Tensor: ...
+    def score(self, view: LayerView) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` importance of every stored slot of ``view`` (higher = keep)."""
+        raise NotImplementedError(f"{type(self).__name__} must define score(view)")
+
+    def prepare(self, views: list[LayerView]) -> None:
+        """Compute cross-layer quantities once per compression (into ``views[0].shared``); no-op by default."""

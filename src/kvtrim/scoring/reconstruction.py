@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 
 _SCORES = "kvzip_scores"
@@ -63,7 +63,7 @@ def _load_tokenizer(source: str):
 
 
 @dataclass
-class ReconstructionScorer:
+class ReconstructionScorer(Scorer):
     """KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
     NeurIPS 2025, arXiv 2505.23416).
 
