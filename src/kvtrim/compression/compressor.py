@@ -96,6 +96,7 @@ def layer_views(
             prompt_logprobs=cache.prompt_logprobs,
             prompt_ids=cache.prompt_ids,
             shared=shared,
+            replay=cache.replay,
         )
         for layer in cache.kv_layers
     ]

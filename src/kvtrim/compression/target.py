@@ -33,3 +33,6 @@ class CompressibleCache(Protocol):
 
     def entries_per_layer_head(self) -> torch.Tensor:
         """``[batch, layers, kv_heads]`` entries held."""
+
+    def replay(self, model, views, input_ids, attention_mask, position_ids, observation) -> dict:
+        """Feed tokens through ``model`` over a scratch copy of the views' entries (see ``LayerView.replay``)."""

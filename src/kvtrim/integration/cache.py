@@ -22,6 +22,8 @@ from ..compression.pipeline import Pipeline
 from ..compression.state import CompressionState
 from ..errors import InvalidParameterError
 from ..scoring.observation import LayerObservation, ObservationSpec, record
+from .attention import kvtrim_attention_enabled
+from .prompt_ids import RecordsPromptIds
 
 __all__ = ["CacheStats", "CompressibleLayer", "KVTrimCache"]
 
@@ -53,7 +55,7 @@ class CacheStats:
         }
 
 
-class KVTrimCache(Cache):
+class KVTrimCache(Cache, RecordsPromptIds):
     """A KV cache that a compression method can shrink after prefill.
 
     Used two ways:
@@ -152,6 +154,55 @@ class KVTrimCache(Cache):
                 theirs.dtype, theirs.device = mine.dtype, mine.device
             theirs.observation = mine.observation.copy()
         return other
+
+    def record_prompt_ids(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Append a forward call's token ids to :attr:`prompt_ids` (``-1`` where ``attention_mask`` is 0) while
+        they are part of the prompt and the method asks for them (``ObservationSpec.input_ids``)."""
+        if not self.observation_spec.input_ids:
+            return
+        if not (self.observing or self.compressions == 0):
+            return  # compressed and no longer observing: these tokens (a question, an answer) are not the prompt
+        if self.compression.prefilled_uncompressed and self.auto_compress:
+            return  # this forward compresses the prompt first: its tokens come after the prompt
+        ids = ids.long()
+        if attention_mask is not None and attention_mask.dim() == 2:
+            ids = ids.masked_fill(~attention_mask[:, -ids.shape[1] :].to(torch.bool), -1)
+        self.prompt_ids = ids if self.prompt_ids is None else torch.cat([self.prompt_ids, ids], dim=1)
+
+    @staticmethod
+    def replay(
+        model: torch.nn.Module,
+        views: list,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        observation: ObservationSpec,
+    ) -> dict[int, DenseStore]:
+        """Feed ``input_ids`` ``[batch, w]`` through ``model`` (kvtrim attention) over a scratch cache that starts
+        with the entries of ``views`` (:class:`~kvtrim.scoring.base.LayerView`), recording ``observation``.
+
+        ``attention_mask`` ``[batch, seen + w]`` covers the stored columns and the new ones. Returns each view's
+        layer store after the pass (its first slots are the views' entries); the views' tensors are not written.
+        """
+        work = KVTrimCache(views[0].num_layers, auto_compress=False)
+        seen = attention_mask.shape[1] - input_ids.shape[1]
+        for view in views:
+            layer = work.layers[view.layer_idx]
+            layer.store = DenseStore(view.keys, view.values, view.positions, view.keys.shape[2])  # grows on append
+            layer.seen, layer.module = seen, view.module
+            layer.is_initialized, layer.dtype, layer.device = True, view.keys.dtype, view.keys.device
+        work.observing = True
+        work.observation_spec = observation
+        with torch.no_grad(), kvtrim_attention_enabled(model):
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=work,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return {view.layer_idx: work.layers[view.layer_idx].store for view in views}
 
     @property
     def kv_layers(self) -> list[CompressibleLayer]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,10 @@ class LayerView:
         prompt_ids: ``[batch, n]`` the prompt's token ids (``-1``: padding), when the method's observation asked
             for ``input_ids``
         shared: one dict shared by the views of all layers in a compression, for cross-layer quantities
+        replay: ``replay(model, views, input_ids, attention_mask, position_ids, observation) -> {layer: store}``
+            feeds ``input_ids`` through ``model`` over a scratch copy of the views' entries, recording
+            ``observation``, and returns each layer's scratch store (KVzip re-reads its context this way); given by
+            the cache being compressed
     """
 
     layer_idx: int
@@ -46,6 +51,7 @@ class LayerView:
     prompt_logprobs: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
     shared: dict = field(default_factory=dict)
+    replay: Callable[..., dict] | None = None
     _cache: dict = field(default_factory=dict)
 
     @property
