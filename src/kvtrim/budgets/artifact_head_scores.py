@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 from .head_scores import DEFAULT_BETA, DEFAULT_TEMPERATURE, HeadScoreBudget
 
 
 @dataclass
-class ArtifactHeadScoreBudget:
+class ArtifactHeadScoreBudget(BudgetAllocator):
     """:class:`HeadScoreBudget` loaded from the ``headkv`` artifact of the model it is bound to.
 
     Binding happens when a method is resolved for a model (``kvtrim.generate``, ``Session``, ``compressing``…);

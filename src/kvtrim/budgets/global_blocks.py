@@ -8,11 +8,11 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..selection.block_eviction import block_eviction_counts, budget_blocks, evicted_entries
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 @dataclass
-class GlobalBlockBudget:
+class GlobalBlockBudget(BudgetAllocator):
     """KV-Compress allocation (Rehg, arXiv 2410.00161, §4.a steps 5-7) for kvtrim's pipeline.
 
     Per sequence, the requested mean ``M`` entries per (layer, KV head) — the protected window included — becomes a

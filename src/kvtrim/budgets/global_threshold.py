@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 @dataclass
-class GlobalThresholdBudget:
+class GlobalThresholdBudget(BudgetAllocator):
     """Token-granular global allocation (KVzip's non-layerwise mode, Kim et al., arXiv 2505.23416).
 
     Per row, the ``keep · layers · kv_heads`` highest scores over the whole cache are kept; a (layer, KV head)

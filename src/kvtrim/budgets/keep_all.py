@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 @dataclass
-class KeepAllBudget:
+class KeepAllBudget(BudgetAllocator):
     """Budget = the row's context length for every layer and KV head (no token is evicted); used by ``think``,
     whose ratio is a fraction of key channels."""
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 from .head_adaptive import largest_remainder
 
 
@@ -34,7 +34,7 @@ def pyramid_layer_budgets(keep: int, context: int, num_layers: int, window: int,
 
 
 @dataclass
-class PyramidBudget:
+class PyramidBudget(BudgetAllocator):
     """PyramidKV allocation.
 
     Args:

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 @dataclass
-class UniformBudget:
+class UniformBudget(BudgetAllocator):
     """Every (layer, KV head) keeps the requested mean."""
 
     # capabilities (read by the method registry, kvtrim.methods.registry)

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 
 
 @dataclass
-class CumulativeAttentionScorer:
+class CumulativeAttentionScorer(Scorer):
     """Sum over all prompt queries (and the query heads of each group) of the attention paid to each entry.
 
     The sums are accumulated while the prompt is prefilled, ``chunk`` queries at a time, so memory stays at

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .rope import cos_sin, rope_frequencies, rotate_half, rotate_half_matrix
 
@@ -78,7 +78,7 @@ def expected_logits(
 
 
 @dataclass
-class ExpectedAttentionScorer:
+class ExpectedAttentionScorer(Scorer):
     """Expected Attention (Devoto et al., 2025, "Expected Attention: KV Cache Compression by Estimating
     Attention from Future Queries Distribution", arXiv 2510.00636; kvpress's ExpectedAttentionPress).
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .partitions import PartitionLayout, partition_layout
 
@@ -35,7 +35,7 @@ def _std_softmax(current: torch.Tensor, reference: torch.Tensor, eps: float) -> 
 
 
 @dataclass
-class LagRelativeScorer:
+class LagRelativeScorer(Scorer):
     """Attention-free per-KV-head scores inside the lag frame; only slots of partitions compressed now are scored
     (the rest get 0 and are kept by the partition selector).
 

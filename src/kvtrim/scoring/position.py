@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 
 
 @dataclass
-class RecencyScorer:
+class RecencyScorer(Scorer):
     """Score = logical position: the most recent entries rank highest."""
 
     # capabilities (read by the method registry, kvtrim.methods.registry)

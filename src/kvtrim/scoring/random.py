@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 
 
 @dataclass
-class RandomScorer:
+class RandomScorer(Scorer):
     """Uniform random scores, reproducible from ``seed`` (and the layer index)."""
 
     # capabilities (read by the method registry, kvtrim.methods.registry)

@@ -14,7 +14,7 @@ import torch
 
 from ..cache.attention import attention_probabilities
 from ..errors import InvalidParameterError
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import MAX_CHUNK_PROBABILITIES, ObservationSpec
 from .reduce import pool_sequence
 
@@ -74,7 +74,7 @@ def squared_attention(
 
 
 @dataclass
-class SquaredAttentionScorer:
+class SquaredAttentionScorer(Scorer):
     """KV-Compress's metric as a scorer: squared attention of the observed queries (see module docstring).
 
     Under a continuous schedule (``kvcompress@every:64``) the cache also accumulates each decoding query's squared

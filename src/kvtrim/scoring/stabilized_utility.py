@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..artifacts.compilerkv import KIND, TableSource
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .risk import EPS, RiskSignals, local_perplexity, structural_entropy
 
@@ -24,7 +24,7 @@ def _position_scatter(values: torch.Tensor, positions: torch.Tensor, length: int
 
 
 @dataclass
-class StabilizedUtilityScorer:
+class StabilizedUtilityScorer(Scorer):
     """û_t = max_h W[l, h] · u_t^{(l,h)}, one score per token shared by every KV head of a layer.
 
     * ``utility="stabilized"`` (default, the v2 operator): u = α · ρ with α_t = (T/W) Σ_{j∈Ω} mean_{l,h} A_{j,t}

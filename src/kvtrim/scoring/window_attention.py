@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .reduce import pool_sequence, reduce_group
 
 
 @dataclass
-class WindowAttentionScorer:
+class WindowAttentionScorer(Scorer):
     """Attention that the last ``window`` prompt queries pay to each entry.
 
     Per query head: aggregate over the window queries (``mean`` or ``sum``), then reduce over the GQA group

@@ -8,6 +8,7 @@ import torch
 
 from ..artifacts.compilerkv import KIND, TableSource
 from ..errors import InvalidParameterError
+from .base import Selector
 from .topk import Selection
 
 MODES = ("pad", "elastic")
@@ -15,7 +16,7 @@ MISSING_LOGPROBS = ("error", "median_bin")
 
 
 @dataclass
-class ThresholdGateSelector:
+class ThresholdGateSelector(Selector):
     """Keep the tokens whose utility clears the layer's threshold τ, corrected to the budget.
 
     τ_l = T_gate[B, l, b_H, b_P] from the compiled risk table (entropy and local-perplexity bins of the prompt,
