@@ -78,7 +78,7 @@ class KVTrimCache(Cache):
         # [batch, w] log p(x_j | x_<j) of the last prompt tokens (NaN: padding or not recorded); set by kvtrim.api
         # when the method's observation asks for token_logprobs
         self.prompt_logprobs: torch.Tensor | None = None
-        self._last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last prefill position
+        self.last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last fed position
         # [batch, n] the prompt's token ids (-1: padding), when the method's observation asks for input_ids
         self.prompt_ids: torch.Tensor | None = None
 

@@ -79,6 +79,12 @@ class CompressibleLayer(CacheLayerMixin):
     def cache(self) -> KVTrimCache:
         return self._cache()
 
+    @property
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(keys, values)`` ``[batch, kv_heads, q, head_dim]`` handed over by ``update`` and not yet stored by
+        :meth:`attend` (None between forward passes)."""
+        return self._pending
+
     # transformers reads .keys/.values on some code paths (device, dtype); expose the stored entries.
     @property
     def keys(self) -> torch.Tensor | None:
