@@ -108,6 +108,11 @@ class Session:
     Args:
         methods: every method name (or built pipeline) that :meth:`run` will be asked for, so the prefill records
             what all of them need (observation windows, accumulated attention)
+
+    Attributes:
+        ids, mask: ``[batch, n]`` the tokenized prompt (left-padded) and its attention mask
+        prefill: the shared one-pass :class:`kvtrim.runtime.Prefill` (uncompressed, never modified); None with
+            ``prefill_chunk``, where every method prefills on its own because it compresses between the chunks
     """
 
     def __init__(
@@ -148,8 +153,6 @@ class Session:
         self.ids, self.mask = tokenize(tokenizer, texts, self.special)
         check_length(model, self.ids.shape[1], "the prompt" if question is not None else "the context")
         self.prefill: Prefill | None = None
-        """The shared one-pass prefill (:class:`kvtrim.runtime.Prefill`); None with ``prefill_chunk``, where every
-        method prefills on its own because it compresses between the chunks."""
         if prefill_chunk is None:
             with torch.inference_mode(), kvtrim_attention_enabled(model):
                 self.prefill = Prefill.plain(model, self.ids, self.mask, self.observation)
