@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.kvcache import CacheStats, KVTrimCache
 from .compression.compressor import BudgetSpec, CompressionReport
 from .compression.pipeline import Pipeline
 from .errors import InvalidParameterError, KVTrimError
+from .integration.cache import CacheStats, KVTrimCache
 from .methods import get_method
 from .sampling import Sampling, eos_ids
 from .scoring.observation import ObservationSpec
