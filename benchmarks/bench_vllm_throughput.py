@@ -201,6 +201,28 @@ def _agree(a: list[int], b: list[int]) -> int:
     return next((j for j in range(n) if a[j] != b[j]), n)
 
 
+def render(report: dict) -> list[str]:
+    """The markdown summary of a results JSON (throughput table when measured, then the quality table)."""
+    args = report["args"]
+    lines = [f"# vLLM {report['vllm']} with/without kvtrim — {report['date']}", report["machine"], ""]
+    if report["throughput"]:
+        lines += [
+            f"Throughput ({args['method']}, budget {args['budget']}): {args['requests']} prompts x "
+            f"{args['prompt_len']} tokens, {args['output_len']} output tokens, {args['blocks']} blocks of 128 tokens",
+            "",
+            "| mode | most running at once | output tok/s | wall s | preemptions | blocks freed |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in report["throughput"]:
+            mode = "vanilla" if r["config"] is None else "kvtrim"
+            lines.append(
+                f"| {mode} | {r['most_running_at_once']} | {r['output_tok_per_s']} | {r['wall_s']} | "
+                f"{r['preemptions']:.0f} | {r['blocks_freed_by_kvtrim']} |"
+            )
+        lines.append("")
+    return lines + quality_lines(report["quality"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -260,21 +282,7 @@ def main() -> None:
     }
     report["quality"] = quality(configs, args.tasks.split(","), args.task_length, args.samples)
     (OUT_DIR / f"{name}.json").write_text(json.dumps(report, indent=2))
-    lines = [
-        f"# vLLM {report['vllm']} with/without kvtrim ({args.method}, budget {args.budget}) — {report['date']}",
-        f"{report['machine']}; {args.requests} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, "
-        f"{args.blocks} blocks of 128 tokens",
-        "",
-        "| mode | most running at once | output tok/s | wall s | preemptions | blocks freed |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in report["throughput"]:
-        mode = "vanilla" if r["config"] is None else "kvtrim"
-        lines.append(
-            f"| {mode} | {r['most_running_at_once']} | {r['output_tok_per_s']} | {r['wall_s']} | "
-            f"{r['preemptions']:.0f} | {r['blocks_freed_by_kvtrim']} |"
-        )
-    lines += ["", *quality_lines(report["quality"])]
+    lines = render(report)
     (OUT_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
