@@ -76,6 +76,10 @@ $(VLLM_STAMP): pyproject.toml
 		"wonderwords>=3.0,<4" "rapidfuzz>=3.14,<4" "rouge-score==0.1.2"
 	touch $(VLLM_STAMP)
 
+# Fails (non-zero) on any test failure, and before the tests if vLLM, its server or the plugin's version check
+# cannot be imported (the vLLM test files would otherwise be skipped, not failed).
 vllm-test: $(VLLM_STAMP)
 	$(VPY) -m kvtrim models fetch
-	$(VPY) -m pytest tests/vllm -q -p no:cacheprovider
+	$(VPY) -c "import vllm, vllm.entrypoints.openai.api_server, openai; from kvtrim.vllm.plugin import check_version; \
+		check_version(vllm.__version__); print('vllm-test: vllm', vllm.__version__, 'from', vllm.__file__)"
+	$(VPY) -m pytest tests/vllm -q -p no:cacheprovider -rs

@@ -119,7 +119,8 @@ def throughput(config: dict | None, prompts: list[list[int]], output_len: int, b
         close(llm)
 
 
-def quality(config: dict, tasks: list[str], length: int, samples: int) -> dict:
+def quality(configs: dict[str, dict], tasks: list[str], length: int, samples: int) -> dict:
+    """Score every configuration (name -> plugin config) through vLLM and through kvtrim's transformers path."""
     from vllm.inputs import TokensPrompt
 
     from vllm import SamplingParams
@@ -133,9 +134,10 @@ def quality(config: dict, tasks: list[str], length: int, samples: int) -> dict:
             ids = list(tokenizer(text + s.answer_prefix, add_special_tokens=False)["input_ids"])
             cases.append((task, s, ids))
     max_new = 32
-    results: dict = {"config": config, "tasks": tasks, "length": length, "samples_per_task": samples, "cases": []}
+    results: dict = {"configs": configs, "tasks": tasks, "length": length, "samples_per_task": samples, "cases": []}
     outputs = {}
-    for mode, cfg in (("vllm_full", None), ("vllm_kvtrim", config)):
+    runs = {"full": None, **configs}
+    for name, cfg in runs.items():
         llm = make_llm(cfg, None)
         try:
             outs = llm.generate(
@@ -143,12 +145,12 @@ def quality(config: dict, tasks: list[str], length: int, samples: int) -> dict:
                 SamplingParams(max_tokens=max_new, temperature=0.0),
                 use_tqdm=False,
             )
-            outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+            outputs[f"vllm_{name}"] = [list(o.outputs[0].token_ids) for o in outs]
         finally:
             close(llm)
     eos = tokenizer.eos_token_id
-    for mode, method in (("hf_full", None), ("hf_kvtrim", config)):
-        outputs[mode] = []
+    for name, method in runs.items():
+        outputs[f"hf_{name}"] = []
         for _, _, ids in cases:
             x = torch.tensor([ids])
             with torch.no_grad():
@@ -159,26 +161,66 @@ def quality(config: dict, tasks: list[str], length: int, samples: int) -> dict:
                     cache = kvtrim.make_cache(model, method["method"], **spec, **method.get("params", {}))
                     out = model.generate(x, past_key_values=cache, max_new_tokens=max_new, do_sample=False)
             toks = out[0, len(ids) :].tolist()
-            outputs[mode].append(toks[: toks.index(eos) + 1] if eos in toks else toks)
+            outputs[f"hf_{name}"].append(toks[: toks.index(eos) + 1] if eos in toks else toks)
     scores = {mode: [] for mode in outputs}
     for i, (task, s, ids) in enumerate(cases):
-        row = {"task": task, "prompt_tokens": len(ids), "answers": s.answers}
+        row = {"task": task, "prompt_tokens": len(ids), "answers": s.answers, "paths_agree_tokens": {}}
         for mode in outputs:
             text = tokenizer.decode(outputs[mode][i], skip_special_tokens=True)
             score = METRICS[s.metric](text, s.answers)
             scores[mode].append(score)
             row[mode] = {"text": text, "score": score}
-        row["kvtrim_paths_agree_tokens"] = _agree(outputs["vllm_kvtrim"][i], outputs["hf_kvtrim"][i])
-        row["full_paths_agree_tokens"] = _agree(outputs["vllm_full"][i], outputs["hf_full"][i])
+        for name in runs:
+            row["paths_agree_tokens"][name] = _agree(outputs[f"vllm_{name}"][i], outputs[f"hf_{name}"][i])
         results["cases"].append(row)
     results["mean_score"] = {mode: round(sum(v) / len(v), 4) for mode, v in scores.items()}
     return results
+
+
+def quality_lines(q: dict) -> list[str]:
+    """Markdown: one row per configuration, the vLLM and transformers scores side by side."""
+    lines = [
+        f"Quality ({', '.join(q['tasks'])}, {q['length']} tokens, {q['samples_per_task']} samples each, greedy, "
+        "32 new tokens; the same prompt token ids through both paths):",
+        "",
+        "| configuration | vLLM score | transformers score | leading tokens equal (vLLM vs transformers) |",
+        "|---|---|---|---|",
+    ]
+    for name, cfg in {"full": None, **q["configs"]}.items():
+        agree = [c["paths_agree_tokens"][name] for c in q["cases"]]
+        label = "no compression" if cfg is None else json.dumps(cfg)
+        lines.append(
+            f"| {label} | {q['mean_score'][f'vllm_{name}']} | {q['mean_score'][f'hf_{name}']} | {agree} |"
+        )
+    return lines
 
 
 def _agree(a: list[int], b: list[int]) -> int:
     """How many leading tokens two generations share."""
     n = min(len(a), len(b))
     return next((j for j in range(n) if a[j] != b[j]), n)
+
+
+def render(report: dict) -> list[str]:
+    """The markdown summary of a results JSON (throughput table when measured, then the quality table)."""
+    args = report["args"]
+    lines = [f"# vLLM {report['vllm']} with/without kvtrim — {report['date']}", report["machine"], ""]
+    if report["throughput"]:
+        lines += [
+            f"Throughput ({args['method']}, budget {args['budget']}): {args['requests']} prompts x "
+            f"{args['prompt_len']} tokens, {args['output_len']} output tokens, {args['blocks']} blocks of 128 tokens",
+            "",
+            "| mode | most running at once | output tok/s | wall s | preemptions | blocks freed |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in report["throughput"]:
+            mode = "vanilla" if r["config"] is None else "kvtrim"
+            lines.append(
+                f"| {mode} | {r['most_running_at_once']} | {r['output_tok_per_s']} | {r['wall_s']} | "
+                f"{r['preemptions']:.0f} | {r['blocks_freed_by_kvtrim']} |"
+            )
+        lines.append("")
+    return lines + quality_lines(report["quality"])
 
 
 def main() -> None:
@@ -194,6 +236,13 @@ def main() -> None:
     ap.add_argument("--task-length", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--quality-only", action="store_true", help="keep the saved throughput part, redo quality")
+    ap.add_argument(
+        "--quality-methods",
+        default=None,
+        help="comma-separated methods for the quality part (default: --method); lagkv-family ones use --lag-ratio",
+    )
+    ap.add_argument("--lag-ratio", type=float, default=0.75, help="ratio for lagkv/localkv/lag_knorm")
+    ap.add_argument("--name", default=None, help="result file stem (default: results, or quick with --quick)")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.prompt_len, args.output_len, args.samples, args.task_length = 6, 400, 8, 1, 512
@@ -206,16 +255,17 @@ def main() -> None:
 
     report = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": "2 shared CPU cores (7 other jobs running: timings under load)",
+        "machine": "2 shared CPU cores (other jobs running: timings under load)",
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "threads": os.environ.get("OMP_NUM_THREADS"),
         "args": vars(args),
     }
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    name = "quick" if args.quick else "results"
+    name = args.name or ("quick" if args.quick else "results")
     if args.quality_only:
-        report["throughput"] = json.loads((OUT_DIR / f"{name}.json").read_text())["throughput"]
+        saved = OUT_DIR / f"{name}.json"
+        report["throughput"] = json.loads(saved.read_text())["throughput"] if saved.exists() else []
     else:
         report["throughput"] = [
             throughput(None, prompts, args.output_len, args.blocks),
@@ -223,28 +273,16 @@ def main() -> None:
         ]
     (OUT_DIR / f"{name}.json").write_text(json.dumps(report, indent=2))  # kept if the quality part fails
     print(json.dumps(report["throughput"], indent=1))
-    report["quality"] = quality(config, args.tasks.split(","), args.task_length, args.samples)
+    methods = (args.quality_methods or args.method).split(",")
+    configs = {
+        m: {"method": m, "ratio": args.lag_ratio}
+        if m in ("lagkv", "localkv", "lag_knorm")
+        else {"method": m, "budget": args.budget}
+        for m in methods
+    }
+    report["quality"] = quality(configs, args.tasks.split(","), args.task_length, args.samples)
     (OUT_DIR / f"{name}.json").write_text(json.dumps(report, indent=2))
-    lines = [
-        f"# vLLM {report['vllm']} with/without kvtrim ({args.method}, budget {args.budget}) — {report['date']}",
-        f"{report['machine']}; {args.requests} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, "
-        f"{args.blocks} blocks of 128 tokens",
-        "",
-        "| mode | most running at once | output tok/s | wall s | preemptions | blocks freed |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in report["throughput"]:
-        mode = "vanilla" if r["config"] is None else "kvtrim"
-        lines.append(
-            f"| {mode} | {r['most_running_at_once']} | {r['output_tok_per_s']} | {r['wall_s']} | "
-            f"{r['preemptions']:.0f} | {r['blocks_freed_by_kvtrim']} |"
-        )
-    q = report["quality"]
-    lines += ["", f"Quality ({', '.join(q['tasks'])}, {q['length']} tokens, {q['samples_per_task']} samples each):", ""]
-    lines += [f"- {mode}: mean score {score}" for mode, score in q["mean_score"].items()]
-    agree = [c["kvtrim_paths_agree_tokens"] for c in q["cases"]]
-    full = [c["full_paths_agree_tokens"] for c in q["cases"]]
-    lines += [f"- leading tokens equal, vLLM+kvtrim vs transformers+kvtrim: {agree}", f"- same, uncompressed: {full}"]
+    lines = render(report)
     (OUT_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,31 @@ def token_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Deterministic prompts of the given token counts (ids from the common part of the vocabulary)."""
     rng = np.random.default_rng(seed)
     return [rng.integers(200, 20000, size=n).tolist() for n in lengths]
+
+
+def truncated_model(dst: Path, layers: int = 2) -> Path:
+    """A copy of the embedded SmolLM2 with only its first ``layers`` decoder layers (same tokenizer, heads, blocks).
+
+    For tests about block bookkeeping, where the model's depth only costs time: 2 of 30 layers make a prefill
+    about 15 times cheaper, so hundreds of requests fit in a test.
+    """
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(MODEL_DIR / "model.safetensors")
+    kept = {
+        name: t
+        for name, t in tensors.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    save_file(kept, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (MODEL_DIR / name).exists():
+            shutil.copy(MODEL_DIR / name, dst / name)
+    return dst
 
 
 def make_llm(config: dict | None = None, **kwargs):
