@@ -35,9 +35,9 @@ __all__ = ["DEFAULT_BETA", "DEFAULT_TEMPERATURE", "HeadScoreBudget", "exact_boun
 
 DEFAULT_BETA = 1.5
 """Default β (also HeadKV's ``run_longbench.py`` default). Chosen by the sweep in
-``benchmarks/results/headkv_beta_sweep.md`` on the embedded model (10 passkey + 10 niah_single_2 at ~1k tokens,
-context-only): best at ratio 0.75 (80 vs 70–75 for β ≤ 1.2, 50 for β = 2, 0 for β = 5), tied at 0.5, and with a
-larger guaranteed base per head than β near 1."""
+``benchmarks/results/bench_headkv_beta_sweep/headkv_beta_sweep.md`` on the embedded model (10 passkey +
+10 niah_single_2 at ~1k tokens, context-only): best at ratio 0.75 (80 vs 70–75 for β ≤ 1.2, 50 for β = 2, 0 for
+β = 5), tied at 0.5, and with a larger guaranteed base per head than β near 1."""
 DEFAULT_TEMPERATURE = 1.0
 """``p^temperature``; 1 in all HeadKV scripts. The sweep at β = 1.5 found 0.5 much worse and 2 no better."""
 
