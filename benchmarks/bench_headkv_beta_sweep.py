@@ -1,4 +1,4 @@
-"""Sweep HeadKV's β (and a few temperatures) on the embedded model: seeds decision 9.
+"""Sweep HeadKV's β (and a few temperatures) on the embedded model: decision 9 (docs/decisions.md).
 
 For every sample (passkey and RULER niah_single_2 at ~1k tokens, context-only compression) the context is
 prefilled once in a :class:`kvtrim.Session`; each configuration compresses a copy of that cache and answers:

@@ -22,7 +22,7 @@ KIND = "compilerkv"
 HEAD_ACTIONS = torch.linspace(0.8, 1.5, 29)
 THRESHOLD_ACTIONS = torch.linspace(0.8, 1.0, 21)
 NEUTRAL_WEIGHT = 1.0
-UNVISITED_THRESHOLD = 0.8  # the lowest, most conservative threshold (spec §1a step 12)
+UNVISITED_THRESHOLD = 0.8  # the lowest, most conservative threshold: decision 2 (docs/decisions.md)
 
 register_artifact_kind(KIND, "CompilerKV compiled tables", "kvtrim calibrate compilerkv --model {model}")
 
