@@ -72,7 +72,7 @@ def _prompt_ids(tokenizer, length: int, task: str = "niah_single_2", index: int 
 
 def _prefill(model, ids, config: str, chunk: int):
     from kvtrim.api import prefill_chunked, prefill_ids
-    from kvtrim.compressor import BudgetSpec
+    from kvtrim.compression.compressor import BudgetSpec
     from kvtrim.methods import get_method
     from kvtrim.scoring.observation import ObservationSpec
 
@@ -126,7 +126,7 @@ def agreement(samples: int, chunk: int, threads: int) -> list[dict]:
     """First-token agreement on ~1k-token prompts (question included), several tasks."""
     import kvtrim
     from kvtrim.api import prefill_chunked, prefill_ids
-    from kvtrim.compressor import BudgetSpec
+    from kvtrim.compression.compressor import BudgetSpec
     from kvtrim.integration.attention import kvtrim_attention_enabled
     from kvtrim.methods import get_method
     from kvtrim.scoring.observation import ObservationSpec

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 import kvtrim
+from kvtrim.artifacts.store import load_artifact
 from kvtrim.budgets.head_scores import HeadScoreBudget
 from kvtrim.budgets.uniform import UniformBudget
-from kvtrim.calibration.artifacts import load_artifact
+from kvtrim.compression.pipeline import Pipeline
 from kvtrim.eval.metrics import score_sample
 from kvtrim.eval.tasks import generate_task
-from kvtrim.pipeline import Pipeline
 from kvtrim.scoring.window_attention import WindowAttentionScorer
 from kvtrim.selection.topk import TopKSelector
 

@@ -35,7 +35,7 @@ import torch
 
 import kvtrim
 from kvtrim.api import _decode, prefill_ids
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
 from kvtrim.scoring.observation import ObservationSpec

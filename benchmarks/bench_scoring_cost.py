@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kvtrim
 from kvtrim.cache.kvcache import KVTrimCache
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.eval.haystacks import get_haystack
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.scoring.observation import LayerObservation, ObservationSpec, record

@@ -128,7 +128,7 @@ GLOBAL_TOKEN_METHODS = {"kvzip"}
 
 def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
     """Point the kvtrim home at ``tmp_path`` and save random HeadKV head scores for ``model`` there."""
-    from kvtrim.calibration.artifacts import save_artifact
+    from kvtrim.artifacts.store import save_artifact
 
     monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))
     cfg = model.config
@@ -147,7 +147,7 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
 
 def install_duo_gates(model, directory=None, seed: int = 0):
     """Save random DuoAttention gates ``[layers, kv_heads]`` for ``model`` (default: in the kvtrim home)."""
-    from kvtrim.calibration.artifacts import save_artifact
+    from kvtrim.artifacts.store import save_artifact
 
     cfg = model.config
     g = torch.Generator().manual_seed(seed + 3)
@@ -157,8 +157,8 @@ def install_duo_gates(model, directory=None, seed: int = 0):
 
 def install_compilerkv_tables(model, directory=None, seed: int = 0, budgets=(20, 40)):
     """Save random CompilerKV tables for ``model`` (default: in the kvtrim home) and return the path."""
-    from kvtrim.calibration.artifacts import save_artifact
-    from kvtrim.calibration.compilerkv_tables import HEAD_ACTIONS, THRESHOLD_ACTIONS, CompiledTables
+    from kvtrim.artifacts.compilerkv import HEAD_ACTIONS, THRESHOLD_ACTIONS, CompiledTables
+    from kvtrim.artifacts.store import save_artifact
 
     cfg = model.config
     g = torch.Generator().manual_seed(seed + 2)
@@ -175,7 +175,7 @@ def install_compilerkv_tables(model, directory=None, seed: int = 0, budgets=(20,
 
 def install_compresskv_scores(model, directory=None, seed: int = 0):
     """Save random CompressKV head (SRH/TRH) and layer scores for ``model`` (default: in the kvtrim home)."""
-    from kvtrim.calibration.artifacts import save_artifact
+    from kvtrim.artifacts.store import save_artifact
 
     cfg = model.config
     g = torch.Generator().manual_seed(seed + 1)

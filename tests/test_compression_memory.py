@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import tiny_model
 from kvtrim.cache.kvcache import KVTrimCache
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
 

@@ -8,11 +8,11 @@ import torch
 import kvtrim
 from conftest import random_text, tiny_model
 from kvtrim.api import _decode, prefill_chunked, prefill_ids
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
+from kvtrim.compression.schedule import AfterPrefill, EveryNTokens, OverBudget, TailFull, parse_schedule
 from kvtrim.errors import InvalidParameterError
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
-from kvtrim.schedule import AfterPrefill, EveryNTokens, OverBudget, TailFull, parse_schedule
 from kvtrim.scoring.partitions import kept_length
 
 

@@ -8,13 +8,13 @@ from typer.testing import CliRunner
 
 import kvtrim
 from conftest import byte_tokenizer, random_text, tiny_model
+from kvtrim.artifacts.store import load_artifact, model_key
 from kvtrim.budgets.base import BudgetRequest
 from kvtrim.budgets.duo_heads import DuoHeadBudget, load_duo_gates, streaming_head_order
 from kvtrim.cache.channel_pruned import ChannelPrunedStore
-from kvtrim.calibration.artifacts import load_artifact, model_key
 from kvtrim.calibration.cli import calibrate_app
 from kvtrim.calibration.duo import DuoCalibration, calibrate_duo, streaming_deviation
-from kvtrim.pipeline import Pipeline
+from kvtrim.compression.pipeline import Pipeline
 from kvtrim.scoring.position import RecencyScorer
 from kvtrim.selection.topk import TopKSelector
 

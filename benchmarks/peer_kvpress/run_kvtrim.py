@@ -40,7 +40,7 @@ import torch
 import transformers
 
 import kvtrim
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 
 METHODS = ("snapkv", "critical_snapkv", "adakv", "critical_adakv")

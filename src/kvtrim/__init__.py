@@ -32,7 +32,7 @@ _EXPORTS = {
     "KVTrimCache": ".cache.kvcache",
     "get_attention_backend": ".cache.sdpa",
     "set_attention_backend": ".cache.sdpa",
-    "BudgetSpec": ".compressor",
+    "BudgetSpec": ".compression.compressor",
     "InvalidParameterError": ".errors",
     "KVTrimError": ".errors",
     "MissingArtifactError": ".errors",
@@ -104,7 +104,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .api import GenerationStats, Result, Session, compressing, generate, make_cache
     from .cache.kvcache import KVTrimCache
     from .cache.sdpa import get_attention_backend, set_attention_backend
-    from .compressor import BudgetSpec
+    from .compression.compressor import BudgetSpec
     from .errors import (
         InvalidParameterError,
         KVTrimError,

@@ -126,7 +126,7 @@ def generate(
 ) -> None:
     """Compress the context's KV cache and answer the question(s) from it."""
     from . import api
-    from .compressor import BudgetSpec
+    from .compression.compressor import BudgetSpec
     from .methods import get_method
     from .models import load_model, resolve_device, resolve_dtype
     from .prompts import check_prompt_format

@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .artifacts.compilerkv import TableSource
 from .budgets.artifact_head_scores import ArtifactHeadScoreBudget
 from .budgets.duo_heads import DuoHeadBudget
 from .budgets.error_aware import (
@@ -27,10 +28,9 @@ from .budgets.keep_all import KeepAllBudget
 from .budgets.partition import PartitionBudget
 from .budgets.pyramid import PyramidBudget
 from .budgets.uniform import UniformBudget
-from .calibration.compilerkv_tables import TableSource
+from .compression.pipeline import Pipeline
+from .compression.schedule import TailFull, parse_schedule
 from .errors import InvalidParameterError
-from .pipeline import Pipeline
-from .schedule import TailFull, parse_schedule
 from .scoring.cumulative_attention import CumulativeAttentionScorer
 from .scoring.expected_attention import ExpectedAttentionScorer
 from .scoring.head_subset import ArtifactHeadSubsetScorer
@@ -1069,7 +1069,7 @@ def method_info(name: str) -> MethodInfo:
 def get_method(name: str, **params) -> Pipeline:
     """Build the pipeline of method ``name`` with optional parameter overrides.
 
-    ``name@schedule`` runs the method with a decoding-time schedule (see :mod:`kvtrim.schedule`), e.g.
+    ``name@schedule`` runs the method with a decoding-time schedule (see :mod:`kvtrim.compression.schedule`), e.g.
     ``"snapkv@every:64"`` re-compresses every 64 new tokens and ``"snapkv@over:0"`` caps every head at its budget.
     """
     info = method_info(name)

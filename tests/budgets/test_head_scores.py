@@ -116,7 +116,7 @@ def test_exact_total_property(keep, extra, beta, temperature, seed):
 
 def test_from_artifact_and_missing(tmp_path, monkeypatch):
     from conftest import tiny_model
-    from kvtrim.calibration.artifacts import save_artifact
+    from kvtrim.artifacts.store import save_artifact
     from kvtrim.errors import MissingArtifactError
 
     monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))

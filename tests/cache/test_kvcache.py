@@ -20,7 +20,7 @@ from conftest import (
     tiny_model,
 )
 from kvtrim.cache.kvcache import KVTrimCache
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method, method_names
 from kvtrim.scoring.partitions import kept_length

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from kvtrim.calibration.artifacts import (
+from kvtrim.artifacts.store import (
     ArtifactMismatchError,
     describe_artifact,
     load_artifact,
@@ -109,7 +109,7 @@ def test_unknown_format_version_and_wrong_kind_rejected(tmp_path):
 
 def test_home_takes_precedence_over_package(isolated_home, monkeypatch, tmp_path):
     """The package's shipped directory is searched last."""
-    import kvtrim.calibration.artifacts as artifacts
+    import kvtrim.artifacts.store as artifacts
 
     model = tiny_model("llama")
     shipped_root = tmp_path / "pkg"

@@ -9,14 +9,14 @@ import torch
 
 import kvtrim
 from conftest import install_compilerkv_tables, tiny_model
-from kvtrim.calibration.compilerkv import CompilerKVCalibration, _balanced_actions, calibrate_compilerkv
-from kvtrim.calibration.compilerkv_tables import (
+from kvtrim.artifacts.compilerkv import (
     HEAD_ACTIONS,
     THRESHOLD_ACTIONS,
     CompiledTables,
     TableSource,
     load_compilerkv,
 )
+from kvtrim.calibration.compilerkv import CompilerKVCalibration, _balanced_actions, calibrate_compilerkv
 from kvtrim.calibration.cql import CQLSettings
 from kvtrim.errors import InvalidParameterError, MissingArtifactError
 
@@ -122,7 +122,7 @@ def test_small_compilation_end_to_end(tmp_path, tokenizer):
 
 
 def test_policy_plots(tmp_path):
-    from kvtrim.calibration.compilerkv_tables import plot_compilerkv
+    from kvtrim.artifacts.compilerkv import plot_compilerkv
 
     model = tiny_model("llama", layers=3)
     tables = load_compilerkv(model, str(install_compilerkv_tables(model, directory=tmp_path)))

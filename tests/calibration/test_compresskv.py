@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 import kvtrim.calibration.compresskv as ckv
 from conftest import byte_tokenizer, tiny_model
-from kvtrim.calibration.artifacts import load_artifact, model_key
+from kvtrim.artifacts.store import load_artifact, model_key
 from kvtrim.calibration.cli import calibrate_app
 from kvtrim.calibration.compresskv import (
     AnswerNeedle,

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import byte_tokenizer, tiny_model
-from kvtrim.calibration.artifacts import load_artifact, model_key
+from kvtrim.artifacts.store import load_artifact, model_key
 from kvtrim.calibration.cli import calibrate_app
 from kvtrim.calibration.headkv import (
     DEFAULT_NEEDLES,

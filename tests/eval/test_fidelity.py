@@ -169,7 +169,7 @@ def test_ragged_layout_gives_the_dense_results(models, text_ids):
     """The metrics read any store layout: a ragged copy of the same selection scores the same."""
     import dataclasses
 
-    from kvtrim.pipeline import Pipeline
+    from kvtrim.compression.pipeline import Pipeline
 
     if "layout" not in {f.name for f in dataclasses.fields(Pipeline)}:
         pytest.skip("this kvtrim has no ragged storage")

@@ -14,7 +14,7 @@ from conftest import tiny_model
 from kvtrim.budgets.base import BudgetRequest
 from kvtrim.budgets.global_threshold import GlobalThresholdBudget
 from kvtrim.cache.kvcache import KVTrimCache
-from kvtrim.compressor import BudgetSpec, layer_views
+from kvtrim.compression.compressor import BudgetSpec, layer_views
 from kvtrim.errors import InvalidParameterError
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method

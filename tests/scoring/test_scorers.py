@@ -6,9 +6,9 @@ import torch
 
 from conftest import tiny_model
 from kvtrim.cache.kvcache import KVTrimCache
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
+from kvtrim.compression.pipeline import Pipeline
 from kvtrim.integration.attention import kvtrim_attention_enabled
-from kvtrim.pipeline import Pipeline
 from kvtrim.scoring.base import LayerView
 from kvtrim.scoring.cumulative_attention import CumulativeAttentionScorer
 from kvtrim.scoring.key_norm import KeyNormScorer

@@ -10,8 +10,8 @@ import torch
 import kvtrim
 from conftest import tiny_model
 from kvtrim.api import prefill_ids
-from kvtrim.calibration.compilerkv_tables import CompiledTables, TableSource
-from kvtrim.compressor import BudgetSpec, layer_views
+from kvtrim.artifacts.compilerkv import CompiledTables, TableSource
+from kvtrim.compression.compressor import BudgetSpec, layer_views
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
 from kvtrim.scoring.risk import bin_index, local_perplexity, quantile_edges, structural_entropy

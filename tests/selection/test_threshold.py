@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvtrim.calibration.compilerkv_tables import CompiledTables, TableSource
+from kvtrim.artifacts.compilerkv import CompiledTables, TableSource
 from kvtrim.errors import InvalidParameterError
 from kvtrim.scoring.risk import RiskSignals
 from kvtrim.selection.threshold import ThresholdGateSelector

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibration.artifacts import load_artifact, register_artifact_kind
+from ..artifacts.store import load_artifact, register_artifact_kind
 from ..errors import InvalidParameterError
 from .base import BudgetRequest
 

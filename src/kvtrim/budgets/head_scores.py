@@ -150,7 +150,7 @@ class HeadScoreBudget:
 
         Raises :class:`~kvtrim.errors.MissingArtifactError` naming ``kvtrim calibrate headkv`` when none exists.
         """
-        from kvtrim.calibration.artifacts import load_artifact
+        from kvtrim.artifacts.store import load_artifact
 
         artifact = load_artifact("headkv", model, path)
         if scores not in artifact.tensors:

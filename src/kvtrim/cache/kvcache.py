@@ -13,8 +13,8 @@ from ..scoring.observation import LayerObservation, ObservationSpec
 from .layer import CompressibleLayer
 
 if TYPE_CHECKING:
-    from ..compressor import BudgetSpec, CompressionReport
-    from ..pipeline import Pipeline
+    from ..compression.compressor import BudgetSpec, CompressionReport
+    from ..compression.pipeline import Pipeline
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class KVTrimCache(Cache):
     Args:
         num_layers: number of decoder layers of the model
         pipeline: the compression method (from :func:`kvtrim.methods.get_method`), or None for no compression
-        budget: how much to keep (a :class:`kvtrim.compressor.BudgetSpec`); required with ``pipeline``
+        budget: how much to keep (a :class:`kvtrim.compression.compressor.BudgetSpec`); required with ``pipeline``
         auto_compress: compress automatically before the first forward pass that follows a prefill
     """
 
@@ -112,7 +112,7 @@ class KVTrimCache(Cache):
         Observation stops afterwards unless the method's schedule compresses again later (or ``keep_observing``,
         used between the chunks of a chunked prefill).
         """
-        from ..compressor import compress_cache
+        from ..compression.compressor import compress_cache
 
         if self.pipeline is None:
             raise InvalidParameterError("this KVTrimCache has no compression method")

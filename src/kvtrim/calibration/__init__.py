@@ -18,7 +18,7 @@ _EXPORTS = {
             "register_artifact_kind",
             "save_artifact",
         ),
-        ".artifacts",
+        "..artifacts.store",
     ),
     **dict.fromkeys(
         ("AnswerNeedle", "HeadScores", "LayerProfile", "calibrate_compresskv", "load_compresskv"), ".compresskv"
@@ -37,7 +37,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
-    from .artifacts import (
+    from ..artifacts.store import (
         Artifact,
         ArtifactMismatchError,
         describe_artifact,

@@ -67,7 +67,7 @@ def headkv(
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ) -> None:
     """Detect HeadKV retrieval-reasoning heads on needle tests and save the `headkv` artifact."""
-    from kvtrim.calibration.artifacts import load_artifact
+    from kvtrim.artifacts.store import load_artifact
     from kvtrim.calibration.headkv import calibrate_headkv
 
     grid = _parse_ints(lengths, "lengths")
@@ -181,8 +181,8 @@ def compilerkv(
     progress: Annotated[bool, typer.Option(help="print progress to stderr")] = True,
 ) -> None:
     """CompilerKV: collect rollouts on a calibration corpus and compile the head and threshold tables with CQL."""
+    from kvtrim.artifacts.compilerkv import load_compilerkv
     from kvtrim.calibration.compilerkv import CompilerKVCalibration, calibrate_compilerkv
-    from kvtrim.calibration.compilerkv_tables import load_compilerkv
     from kvtrim.calibration.cql import CQLSettings
 
     start = time.perf_counter()
@@ -255,7 +255,7 @@ def show(
     tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the artifact's primary one)")] = None,
 ) -> None:
     """Print a summary of an artifact; optionally plot one of its layer x head tensors."""
-    from kvtrim.calibration.artifacts import describe_artifact, load_artifact
+    from kvtrim.artifacts.store import describe_artifact, load_artifact
 
     try:
         mdl, _ = _load(model, None)
@@ -264,7 +264,7 @@ def show(
         _fail(exc)
     typer.echo(describe_artifact(artifact))
     if plot is not None and kind == "compilerkv" and tensor is None:
-        from kvtrim.calibration.compilerkv_tables import CompiledTables, plot_compilerkv
+        from kvtrim.artifacts.compilerkv import CompiledTables, plot_compilerkv
 
         try:
             plot_compilerkv(CompiledTables.from_tensors(artifact.tensors, artifact.meta), plot)

@@ -30,12 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..compressor import BudgetSpec
-from ..errors import InvalidParameterError
-from ..integration.attention import kvtrim_attention_enabled
-from ..scoring.risk import bin_index, quantile_edges
-from .artifacts import save_artifact
-from .compilerkv_tables import (
+from ..artifacts.compilerkv import (
     HEAD_ACTIONS,
     KIND,
     NEUTRAL_WEIGHT,
@@ -44,6 +39,11 @@ from .compilerkv_tables import (
     CompiledTables,
     TableSource,
 )
+from ..artifacts.store import save_artifact
+from ..compression.compressor import BudgetSpec
+from ..errors import InvalidParameterError
+from ..integration.attention import kvtrim_attention_enabled
+from ..scoring.risk import bin_index, quantile_edges
 from .cql import CQLResult, CQLSettings, fit_cql
 
 

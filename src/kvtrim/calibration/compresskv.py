@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kvtrim.calibration.artifacts import (
+from kvtrim.artifacts.store import (
     Artifact,
     load_artifact,
     model_display_name,
@@ -454,9 +454,9 @@ def profile_layer_errors(
     from tqdm.auto import tqdm
 
     from kvtrim.budgets.uniform import UniformBudget
+    from kvtrim.compression.pipeline import Pipeline
     from kvtrim.eval.fidelity import capture_decoding_queries, layer_errors, prefill
     from kvtrim.eval.tasks import generate_task
-    from kvtrim.pipeline import Pipeline
     from kvtrim.prompts import prompt_template
     from kvtrim.scoring.head_subset import HeadSubsetScorer
     from kvtrim.selection.topk import TopKSelector

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from kvtrim.artifacts.store import model_display_name, save_artifact
 from kvtrim.budgets.duo_heads import DUO_KIND
 from kvtrim.cache.sdpa import sdpa
-from kvtrim.calibration.artifacts import model_display_name, save_artifact
 from kvtrim.errors import InvalidParameterError
 
 __all__ = ["DuoCalibration", "calibrate_duo", "streaming_deviation"]

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvtrim.calibration.artifacts import model_display_name, save_artifact
+from kvtrim.artifacts.store import model_display_name, save_artifact
 from kvtrim.calibration.needles import (
     char_span_tokens,
     depth_grid,

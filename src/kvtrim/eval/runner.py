@@ -46,7 +46,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvtrim.api import FULL, Session
-from kvtrim.compressor import BudgetSpec
+from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.errors import InvalidParameterError
 from kvtrim.eval.haystacks import haystack_info
 from kvtrim.eval.metrics import aggregate, metric_versions, score_sample

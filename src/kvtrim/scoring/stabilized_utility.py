@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..calibration.compilerkv_tables import TableSource
+from ..artifacts.compilerkv import TableSource
 from .base import LayerView
 from .observation import ObservationSpec
 from .risk import EPS, RiskSignals, local_perplexity, structural_entropy

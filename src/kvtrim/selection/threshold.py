@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..calibration.compilerkv_tables import TableSource
+from ..artifacts.compilerkv import TableSource
 from ..errors import InvalidParameterError
 from .topk import Selection
 

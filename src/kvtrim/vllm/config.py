@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from ..budgets.partition import PartitionBudget, keep_per_partition
 from ..budgets.uniform import UniformBudget
-from ..compressor import BudgetSpec
+from ..compression.compressor import BudgetSpec
+from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
 from ..methods import get_method, method_names
-from ..pipeline import Pipeline
 from ..scoring.partitions import kept_length
 
 ENV_VAR = "KVTRIM_VLLM_CONFIG"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..budgets.base import BudgetRequest
-from ..pipeline import Pipeline
+from ..compression.pipeline import Pipeline
 from ..scoring.base import LayerView
 from ..scoring.observation import LayerObservation
 from .kv_layout import BlockLayout

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..scoring.risk import bin_index
-from .artifacts import load_artifact, register_artifact_kind
+from .store import load_artifact, register_artifact_kind
 
 KIND = "compilerkv"
 HEAD_ACTIONS = torch.linspace(0.8, 1.5, 29)

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .budgets.base import BudgetRequest
-from .cache.channel_pruned import ChannelPrunedStore
-from .cache.ragged import RaggedStore
-from .errors import InvalidParameterError
-from .scoring.base import LayerView
+from ..budgets.base import BudgetRequest
+from ..cache.channel_pruned import ChannelPrunedStore
+from ..cache.ragged import RaggedStore
+from ..errors import InvalidParameterError
+from ..scoring.base import LayerView
 
 if TYPE_CHECKING:
-    from .cache.kvcache import KVTrimCache
+    from ..cache.kvcache import KVTrimCache
     from .pipeline import Pipeline
 
 

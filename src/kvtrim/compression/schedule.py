@@ -9,7 +9,7 @@ decoding (and between chunks of a chunked prefill), so long generations stay wit
 * :class:`TailFull` — LagKV's rule: compress whenever the uncompressed tail reaches two partitions.
 
 Schedules are given per method with the ``name@schedule`` syntax (``"snapkv@every:64"``, ``"h2o@over:16"``,
-``"streaming_llm@over:0"``), or by passing a schedule object to :class:`~kvtrim.pipeline.Pipeline`.
+``"streaming_llm@over:0"``), or by passing a schedule object to :class:`~kvtrim.compression.pipeline.Pipeline`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 if TYPE_CHECKING:
-    from .cache.kvcache import KVTrimCache
+    from ..cache.kvcache import KVTrimCache
 
 
 class Schedule(Protocol):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .budgets.base import BudgetAllocator
-from .errors import InvalidParameterError
+from ..budgets.base import BudgetAllocator
+from ..errors import InvalidParameterError
+from ..scoring.base import Scorer
+from ..scoring.observation import ObservationSpec
+from ..selection.base import Selector
+from ..selection.key_channels import QueryDrivenChannels
 from .schedule import AfterPrefill, Schedule
-from .scoring.base import Scorer
-from .scoring.observation import ObservationSpec
-from .selection.base import Selector
-from .selection.key_channels import QueryDrivenChannels
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Pipeline:
         params: the configuration the method was built with (recorded in results)
         layout: storage after compression: ``auto`` (dense when every head keeps the same count, else ragged),
             ``dense`` (pad every head to the widest one), or ``ragged`` (exact counts per head)
-        schedule: when to compress (:mod:`kvtrim.schedule`); the default compresses once after prefill
+        schedule: when to compress (:mod:`kvtrim.compression.schedule`); the default compresses once after prefill
         channels: optional key-channel pruning applied after the token selection (ThinK); the layer's keys are
             then stored with fewer channels (:class:`~kvtrim.cache.channel_pruned.ChannelPrunedStore`)
     """
