@@ -10,7 +10,7 @@ OLDEST := .venv-oldest
 OLDEST_PY := $(OLDEST)/bin/python
 OLDEST_STAMP := $(OLDEST)/.transformers-$(TRANSFORMERS_OLDEST)
 
-.PHONY: demo test test-oldest lint model install clean bench
+.PHONY: demo test test-oldest lint import-graph model install clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,7 @@ demo: model
 
 test: model
 	$(PY) -m ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 $(OLDEST_STAMP): $(STAMP)
@@ -42,8 +43,14 @@ test-oldest: model $(OLDEST_STAMP)
 	$(OLDEST_PY) -c "import transformers, kvtrim; print('transformers', transformers.__version__, 'kvtrim', kvtrim.__file__)"
 	$(OLDEST_PY) -m pytest -q
 
+# ruff, then the layer contract of pyproject.toml ([tool.importlinter], docs/layers.md)
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
+
+# package-level import edges, cycles and the largest modules (docs/layers.md)
+import-graph: $(STAMP)
+	$(PY) tools/import_graph.py
 
 bench: model
 	$(PY) benchmarks/bench_speed_memory.py

@@ -52,9 +52,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvtrim
 from kvtrim.api import _resolve_method
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.cache.sdpa import flash_attn_function, get_attention_backend, set_attention_backend
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_gpu"
 HF, FULL = "hf", "full"

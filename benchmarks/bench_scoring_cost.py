@@ -24,10 +24,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kvtrim
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.eval.haystacks import get_haystack
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.scoring.observation import LayerObservation, ObservationSpec, record
 from kvtrim.scoring.value_norm import projected_value_norms
 

@@ -9,10 +9,10 @@ import torch
 
 import kvtrim
 from conftest import install_compresskv_scores, install_head_scores, random_text, tiny_model
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.errors import MissingArtifactError
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.methods import get_method, method_info
 
 COMPRESSKV_METHODS = ["compresskv", "compresskv_srh_only", "compresskv_trh", "head_compresskv", "ada_compresskv"]

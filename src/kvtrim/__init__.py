@@ -29,7 +29,7 @@ _EXPORTS = {
     "compressing": ".api",
     "generate": ".api",
     "make_cache": ".api",
-    "KVTrimCache": ".cache.kvcache",
+    "KVTrimCache": ".integration.cache",
     "get_attention_backend": ".cache.sdpa",
     "set_attention_backend": ".cache.sdpa",
     "BudgetSpec": ".compression.compressor",
@@ -102,7 +102,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .api import GenerationStats, Result, Session, compressing, generate, make_cache
-    from .cache.kvcache import KVTrimCache
     from .cache.sdpa import get_attention_backend, set_attention_backend
     from .compression.compressor import BudgetSpec
     from .errors import (
@@ -112,5 +111,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         ModelNotAvailableError,
         UnsupportedModelError,
     )
+    from .integration.cache import KVTrimCache
     from .methods import get_method, method_names, methods
     from .models import fetch_model, kvtrim_home, load_model, load_tokenizer

@@ -10,11 +10,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .cache.kvcache import KVTrimCache
 from .compression.compressor import BudgetSpec
 from .compression.pipeline import Pipeline
 from .errors import InvalidParameterError, KVTrimError
 from .integration.attention import check_supported, enable, kvtrim_attention_enabled
+from .integration.cache import KVTrimCache
 from .methods import get_method
 from .prompts import prompt_template
 from .sampling import Sampling, build_sampling

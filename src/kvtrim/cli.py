@@ -38,10 +38,31 @@ PromptFormatOption = Annotated[
 @app.command()
 def methods(
     list_: Annotated[bool, typer.Option("--list", help="one line per method: name and summary")] = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="the README's method table: name, family, paper, capabilities")
+    ] = False,
+    write: Annotated[
+        Path | None,
+        typer.Option(help="with --markdown: replace the table between the methods-table markers in this file"),
+    ] = None,
 ) -> None:
-    """List the compression methods with their papers and default parameters."""
+    """List the compression methods with their papers, defaults and capabilities."""
     from .methods import method_info, method_names
 
+    if write is not None and not markdown:
+        _fail(KVTrimError("--write needs --markdown"))
+    if markdown:
+        from .methods.table import markdown_table, write_table
+
+        if write is None:
+            typer.echo(markdown_table(), nl=False)
+            return
+        try:
+            changed = write_table(write)
+        except (KVTrimError, OSError) as exc:
+            _fail(exc)
+        typer.echo(f"{write}: method table {'updated' if changed else 'already up to date'}", err=True)
+        return
     names = method_names()
     if list_:
         width = max(len(n) for n in names)
@@ -52,6 +73,7 @@ def methods(
         info = method_info(name)
         typer.echo(f"{name}\n    {info.summary}\n    paper:    {info.paper}\n    preset:   {info.preset}")
         typer.echo(f"    defaults: {info.defaults() or '{}'}")
+        typer.echo(f"    family:   {info.family}; {', '.join(info.capabilities.labels())}")
 
 
 @models_app.command("fetch")

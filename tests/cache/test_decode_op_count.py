@@ -15,9 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_model
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.methods import get_method
 
 # Ops that only make a new view of existing memory (no kernel); their count may depend on shapes in model code.

@@ -200,7 +200,7 @@ def test_sigterm_records_the_interrupted_run(pair, tmp_path, monkeypatch):
 
 def test_cache_clones_are_freed_during_the_sweep(pair, tmp_path, monkeypatch):
     """KVTrimCache <-> layer reference cycles: the runner collects them itself (else a sweep grows to GBs)."""
-    from kvtrim.cache.kvcache import KVTrimCache
+    from kvtrim.integration.cache import KVTrimCache
 
     clones: list[weakref.ref] = []
     real_clone = KVTrimCache.clone

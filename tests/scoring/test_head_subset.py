@@ -6,10 +6,10 @@ import torch
 
 from conftest import tiny_model
 from kvtrim.budgets.uniform import UniformBudget
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.compression.pipeline import Pipeline
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.scoring.head_subset import HeadSubsetScorer, top_heads_per_layer
 from kvtrim.scoring.reduce import pool_sequence
 from kvtrim.selection.topk import TopKSelector

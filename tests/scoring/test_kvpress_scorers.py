@@ -13,10 +13,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from conftest import tiny_model
 from kvtrim.budgets.base import BudgetRequest
 from kvtrim.budgets.global_threshold import GlobalThresholdBudget
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compression.compressor import BudgetSpec, layer_views
 from kvtrim.errors import InvalidParameterError
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.methods import get_method
 from kvtrim.scoring.expected_attention import expected_logits, future_rotation, query_statistics, unrotate
 from kvtrim.scoring.key_diff import key_diff_scores

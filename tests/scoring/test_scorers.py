@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_model
-from kvtrim.cache.kvcache import KVTrimCache
+from kvtrim.budgets.uniform import UniformBudget
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.compression.pipeline import Pipeline
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.scoring.base import LayerView
 from kvtrim.scoring.cumulative_attention import CumulativeAttentionScorer
 from kvtrim.scoring.key_norm import KeyNormScorer
@@ -26,7 +27,7 @@ def eager_attentions(model, ids):
 
 
 def prefill(model, ids, scorer):
-    pipe = Pipeline("test", scorer, None, TopKSelector())
+    pipe = Pipeline("test", scorer, UniformBudget(), TopKSelector())
     cache = KVTrimCache(model.config.num_hidden_layers, pipe, BudgetSpec(budget=1), auto_compress=False)
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         model(input_ids=ids, past_key_values=cache, use_cache=True)

@@ -133,7 +133,7 @@ def head_masking_analysis(
     from tqdm.auto import tqdm
 
     from ..api import generate
-    from ..calibration.compresskv import load_compresskv
+    from ..artifacts.compresskv import load_compresskv
     from ..eval.metrics import score_sample
     from ..eval.tasks import generate_task
 

@@ -15,16 +15,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from ..scoring.risk import bin_index
-from .store import load_artifact, register_artifact_kind
+from .kinds import COMPILERKV_KIND as KIND
+from .store import load_artifact
 
-KIND = "compilerkv"
 HEAD_ACTIONS = torch.linspace(0.8, 1.5, 29)
 THRESHOLD_ACTIONS = torch.linspace(0.8, 1.0, 21)
 NEUTRAL_WEIGHT = 1.0
 UNVISITED_THRESHOLD = 0.8  # the lowest, most conservative threshold: decision 2 (docs/decisions.md)
 
-register_artifact_kind(KIND, "CompilerKV compiled tables", "kvtrim calibrate compilerkv --model {model}")
+
+def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """Bin of each value given ascending inner ``edges`` (``len(edges) + 1`` bins; ``searchsorted`` side=right)."""
+    return torch.searchsorted(edges.to(values.device, values.dtype).contiguous(), values.contiguous(), right=True)
 
 
 @dataclass

@@ -32,6 +32,8 @@ import torch
 from kvtrim.errors import KVTrimError, MissingArtifactError
 from kvtrim.models import EMBEDDED_MODELS, kvtrim_home
 
+from .kinds import ARTIFACT_KINDS
+
 __all__ = [
     "ARTIFACT_COMMANDS",
     "FORMAT_VERSION",
@@ -70,10 +72,8 @@ IDENTITY_FIELDS = (
 """Fields of :func:`model_identity` that must match between an artifact and the model it is used with
 (``name_or_path`` and ``fingerprint_tensors`` are informational)."""
 
-ARTIFACT_COMMANDS: dict[str, tuple[str, str]] = {
-    "headkv": ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
-}
-"""``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""
+ARTIFACT_COMMANDS: dict[str, tuple[str, str]] = ARTIFACT_KINDS
+"""``kind -> (description, command template)`` (:data:`kvtrim.artifacts.kinds.ARTIFACT_KINDS`)."""
 
 _FINGERPRINT_ROWS = 64
 
@@ -101,7 +101,8 @@ class Artifact:
 
 
 def register_artifact_kind(kind: str, description: str, command: str) -> None:
-    """Declare how artifacts of ``kind`` are produced (used in :class:`MissingArtifactError` messages).
+    """Declare how artifacts of a kind kvtrim does not ship are produced (used in :class:`MissingArtifactError`
+    messages); kvtrim's own kinds are in :data:`kvtrim.artifacts.kinds.ARTIFACT_KINDS`.
 
     ``command`` may contain ``{model}``, replaced by the model's display name.
     """

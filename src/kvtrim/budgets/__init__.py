@@ -1,0 +1,1 @@
+"""Budget allocators: how many entries each (row, layer, KV head) keeps."""

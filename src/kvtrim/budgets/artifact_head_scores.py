@@ -7,18 +7,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 from .head_scores import DEFAULT_BETA, DEFAULT_TEMPERATURE, HeadScoreBudget
 
 
 @dataclass
-class ArtifactHeadScoreBudget:
+class ArtifactHeadScoreBudget(BudgetAllocator):
     """:class:`HeadScoreBudget` loaded from the ``headkv`` artifact of the model it is bound to.
 
     Binding happens when a method is resolved for a model (``kvtrim.generate``, ``Session``, ``compressing``…);
     a model with no artifact raises :class:`~kvtrim.errors.MissingArtifactError` naming
     ``kvtrim calibrate headkv`` before anything runs.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+    artifact_kind = "headkv"
 
     beta: float = DEFAULT_BETA
     temperature: float = DEFAULT_TEMPERATURE

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
+
+from ..parts import Part
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,13 @@ class BudgetRequest:
     compressed_until: list[torch.Tensor | None] | None = None
 
 
-class BudgetAllocator(Protocol):
-    """``allocate(request, scores) -> [batch, layers, kv_heads]`` entries kept (protected windows included)."""
+class BudgetAllocator(Part):
+    """``allocate(request, scores) -> [batch, layers, kv_heads]`` entries kept (protected windows included).
 
-    def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor: ...
+    Optional hooks (``bind``, ``check``, ``describe_compression``) are :class:`~kvtrim.parts.Part`'s."""
+
+    _declares_interface = True
+
+    def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
+        """``[batch, layers, kv_heads]`` entries each (row, layer, KV head) keeps, given every layer's scores."""
+        raise NotImplementedError(f"{type(self).__name__} must define allocate(request, scores)")

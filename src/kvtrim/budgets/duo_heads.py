@@ -17,28 +17,14 @@ The paper instead fixes the split (a 0.5 gate threshold or a sparsity quantile) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from ..artifacts.store import load_artifact, register_artifact_kind
+from ..artifacts.duo import DUO_KIND, load_duo_gates
 from ..errors import InvalidParameterError
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
-DUO_KIND = "duo"
-register_artifact_kind(DUO_KIND, "DuoAttention head gates", "kvtrim calibrate duo --model {model}")
-
-
-def load_duo_gates(model: torch.nn.Module, path: str | Path | None = None) -> tuple[torch.Tensor, dict]:
-    """The ``[layers, kv_heads]`` gates of ``model``'s ``duo`` artifact and its metadata.
-
-    Raises :class:`~kvtrim.errors.MissingArtifactError` naming ``kvtrim calibrate duo`` when none exists.
-    """
-    artifact = load_artifact(DUO_KIND, model, path)
-    gates = artifact.tensors.get("gates")
-    if gates is None or gates.dim() != 2:
-        raise InvalidParameterError(f"{artifact.path}: a duo artifact needs a 2-D 'gates' tensor [layers, kv_heads]")
-    return gates.float(), {"artifact": str(artifact.path), "model_key": artifact.meta.get("model_key")}
+__all__ = ["DUO_KIND", "DuoHeadBudget", "load_duo_gates", "streaming_head_order"]
 
 
 def streaming_head_order(gates: torch.Tensor) -> torch.Tensor:
@@ -49,7 +35,7 @@ def streaming_head_order(gates: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class DuoHeadBudget:
+class DuoHeadBudget(BudgetAllocator):
     """Per-(layer, KV head) budgets from DuoAttention gates (see the module notes for the ratio mapping).
 
     Args:
@@ -57,6 +43,10 @@ class DuoHeadBudget:
         path: artifact file or directory (default: search the kvtrim home, then the shipped artifacts)
         gates: ``[layers, kv_heads]`` gates given directly (tests, user patterns) instead of an artifact
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+    artifact_kind = DUO_KIND
 
     sink: int = 16
     recent: int = 48

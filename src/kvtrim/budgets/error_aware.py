@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 from .head_adaptive import HeadAdaptiveBudget
 
 __all__ = [
@@ -82,7 +82,7 @@ def error_aware_layer_budgets(layer_scores: torch.Tensor, total: int, min_budget
 
 
 @dataclass
-class ErrorAwareLayerBudget:
+class ErrorAwareLayerBudget(BudgetAllocator):
     """Per-layer budgets from profiled layer errors (Algorithm 1), the same for every KV head of a layer.
 
     Args:
@@ -133,12 +133,16 @@ class ErrorAwareLayerBudget:
 
 
 @dataclass
-class ArtifactErrorAwareBudget:
+class ArtifactErrorAwareBudget(BudgetAllocator):
     """:class:`ErrorAwareLayerBudget` loaded from the ``layer_scores`` of the model's ``compresskv`` artifact.
 
     A model with no artifact raises :class:`~kvtrim.errors.MissingArtifactError` naming
     ``kvtrim calibrate compresskv`` at bind time, before anything runs.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "layer"
+    artifact_kind = "compresskv"
 
     min_budget: int = DEFAULT_MIN_BUDGET
     max_factor: float = DEFAULT_MAX_FACTOR
@@ -146,7 +150,7 @@ class ArtifactErrorAwareBudget:
     _inner: ErrorAwareLayerBudget | None = field(default=None, repr=False)
 
     def bind(self, model: torch.nn.Module) -> None:
-        from ..calibration.compresskv import load_compresskv
+        from ..artifacts.compresskv import load_compresskv
 
         artifact = load_compresskv(model, self.path)
         source = {"artifact": str(artifact.path), "model_key": artifact.meta.get("model_key")}
@@ -162,7 +166,7 @@ class ArtifactErrorAwareBudget:
 
 
 @dataclass
-class LayerThenHeadBudget:
+class LayerThenHeadBudget(BudgetAllocator):
     """Layer budgets from one allocator, then the KV heads of each layer share their layer's budget (AdaKV).
 
     Args:
@@ -171,13 +175,19 @@ class LayerThenHeadBudget:
         heads: the within-layer split (:class:`HeadAdaptiveBudget`); each layer's total stays ``kv_heads · b_l``
     """
 
-    layers: object
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+
+    layers: BudgetAllocator
     heads: HeadAdaptiveBudget
 
+    @property
+    def artifact_kind(self) -> str | None:
+        """The calibration artifact its layer allocator reads; read by the method registry."""
+        return getattr(self.layers, "artifact_kind", None)
+
     def bind(self, model: torch.nn.Module) -> None:
-        bind = getattr(self.layers, "bind", None)
-        if bind is not None:
-            bind(model)
+        self.layers.bind(model)
 
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
         if request.positions is None:

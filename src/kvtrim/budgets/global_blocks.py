@@ -8,11 +8,11 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..selection.block_eviction import block_eviction_counts, budget_blocks, evicted_entries
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 @dataclass
-class GlobalBlockBudget:
+class GlobalBlockBudget(BudgetAllocator):
     """KV-Compress allocation (Rehg, arXiv 2410.00161: metric, chunk ranking, block counts) for kvtrim's pipeline.
 
     Per sequence, the requested mean ``M`` entries per (layer, KV head) — the protected window included — becomes a
@@ -26,6 +26,10 @@ class GlobalBlockBudget:
         block_size: entries per block (16)
         protected_window: the most recent tokens that are never evicted (32)
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
+    paged_engine = True  # kvtrim.serve runs this ranking on paged storage
 
     block_size: int = 16
     protected_window: int = 32

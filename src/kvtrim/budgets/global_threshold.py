@@ -6,17 +6,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 @dataclass
-class GlobalThresholdBudget:
+class GlobalThresholdBudget(BudgetAllocator):
     """Token-granular global allocation (KVzip's non-layerwise mode, Kim et al., arXiv 2505.23416).
 
     Per row, the ``keep · layers · kv_heads`` highest scores over the whole cache are kept; a (layer, KV head)
     keeps as many entries as it holds among them, so the mean per head is the requested budget and rates vary
     freely. Scores must be comparable across layers and heads (KVzip's attention maxima are probabilities).
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
 
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
         b, layers, heads = len(request.keep), request.num_layers, request.kv_heads

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 RULES = ("official", "kvpress")
 
@@ -49,7 +49,7 @@ def cap_and_redistribute(budgets: torch.Tensor, caps: torch.Tensor) -> torch.Ten
 
 
 @dataclass
-class HeadAdaptiveBudget:
+class HeadAdaptiveBudget(BudgetAllocator):
     """AdaKV allocation: the KV heads of a layer share the layer's budget by score.
 
     Per layer and sequence, with ``B' = keep - window`` selected entries per head on average: the top ``H·B'``
@@ -68,6 +68,9 @@ class HeadAdaptiveBudget:
         alpha: safeguard fraction α (AdaKV uses 0.2)
         window: the observation window kept on top of the selected entries (scores there do not compete)
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "head"
 
     alpha: float = 0.2
     window: int = 8

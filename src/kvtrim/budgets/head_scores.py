@@ -29,7 +29,7 @@ import torch
 
 from kvtrim.errors import InvalidParameterError
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 __all__ = ["DEFAULT_BETA", "DEFAULT_TEMPERATURE", "HeadScoreBudget", "exact_bounded_round", "head_score_capacities"]
 
@@ -105,7 +105,7 @@ def exact_bounded_round(x: torch.Tensor, total: int, lo: int, hi: int) -> torch.
 
 
 @dataclass
-class HeadScoreBudget:
+class HeadScoreBudget(BudgetAllocator):
     """HeadKV's per-head allocation from offline head scores, at KV-head granularity.
 
     Args:
@@ -150,9 +150,10 @@ class HeadScoreBudget:
 
         Raises :class:`~kvtrim.errors.MissingArtifactError` naming ``kvtrim calibrate headkv`` when none exists.
         """
+        from kvtrim.artifacts.kinds import HEADKV_KIND
         from kvtrim.artifacts.store import load_artifact
 
-        artifact = load_artifact("headkv", model, path)
+        artifact = load_artifact(HEADKV_KIND, model, path)
         if scores not in artifact.tensors:
             raise InvalidParameterError(f"scores={scores!r}: the artifact holds {sorted(artifact.tensors)}")
         source = {"artifact": str(artifact.path), "model_key": artifact.meta.get("model_key"), "scores": scores}

@@ -6,13 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 @dataclass
-class KeepAllBudget:
+class KeepAllBudget(BudgetAllocator):
     """Budget = the row's context length for every layer and KV head (no token is evicted); used by ``think``,
     whose ratio is a fraction of key channels."""
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "none"
 
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
         """Returns ``[batch, layers, kv_heads]``."""

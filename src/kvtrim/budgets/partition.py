@@ -9,7 +9,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..scoring.partitions import partition_layout
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 
 
 def keep_per_partition(ratio: float, lag: int) -> int:
@@ -18,10 +18,14 @@ def keep_per_partition(ratio: float, lag: int) -> int:
 
 
 @dataclass
-class PartitionBudget:
+class PartitionBudget(BudgetAllocator):
     """Each (row, layer, KV head) keeps everything outside the partitions compressed now, plus ``⌊r·L⌋`` of each
     of them. Needs a ratio (the keep fraction ``r = 1 − ratio`` applies per partition); ``skip_layers`` keep all.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "none"
+    runs_in_vllm = True
 
     sink: int = 16
     lag: int = 128

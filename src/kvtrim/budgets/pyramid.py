@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BudgetRequest
+from .base import BudgetAllocator, BudgetRequest
 from .head_adaptive import largest_remainder
 
 
@@ -34,13 +34,16 @@ def pyramid_layer_budgets(keep: int, context: int, num_layers: int, window: int,
 
 
 @dataclass
-class PyramidBudget:
+class PyramidBudget(BudgetAllocator):
     """PyramidKV allocation.
 
     Args:
         beta: ratio between the mean and the smallest layer budget (PyramidKV default 20)
         window: the observation window kept on top of the selected entries
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    varies_by = "layer"
 
     beta: float = 20.0
     window: int = 32

@@ -107,8 +107,23 @@ class ChannelPrunedStore:
     def row_max_positions(self) -> torch.Tensor:
         return self.inner.row_max_positions()
 
+    def latest_positions(self) -> torch.Tensor:
+        return self.inner.latest_positions()
+
+    @property
+    def causal_prefill_ready(self) -> bool:
+        return self.inner.causal_prefill_ready
+
+    rescorable = False  # the keys lost channels: scoring them again would compare different dot products
+
+    def to_dense(self):
+        raise ValueError("the keys of this store are channel-pruned: it has no dense form with full keys")
+
     def mark(self):
         return self.inner.mark()
+
+    def drop_last(self, n: int) -> None:
+        self.inner.drop_last(n)
 
     def truncate_to(self, mark) -> None:
         self.inner.truncate_to(mark)

@@ -139,8 +139,26 @@ class DenseStore:
     def is_empty(self) -> bool:
         return self.length == 0
 
+    @property
+    def causal_prefill_ready(self) -> bool:
+        return self.length == 0
+
+    rescorable = True
+
+    def latest_positions(self) -> torch.Tensor:
+        """``[batch]`` the largest stored position per row (``-1`` while nothing is stored)."""
+        if self.length:
+            return self.positions.amax(dim=(1, 2))
+        return torch.full((self.batch_size,), -1, device=self._pos.device)
+
+    def to_dense(self) -> DenseStore:
+        return self
+
     def mark(self) -> int:
         return self.length
+
+    def drop_last(self, n: int) -> None:
+        self.truncate_to(self.mark() - n)
 
     def truncate_to(self, mark: int) -> None:
         self.truncate(mark)

@@ -13,7 +13,6 @@ calls :meth:`PagedLayer.attend`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -26,43 +25,13 @@ from .layer import hand_over, raise_if_unconsumed
 from .sdpa import sdpa
 
 __all__ = [
-    "PAGED_METHODS",
     "BlockPool",
     "OutOfBlocks",
     "PagedBatchCache",
     "PagedLayer",
-    "PagedMethod",
     "PagedSequence",
     "prefill_metric",
 ]
-
-
-@dataclass(frozen=True)
-class PagedMethod:
-    """Metric settings of a KV-Compress preset for the paged engine (the registry entries' defaults).
-
-    Attributes:
-        window: prefill queries observed (None: every prompt query, KVC-full)
-        kernel: max-pool kernel of the prefill metric (1 = none)
-        buffer: keys within ``buffer`` positions of a query are left out of its metric
-        protected_window: default protected window
-    """
-
-    window: int | None
-    kernel: int
-    buffer: int
-    protected_window: int
-
-    def observe_window(self, prompt_tokens: int) -> int:
-        """The ``observe_window`` to give :class:`PagedBatchCache` for a prefill of ``prompt_tokens``."""
-        return prompt_tokens if self.window is None else self.window
-
-
-PAGED_METHODS = {
-    "kvcompress": PagedMethod(window=32, kernel=7, buffer=0, protected_window=32),
-    "kvc_w8": PagedMethod(window=8, kernel=7, buffer=0, protected_window=8),
-    "kvc_full": PagedMethod(window=None, kernel=1, buffer=10, protected_window=32),
-}
 
 
 def _ceil_div(a: torch.Tensor | int, b: int):

@@ -97,12 +97,22 @@ class RaggedStore:
             store._stats[name] = stat[:, :, : dense.length].reshape(-1).index_select(0, src)
         return store
 
+    def latest_positions(self) -> torch.Tensor:
+        """``[batch]`` the largest stored position per sequence over its heads (``-1`` where nothing is stored)."""
+        return self.row_max_positions().view(self.batch_size, self.kv_heads).amax(dim=1)
+
     def mark(self) -> torch.Tensor:
         return self.length.clone()
+
+    def drop_last(self, n: int) -> None:
+        self.truncate_to((self.mark() - n).clamp(min=0))
 
     @property
     def is_empty(self) -> bool:
         return int(self.length.sum()) == 0
+
+    causal_prefill_ready = False  # rows of different lengths: attention always goes through the row masks
+    rescorable = True
 
     # ------------------------------------------------------------------ growth and appends
     def _repack(self, row_order: torch.Tensor, new_capacity: torch.Tensor) -> None:

@@ -20,9 +20,8 @@ _EXPORTS = {
         ),
         "..artifacts.store",
     ),
-    **dict.fromkeys(
-        ("AnswerNeedle", "HeadScores", "LayerProfile", "calibrate_compresskv", "load_compresskv"), ".compresskv"
-    ),
+    "load_compresskv": "..artifacts.compresskv",
+    **dict.fromkeys(("AnswerNeedle", "HeadScores", "LayerProfile", "calibrate_compresskv"), ".compresskv"),
     **dict.fromkeys(("HeadDetection", "NeedleSpec", "calibrate_headkv", "detect_heads"), ".headkv"),
 }
 
@@ -37,6 +36,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
+    from ..artifacts.compresskv import load_compresskv
     from ..artifacts.store import (
         Artifact,
         ArtifactMismatchError,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         register_artifact_kind,
         save_artifact,
     )
-    from .compresskv import AnswerNeedle, HeadScores, LayerProfile, calibrate_compresskv, load_compresskv
+    from .compresskv import AnswerNeedle, HeadScores, LayerProfile, calibrate_compresskv
     from .headkv import HeadDetection, NeedleSpec, calibrate_headkv, detect_heads
 
 __all__ = [

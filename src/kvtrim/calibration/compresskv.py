@@ -41,13 +41,8 @@ from typing import Any
 
 import torch
 
-from kvtrim.artifacts.store import (
-    Artifact,
-    load_artifact,
-    model_display_name,
-    register_artifact_kind,
-    save_artifact,
-)
+from kvtrim.artifacts.compresskv import COMPRESSKV_KIND, load_compresskv
+from kvtrim.artifacts.store import Artifact, model_display_name, save_artifact
 from kvtrim.calibration.needles import (
     eos_ids,
     greedy_decode_with_attention,
@@ -76,13 +71,6 @@ __all__ = [
     "srh_step_scores",
     "trh_step_scores",
 ]
-
-COMPRESSKV_KIND = "compresskv"
-register_artifact_kind(
-    COMPRESSKV_KIND,
-    "CompressKV head scores (SRH/TRH) and layer error profile",
-    "kvtrim calibrate compresskv --model {model}",
-)
 
 DEFAULT_LENGTHS: tuple[int, ...] = (300, 600, 900, 1200)
 """Context lengths in tokens. SmolLM2-135M retrieves reliably only up to ~1.2k tokens; the reference uses 20
@@ -630,19 +618,6 @@ def calibrate_compresskv(
         "seconds": round(seconds, 1),
     }
     return save_artifact(COMPRESSKV_KIND, model, tensors, meta, out_dir)
-
-
-def load_compresskv(model: torch.nn.Module, path: str | Path | None = None) -> Artifact:
-    """The ``compresskv`` artifact of ``model`` (checked to hold ``srh``, ``trh`` and ``layer_scores``).
-
-    Raises:
-        MissingArtifactError: none found; the message names ``kvtrim calibrate compresskv --model M``
-    """
-    artifact = load_artifact(COMPRESSKV_KIND, model, path)
-    missing = [name for name in ("srh", "trh", "layer_scores") if name not in artifact.tensors]
-    if missing:
-        raise InvalidParameterError(f"{artifact.path} lacks tensors {missing}; re-run the compresskv calibration")
-    return artifact
 
 
 def plot_compresskv(artifact: Artifact, target: str | Path) -> Path:

@@ -16,8 +16,8 @@ from ..errors import InvalidParameterError
 from ..scoring.base import LayerView
 
 if TYPE_CHECKING:
-    from ..cache.kvcache import KVTrimCache
     from .pipeline import Pipeline
+    from .target import CompressibleCache
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class CompressionReport:
 
 
 def layer_views(
-    cache: KVTrimCache,
+    cache: CompressibleCache,
     context: torch.Tensor,
     accumulate: tuple[str, ...] = (),
     logits: torch.Tensor | None = None,
@@ -96,13 +96,14 @@ def layer_views(
             prompt_logprobs=cache.prompt_logprobs,
             prompt_ids=cache.prompt_ids,
             shared=shared,
+            replay=cache.replay,
         )
         for layer in cache.kv_layers
     ]
 
 
 def compress_cache(
-    cache: KVTrimCache, pipeline: Pipeline, spec: BudgetSpec, logits: torch.Tensor | None = None
+    cache: CompressibleCache, pipeline: Pipeline, spec: BudgetSpec, logits: torch.Tensor | None = None
 ) -> CompressionReport:
     """Compress every layer of ``cache`` in place with ``pipeline`` under ``spec``."""
     start = time.perf_counter()
@@ -110,13 +111,12 @@ def compress_cache(
     if not layers:
         raise InvalidParameterError("the cache is empty: prefill a context before compressing")
     for layer in layers:  # re-compressing a ragged layer: score it through a padded dense copy
-        if isinstance(layer.store, ChannelPrunedStore):
+        if not layer.store.rescorable:
             raise InvalidParameterError(
                 f"layer {layer.layer_idx} holds channel-pruned keys (ThinK): they cannot be scored again; "
                 "compress a fresh cache instead"
             )
-        if layer.store.layout != "dense":
-            layer.store = layer.store.to_dense()
+        layer.store = layer.store.to_dense()
     first = layers[0].store
     context = (first.positions.amax(dim=(1, 2)) + 1).clamp(min=0)  # [batch]
     keep = torch.tensor([spec.keep_count(int(t)) for t in context.tolist()], device=context.device)
@@ -137,9 +137,7 @@ def compress_cache(
 
     shared: dict = {"keep": keep}
     views = layer_views(cache, context, pipeline.observation.accumulate, logits, shared)
-    prepare = getattr(pipeline.scorer, "prepare", None)
-    if prepare is not None:
-        prepare(views)
+    pipeline.scorer.prepare(views)
     # Accumulated per-slot statistics live in dense stores only: a schedule that keeps accumulating after this
     # compression needs the padded dense layout.
     keep_dense = bool(pipeline.observation.accumulate) and pipeline.schedule.continuous
@@ -172,7 +170,7 @@ def compress_cache(
         uniform = bool((counts == counts.max()).all())
         if sel.compressed_until is not None:
             layer.compressed_until = sel.compressed_until
-        if pipeline.layout == "dense" or (pipeline.layout == "auto" and uniform) or keep_dense:
+        if keep_dense or pipeline.stores_dense(uniform):
             layer.store.keep(sel.indices, sel.keep_mask)
         else:  # a different number of entries per head: store exactly that many
             layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)
@@ -186,9 +184,7 @@ def compress_cache(
         report.metadata["key_channels_kept"] = store.kept_channels
         report.metadata["key_head_dim"] = store.head_dim
     for part in (pipeline.scorer, pipeline.budget, pipeline.selector):
-        describe = getattr(part, "describe_compression", None)
-        if describe is not None:
-            report.metadata.update(describe(shared))
+        report.metadata.update(part.describe_compression(shared))
     report.entries_after = sum(layer.store.entries() for layer in layers)
     report.seconds = time.perf_counter() - start
     return report

@@ -42,21 +42,31 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):
             raise ValueError(f"layout must be 'auto', 'dense' or 'ragged', got {self.layout!r}")
+        for name, part, base in (
+            ("scorer", self.scorer, Scorer),
+            ("budget", self.budget, BudgetAllocator),
+            ("selector", self.selector, Selector),
+        ):
+            if not isinstance(part, base):  # the hooks the compressor calls are declared on the base classes
+                raise InvalidParameterError(
+                    f"{name}={type(part).__name__}: a pipeline's {name} must subclass "
+                    f"{base.__module__}.{base.__qualname__}"
+                )
+
+    def stores_dense(self, uniform: bool) -> bool:
+        """Whether a compressed layer stays dense (``uniform``: every head of it keeps the same count)."""
+        return self.layout == "dense" or (self.layout == "auto" and uniform)
 
     def bind(self, model) -> Pipeline:
         """Let parts that depend on the model (offline artifacts) load what they need; returns self."""
         for part in (self.scorer, self.budget, self.selector):
-            bind = getattr(part, "bind", None)
-            if bind is not None:
-                bind(model)
+            part.bind(model)
         return self
 
     def check(self, ratio: float | None, budget: int | None) -> None:
         """Raise :class:`~kvtrim.errors.InvalidParameterError` if a part cannot work with this ratio/budget."""
         for part in (self.scorer, self.budget, self.selector):
-            check = getattr(part, "check", None)
-            if check is not None:
-                check(ratio, budget)
+            part.check(ratio, budget)
         if self.channels is not None:
             self.channels.check(ratio, budget)
             if self.schedule.continuous:

@@ -22,7 +22,7 @@ import torch
 from ..errors import InvalidParameterError
 
 if TYPE_CHECKING:
-    from ..cache.kvcache import KVTrimCache
+    from .target import CompressibleCache
 
 
 class Schedule(Protocol):
@@ -30,7 +30,7 @@ class Schedule(Protocol):
 
     continuous: bool
 
-    def due(self, cache: KVTrimCache) -> bool: ...
+    def due(self, cache: CompressibleCache) -> bool: ...
 
     def describe(self) -> str: ...
 
@@ -41,7 +41,7 @@ class AfterPrefill:
 
     continuous: bool = False
 
-    def due(self, cache: KVTrimCache) -> bool:
+    def due(self, cache: CompressibleCache) -> bool:
         return False
 
     def describe(self) -> str:
@@ -58,7 +58,7 @@ class EveryNTokens:
     def __post_init__(self) -> None:
         _positive("every", self.n)
 
-    def due(self, cache: KVTrimCache) -> bool:
+    def due(self, cache: CompressibleCache) -> bool:
         return cache.tokens_since_compression >= self.n
 
     def describe(self) -> str:
@@ -80,7 +80,7 @@ class OverBudget:
         if isinstance(self.slack, bool) or not isinstance(self.slack, int) or self.slack < 0:
             raise InvalidParameterError(f"over: slack must be an integer >= 0, got {self.slack!r}")
 
-    def due(self, cache: KVTrimCache) -> bool:
+    def due(self, cache: CompressibleCache) -> bool:
         if cache.budget is None:
             return False
         return _bounded_due(cache, "over", self.slack + 1, lambda: _excess(cache))
@@ -103,14 +103,14 @@ class TailFull:
         if self.sink < 0:
             raise InvalidParameterError(f"sink must be >= 0, got {self.sink}")
 
-    def due(self, cache: KVTrimCache) -> bool:
+    def due(self, cache: CompressibleCache) -> bool:
         return _bounded_due(cache, "tail", 2 * self.lag, lambda: _tail(cache, self.sink))
 
     def describe(self) -> str:
         return f"tail:{self.lag}"
 
 
-def _bounded_due(cache: KVTrimCache, key: str, threshold: int, exact) -> bool:
+def _bounded_due(cache: CompressibleCache, key: str, threshold: int, exact) -> bool:
     """``exact() >= threshold``, read from the device only when it may be true.
 
     ``exact()`` (a host int, read with one sync) is a quantity that grows by at most one per token column the cache
@@ -128,7 +128,7 @@ def _bounded_due(cache: KVTrimCache, key: str, threshold: int, exact) -> bool:
     return value >= threshold
 
 
-def _excess(cache: KVTrimCache) -> int:
+def _excess(cache: CompressibleCache) -> int:
     """Largest ``held - keep`` over (row, layer, KV head), or a very negative number while empty."""
     context = cache.context_lengths()
     if context is None:
@@ -138,7 +138,7 @@ def _excess(cache: KVTrimCache) -> int:
     return int((held - keep.view(-1, 1, 1)).max())
 
 
-def _tail(cache: KVTrimCache, sink: int) -> int:
+def _tail(cache: CompressibleCache, sink: int) -> int:
     """Largest uncompressed tail (context minus the first position not compressed yet) over rows and layers."""
     context = cache.context_lengths()
     if context is None:

@@ -32,11 +32,11 @@ import torch
 
 from ..api import _positions, _resolve_method, prefill_ids
 from ..cache.attention import grouped_attention
-from ..cache.kvcache import KVTrimCache
 from ..compression.compressor import BudgetSpec
 from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
 from ..integration.attention import check_supported, kvtrim_attention_enabled
+from ..integration.cache import KVTrimCache
 from ..methods import get_method
 from ..scoring.observation import ObservationSpec
 

@@ -1,6 +1,6 @@
 """kvtrim's attention implementation for transformers (``attn_implementation="kvtrim"``).
 
-When a :class:`~kvtrim.cache.kvcache.KVTrimCache` is in use, attention runs over its compacted storage with
+When a :class:`~kvtrim.integration.cache.KVTrimCache` is in use, attention runs over its compacted storage with
 masks built from logical positions. Otherwise it is ordinary causal attention with padding, so installing it
 on a model changes nothing for other caches.
 """

@@ -1,4 +1,4 @@
-"""Recording the prompt's token ids into a :class:`~kvtrim.cache.kvcache.KVTrimCache` whose method asks for them
+"""Recording the prompt's token ids into a :class:`~kvtrim.integration.cache.KVTrimCache` whose method asks for them
 (``ObservationSpec.input_ids``: KVzip feeds the prompt to the model again at compression time).
 
 The cache never sees token ids, so a forward pre-hook on the base model (installed once per model by
@@ -13,22 +13,19 @@ import torch
 _HOOKED = "_kvtrim_prompt_ids_hook"
 
 
-def _record(module, args, kwargs) -> None:
-    from ..cache.kvcache import KVTrimCache
+class RecordsPromptIds:
+    """A cache that takes the prompt's token ids from the hook (:class:`~kvtrim.integration.cache.KVTrimCache`)."""
 
+    def record_prompt_ids(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Take ``ids`` ``[batch, q]`` of a forward call (``attention_mask`` ``[batch, >= q]`` or None)."""
+        raise NotImplementedError
+
+
+def _record(module, args, kwargs) -> None:
     cache = kwargs.get("past_key_values")
     ids = kwargs.get("input_ids")
-    if not isinstance(cache, KVTrimCache) or ids is None or not cache.observation_spec.input_ids:
-        return
-    if not (cache.observing or cache.compressions == 0):
-        return  # compressed and no longer observing: these tokens (a question, an answer) are not the prompt
-    if cache._prefilled_uncompressed and cache.auto_compress:
-        return  # this forward compresses the prompt first: its tokens come after the prompt
-    mask = kwargs.get("attention_mask")
-    ids = ids.long()
-    if mask is not None and mask.dim() == 2:
-        ids = ids.masked_fill(~mask[:, -ids.shape[1] :].to(torch.bool), -1)
-    cache.prompt_ids = ids if cache.prompt_ids is None else torch.cat([cache.prompt_ids, ids], dim=1)
+    if isinstance(cache, RecordsPromptIds) and ids is not None:
+        cache.record_prompt_ids(ids, kwargs.get("attention_mask"))
 
 
 def install(model: torch.nn.Module) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from ..cache.attention import attention_probabilities
+from ..parts import Part
 from .observation import LayerObservation, ObservationSpec
 
 
@@ -29,6 +30,10 @@ class LayerView:
         prompt_ids: ``[batch, n]`` the prompt's token ids (``-1``: padding), when the method's observation asked
             for ``input_ids``
         shared: one dict shared by the views of all layers in a compression, for cross-layer quantities
+        replay: ``replay(model, views, input_ids, attention_mask, position_ids, observation) -> {layer: store}``
+            feeds ``input_ids`` through ``model`` over a scratch copy of the views' entries, recording
+            ``observation``, and returns each layer's scratch store (KVzip re-reads its context this way); given by
+            the cache being compressed
     """
 
     layer_idx: int
@@ -46,6 +51,7 @@ class LayerView:
     prompt_logprobs: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
     shared: dict = field(default_factory=dict)
+    replay: Callable[..., dict] | None = None
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -79,13 +85,19 @@ class LayerView:
         return probs
 
 
-class Scorer(Protocol):
+class Scorer(Part):
     """Scores how much each stored entry matters: ``score(view) -> [batch, kv_heads, seq]`` (higher = keep).
 
-    A scorer that needs quantities across layers may also define ``prepare(views)``, called once per compression
-    with every layer's view before any ``score`` call (results go in ``view.shared``).
+    A scorer that needs quantities across layers overrides :meth:`prepare`, called once per compression with every
+    layer's view before any ``score`` call (results go in ``view.shared``); the other hooks are :class:`Part`'s.
     """
 
+    _declares_interface = True
     observation: ObservationSpec
 
-    def score(self, view: LayerView) -> torch.Tensor: ...
+    def score(self, view: LayerView) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` importance of every stored slot of ``view`` (higher = keep)."""
+        raise NotImplementedError(f"{type(self).__name__} must define score(view)")
+
+    def prepare(self, views: list[LayerView]) -> None:
+        """Compute cross-layer quantities once per compression (into ``views[0].shared``); no-op by default."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .rope import cos_sin, rope_frequencies, rotate_half, rotate_half_matrix
 
@@ -78,7 +78,7 @@ def expected_logits(
 
 
 @dataclass
-class ExpectedAttentionScorer:
+class ExpectedAttentionScorer(Scorer):
     """Expected Attention (Devoto et al., 2025, "Expected Attention: KV Cache Compression by Estimating
     Attention from Future Queries Distribution", arXiv 2510.00636; kvpress's ExpectedAttentionPress).
 
@@ -94,6 +94,10 @@ class ExpectedAttentionScorer:
     model's rotary frequencies; kvpress recomputes them from the hidden states instead. Query statistics of
     q/k-normed models (Qwen3) are thus those of the normed queries.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False  # attention is estimated from query statistics
+    question_aware = False
 
     n_future: int = 512
     n_sink: int = 4

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .reduce import POOLINGS, pool_sequence
 
@@ -40,7 +40,7 @@ def top_heads_per_layer(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @dataclass
-class HeadSubsetScorer:
+class HeadSubsetScorer(Scorer):
     """Per layer, the mean pooled window attention of a fixed set of query heads, shared by all KV heads.
 
     Args:
@@ -111,7 +111,7 @@ class HeadSubsetScorer:
 
 
 @dataclass
-class ArtifactHeadSubsetScorer:
+class ArtifactHeadSubsetScorer(Scorer):
     """:class:`HeadSubsetScorer` whose heads are the top ``heads_per_layer`` of a ``compresskv`` artifact tensor.
 
     Binding happens when a method is resolved for a model (``kvtrim.generate``, ``Session``, ``compressing``…); a
@@ -124,6 +124,11 @@ class ArtifactHeadSubsetScorer:
         heads_per_layer: query heads used per layer (4 in CompressKV)
         path: an explicit artifact file or directory (default: search the kvtrim home, then the package)
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = True
+    artifact_kind = "compresskv"
 
     ranking: str = "srh"
     heads_per_layer: int = 4
@@ -147,7 +152,7 @@ class ArtifactHeadSubsetScorer:
         self.observation = ObservationSpec(window=self.window)
 
     def bind(self, model: torch.nn.Module) -> None:
-        from ..calibration.compresskv import load_compresskv
+        from ..artifacts.compresskv import load_compresskv
 
         artifact = load_compresskv(model, self.path)
         if self.ranking not in artifact.tensors:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 
 
@@ -27,7 +27,7 @@ def key_diff_scores(keys: torch.Tensor, valid: torch.Tensor, eps: float = 1e-8) 
 
 
 @dataclass
-class KeyDiffScorer:
+class KeyDiffScorer(Scorer):
     """KeyDiff (Park et al., 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
     Inference in Resource-Constrained Environments", arXiv 2504.15364).
 
@@ -35,6 +35,10 @@ class KeyDiffScorer:
     head's unit-normalized keys (score ``-cos(k, anchor)``). Needs no observation, so it is the same in
     context-only and question-aware mode.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False
+    question_aware = False
 
     observation: ObservationSpec = field(default_factory=ObservationSpec)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .partitions import PartitionLayout, partition_layout
 
@@ -35,7 +35,7 @@ def _std_softmax(current: torch.Tensor, reference: torch.Tensor, eps: float) -> 
 
 
 @dataclass
-class LagRelativeScorer:
+class LagRelativeScorer(Scorer):
     """Attention-free per-KV-head scores inside the lag frame; only slots of partitions compressed now are scored
     (the rest get 0 and are kept by the partition selector).
 
@@ -48,6 +48,11 @@ class LagRelativeScorer:
         eps: added to the min–max range so constant channels give finite scores (decision 5 (docs/decisions.md);
             the authors' code has none)
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False
+    question_aware = False
+    runs_in_vllm = True
 
     sink: int = 16
     lag: int = 128

@@ -6,13 +6,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 
 
 @dataclass
-class RandomScorer:
+class RandomScorer(Scorer):
     """Uniform random scores, reproducible from ``seed`` (and the layer index)."""
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = False
+    question_aware = False
+    runs_in_vllm = True
 
     seed: int = 0
     observation: ObservationSpec = field(default_factory=ObservationSpec)

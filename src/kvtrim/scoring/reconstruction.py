@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 
 _SCORES = "kvzip_scores"
@@ -63,7 +63,7 @@ def _load_tokenizer(source: str):
 
 
 @dataclass
-class ReconstructionScorer:
+class ReconstructionScorer(Scorer):
     """KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
     NeurIPS 2025, arXiv 2505.23416).
 
@@ -87,6 +87,10 @@ class ReconstructionScorer:
     ``model.name_or_path``); when none can be loaded, the prompt is re-read without an instruction and the
     compression metadata says so (``kvzip_repeat_tokens = 0``), with a warning.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = False  # scores come from re-reading the context
 
     prompt: str = "Repeat the previous context exactly."
     n_sink: int = 4
@@ -132,10 +136,6 @@ class ReconstructionScorer:
 
     def prepare(self, views: list[LayerView]) -> None:
         """Run the reconstruction pass once per compression; scores go to ``views[0].shared``."""
-        from ..cache.dense import DenseStore
-        from ..cache.kvcache import KVTrimCache
-        from ..integration.attention import kvtrim_attention_enabled
-
         if self._model is None:
             raise RuntimeError("kvzip needs the model: build the cache with kvtrim (generate, Session, make_cache)")
         first = views[0]
@@ -157,31 +157,16 @@ class ReconstructionScorer:
         source_ids = first.prompt_ids
         prompt_ids = source_ids.to(device)
         ids, mask = reconstruction_feed(prompt_ids, self._repeat_ids.to(device), self._prefix_len)
-        seen = prompt_ids.shape[1]
         full_mask = torch.cat([(prompt_ids >= 0).long(), mask], dim=1)
         position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
-        work = KVTrimCache(first.num_layers, auto_compress=False)
-        lengths = {}
-        for view in views:
-            layer = work.layers[view.layer_idx]
-            layer.store = DenseStore(view.keys, view.values, view.positions, view.keys.shape[2])  # grows on append
-            layer.seen, layer.module = seen, view.module
-            layer.is_initialized, layer.dtype, layer.device = True, view.keys.dtype, device
-            lengths[view.layer_idx] = view.keys.shape[2]
-        work.observing = True
-        work.observation_spec = ObservationSpec(accumulate=("attn_max",), chunk=self.chunk)
-        with torch.no_grad(), kvtrim_attention_enabled(model):
-            model(
-                input_ids=ids,
-                attention_mask=full_mask,
-                position_ids=position_ids,
-                past_key_values=work,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        if first.replay is None:
+            raise RuntimeError("kvzip re-reads the context through the model: compress through a KVTrimCache")
+        spec = ObservationSpec(accumulate=("attn_max",), chunk=self.chunk)
+        stores = first.replay(model, views, ids, full_mask, position_ids, spec)
+        lengths = {view.layer_idx: view.keys.shape[2] for view in views}
         scores = {}
         for view in views:
-            s = work.layers[view.layer_idx].store.stat("attn_max")[..., : lengths[view.layer_idx]].clone()
+            s = stores[view.layer_idx].stat("attn_max")[..., : lengths[view.layer_idx]].clone()
             scores[view.layer_idx] = s.masked_fill(view.valid & (view.positions < self.n_sink), _SINK_SCORE)
         result = {
             _SCORES: scores,

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..artifacts.compilerkv import bin_index
+
+__all__ = ["EPS", "RiskSignals", "bin_index", "local_perplexity", "quantile_edges", "structural_entropy"]
+
 EPS = 1e-8
 
 
@@ -42,11 +46,6 @@ def local_perplexity(
     count = finite.sum(-1)
     mean = torch.where(finite, logprobs, torch.zeros_like(logprobs)).sum(-1) / count.clamp(min=1)
     return torch.where(count > 0, (-mean).exp(), torch.full_like(mean, float("nan")))
-
-
-def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """Bin of each value given ascending inner ``edges`` (``len(edges) + 1`` bins; ``searchsorted`` side=right)."""
-    return torch.searchsorted(edges.to(values.device, values.dtype).contiguous(), values.contiguous(), right=True)
 
 
 def quantile_edges(values: torch.Tensor, bins: int) -> torch.Tensor:

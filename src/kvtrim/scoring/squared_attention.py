@@ -14,7 +14,7 @@ import torch
 
 from ..cache.attention import attention_probabilities
 from ..errors import InvalidParameterError
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import MAX_CHUNK_PROBABILITIES, ObservationSpec
 from .reduce import pool_sequence
 
@@ -74,7 +74,7 @@ def squared_attention(
 
 
 @dataclass
-class SquaredAttentionScorer:
+class SquaredAttentionScorer(Scorer):
     """KV-Compress's metric as a scorer: squared attention of the observed queries (see module docstring).
 
     Under a continuous schedule (``kvcompress@every:64``) the cache also accumulates each decoding query's squared
@@ -89,11 +89,19 @@ class SquaredAttentionScorer:
         chunk: queries per step when computing the metric
     """
 
+    # capabilities (read by the method registry, kvtrim.methods.registry); see also question_aware
+    uses_attention = True
+
     window: int | None = 32
     kernel: int = 7
     buffer: int = 0
     chunk: int = 512
     observation: ObservationSpec = field(init=False)
+
+    @property
+    def question_aware(self) -> bool:
+        """Whether the last prompt queries alone drive the metric (KVC-w); KVC-full observes every query."""
+        return self.window is not None
 
     def __post_init__(self) -> None:
         if self.window is not None and (isinstance(self.window, bool) or self.window <= 0):

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..artifacts.compilerkv import TableSource
-from .base import LayerView
+from ..artifacts.compilerkv import KIND, TableSource
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .risk import EPS, RiskSignals, local_perplexity, structural_entropy
 
@@ -24,7 +24,7 @@ def _position_scatter(values: torch.Tensor, positions: torch.Tensor, length: int
 
 
 @dataclass
-class StabilizedUtilityScorer:
+class StabilizedUtilityScorer(Scorer):
     """û_t = max_h W[l, h] · u_t^{(l,h)}, one score per token shared by every KV head of a layer.
 
     * ``utility="stabilized"`` (default, the v2 operator): u = α · ρ with α_t = (T/W) Σ_{j∈Ω} mean_{l,h} A_{j,t}
@@ -40,6 +40,10 @@ class StabilizedUtilityScorer:
     ablation). ``prepare`` also computes the prompt's risk signals (entropy of α/Σα and the local perplexity of
     the last ``window`` prompt tokens) for the threshold gate, in ``view.shared["risk"]``.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = True
 
     tables: TableSource
     window: int = 64
@@ -61,6 +65,11 @@ class StabilizedUtilityScorer:
         self.observation = ObservationSpec(
             window=self.window, token_logprobs=self.window, accumulate=accumulate, band=self.band
         )
+
+    @property
+    def artifact_kind(self) -> str | None:
+        """The calibration artifact it reads (none for the neutral tables)."""
+        return None if self.tables.neutral else KIND
 
     def bind(self, model: torch.nn.Module) -> None:
         self.tables.bind(model)

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import LayerView
+from .base import LayerView, Scorer
 from .observation import ObservationSpec
 from .reduce import pool_sequence, reduce_group
 
 
 @dataclass
-class WindowAttentionScorer:
+class WindowAttentionScorer(Scorer):
     """Attention that the last ``window`` prompt queries pay to each entry.
 
     Per query head: aggregate over the window queries (``mean`` or ``sum``), then reduce over the GQA group
@@ -27,6 +27,11 @@ class WindowAttentionScorer:
         head_mean: average the final scores over all KV heads of the layer, so every head keeps the same
             entries (TOVA)
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    uses_attention = True
+    question_aware = True
+    runs_in_vllm = True
 
     window: int = 32
     kernel: int = 7

@@ -1,0 +1,1 @@
+"""Selectors: which entries each (row, KV head) keeps under its budget."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidParameterError
+from .base import Selector
 from .topk import Selection
 
 _REFERENCE = "chunkkv_reference"  # shared-dict key: kept positions of the layer group's reference layer
@@ -62,7 +63,7 @@ def selection_from_mask(keep: torch.Tensor) -> Selection:
 
 
 @dataclass
-class ChunkSelector:
+class ChunkSelector(Selector):
     """ChunkKV selection (Liu et al., 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
     Long-Context LLM Inference", arXiv 2502.00299).
 

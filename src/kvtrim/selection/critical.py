@@ -7,13 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from ..scoring.value_norm import projected_value_norms
+from .base import Selector
 from .topk import Selection, TopKSelector, protected_mask
 
 _FORCED = 1e30
 
 
 @dataclass
-class CriticalSelector:
+class CriticalSelector(Selector):
     """CriticalKV's perturbation-constrained selection, per KV head with budget ``b``.
 
     Stage 1 keeps the top ``⌊α·b⌋`` entries by attention score ``A`` (protected windows rank first, as kvpress

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
+from ..parts import Part
 from ..scoring.base import LayerView
 from ..scoring.observation import ObservationSpec
 from .topk import Selection
@@ -48,7 +49,7 @@ def channel_scores(queries: torch.Tensor, query_positions: torch.Tensor, keys: t
 
 
 @dataclass
-class QueryDrivenChannels:
+class QueryDrivenChannels(Part):
     """ThinK's key-channel pruning: per (sequence, KV head) keep the ``head_dim − ⌊λ·head_dim⌋`` channels with the
     largest ``‖Q_obs[:, i]‖ · ‖K[:, i]‖``.
 
@@ -57,6 +58,9 @@ class QueryDrivenChannels:
         fraction: λ, the fraction of key channels pruned, in [0, 1); ``None`` takes the request's ``ratio``
             (the ``think`` method alone, where the ratio is a channel fraction)
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry): the window queries pick the channels
+    question_aware = True
 
     window: int = 8
     fraction: float | None = None

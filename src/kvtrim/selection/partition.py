@@ -7,16 +7,21 @@ from dataclasses import dataclass
 import torch
 
 from ..scoring.lag_relative import layer_partitions
+from .base import Selector
 from .topk import Selection
 
 
 @dataclass
-class PartitionTopKSelector:
+class PartitionTopKSelector(Selector):
     """Keep every slot outside the partitions compressed now (sink, already compressed part, tail) and the top
     ``k`` of each compressed partition, with ``k`` = the head's budget beyond the fixed slots spread evenly over
     its partitions. Kept slots stay in position order. Reports the new ``compressed_until`` so the next round
     never re-scores what was compressed (the recursion of LagKV).
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    runs_in_vllm = True
+    lag_partitions = True
 
     sink: int = 16
     lag: int = 128

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..artifacts.compilerkv import TableSource
+from ..artifacts.compilerkv import KIND, TableSource
 from ..errors import InvalidParameterError
+from .base import Selector
 from .topk import Selection
 
 MODES = ("pad", "elastic")
@@ -15,7 +16,7 @@ MISSING_LOGPROBS = ("error", "median_bin")
 
 
 @dataclass
-class ThresholdGateSelector:
+class ThresholdGateSelector(Selector):
     """Keep the tokens whose utility clears the layer's threshold τ, corrected to the budget.
 
     τ_l = T_gate[B, l, b_H, b_P] from the compiled risk table (entropy and local-perplexity bins of the prompt,
@@ -47,6 +48,11 @@ class ThresholdGateSelector:
             raise ValueError(f"missing_logprobs must be one of {MISSING_LOGPROBS}, got {self.missing_logprobs!r}")
         if self.keep_window < 0:
             raise ValueError(f"keep_window must be >= 0, got {self.keep_window}")
+
+    @property
+    def artifact_kind(self) -> str | None:
+        """The calibration artifact it reads (none for the neutral tables); read by the method registry."""
+        return None if self.tables.neutral else KIND
 
     def bind(self, model: torch.nn.Module) -> None:
         self.tables.bind(model)

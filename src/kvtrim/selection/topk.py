@@ -6,22 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import Selection, Selector
+
+__all__ = ["Selection", "TopKSelector", "protected_mask"]
+
 _PROTECTED = 1e30
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Slots to keep per (row, KV head).
-
-    Attributes:
-        indices: ``[batch, kv_heads, k]`` slot indices, ascending (``k`` = the largest budget)
-        keep_mask: ``[batch, kv_heads, k]`` False where a selected slot is beyond its head's budget or empty
-        compressed_until: ``[batch]`` for recursive methods: positions below it are final and never re-scored
-    """
-
-    indices: torch.Tensor
-    keep_mask: torch.Tensor
-    compressed_until: torch.Tensor | None = None
 
 
 def protected_mask(
@@ -41,7 +30,7 @@ def protected_mask(
 
 
 @dataclass
-class TopKSelector:
+class TopKSelector(Selector):
     """Keep each head's ``budget`` highest-scoring entries, protected windows first.
 
     Args:
@@ -49,6 +38,9 @@ class TopKSelector:
         recent: always keep the last ``recent`` tokens (an int, or a float fraction of the budget)
     Empty slots are never selected over real tokens.
     """
+
+    # capabilities (read by the method registry, kvtrim.methods.registry)
+    runs_in_vllm = True
 
     sink: int = 0
     recent: int | float = 0

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..api import _eos_ids
-from ..cache.paged import PAGED_METHODS, BlockPool, PagedBatchCache, PagedSequence, prefill_metric
+from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence, prefill_metric
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
+from ..methods.presets import KV_COMPRESS as PAGED_METHODS  # the KV-Compress presets, stated once
 from ..selection.block_eviction import compress_sequence
 from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
 from .types import RequestHandle, SamplingParams, TokenEvent

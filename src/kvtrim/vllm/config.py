@@ -21,7 +21,7 @@ from ..budgets.uniform import UniformBudget
 from ..compression.compressor import BudgetSpec
 from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
-from ..methods import get_method, method_names
+from ..methods import get_method, method_info, method_names
 from ..scoring.partitions import kept_length
 
 ENV_VAR = "KVTRIM_VLLM_CONFIG"
@@ -29,7 +29,7 @@ ADDITIONAL_CONFIG_KEY = "kvtrim"
 
 # Methods whose kept count is the same for every layer and KV head (one block table serves all of them).
 # pyramidkv, adakv, headkv… need per-layer or per-head lengths: see docs/vllm.md.
-SUPPORTED_METHODS = ("streaming_llm", "snapkv", "tova", "knorm", "random", "lagkv", "localkv", "lag_knorm")
+SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm)
 
 
 @dataclass(frozen=True)

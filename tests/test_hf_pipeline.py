@@ -6,7 +6,7 @@ import pytest
 from transformers import pipeline
 
 import kvtrim
-import kvtrim.integration.pipeline  # registers the task
+import kvtrim.hf_pipeline  # registers the task
 from conftest import random_text
 from kvtrim.errors import InvalidParameterError
 

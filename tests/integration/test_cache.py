@@ -19,9 +19,9 @@ from conftest import (
     random_text,
     tiny_model,
 )
-from kvtrim.cache.kvcache import KVTrimCache
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
 from kvtrim.methods import get_method, method_names
 from kvtrim.scoring.partitions import kept_length
 

@@ -3,7 +3,7 @@
 Importing this module registers the task with transformers' ``PIPELINE_REGISTRY`` (kept out of ``import kvtrim``,
 which stays light)::
 
-    import kvtrim.integration.pipeline  # registers "kvtrim-text-generation"
+    import kvtrim.hf_pipeline  # registers "kvtrim-text-generation"
     from transformers import pipeline
 
     pipe = pipeline("kvtrim-text-generation", model=model, tokenizer=tokenizer)
@@ -22,7 +22,7 @@ from typing import Any
 from transformers import AutoModelForCausalLM
 from transformers.pipelines import PIPELINE_REGISTRY, Pipeline
 
-from ..errors import InvalidParameterError
+from .errors import InvalidParameterError
 
 TASK = "kvtrim-text-generation"
 _FORWARD = (
@@ -90,7 +90,7 @@ class KVTrimTextGenerationPipeline(Pipeline):
         return {"context": context, "questions": questions, "answer_prefix": answer_prefix}
 
     def _forward(self, inputs: dict, **kwargs: Any) -> dict:
-        from ..api import generate
+        from .api import generate
 
         kwargs.setdefault("method", "snapkv")
         kwargs.setdefault("max_new_tokens", 50)

@@ -1,0 +1,25 @@
+"""The artifact kinds kvtrim knows: what each holds and the command that produces it.
+
+One table for every reader and every calibration (``kvtrim calibrate <kind>``); the messages of
+:class:`~kvtrim.errors.MissingArtifactError` and ``kvtrim calibrate show`` read it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ARTIFACT_KINDS", "COMPILERKV_KIND", "COMPRESSKV_KIND", "DUO_KIND", "HEADKV_KIND"]
+
+HEADKV_KIND = "headkv"
+COMPRESSKV_KIND = "compresskv"
+COMPILERKV_KIND = "compilerkv"
+DUO_KIND = "duo"
+
+ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
+    HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
+    COMPRESSKV_KIND: (
+        "CompressKV head scores (SRH/TRH) and layer error profile",
+        "kvtrim calibrate compresskv --model {model}",
+    ),
+    COMPILERKV_KIND: ("CompilerKV compiled tables", "kvtrim calibrate compilerkv --model {model}"),
+    DUO_KIND: ("DuoAttention head gates", "kvtrim calibrate duo --model {model}"),
+}
+"""``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""

@@ -1,0 +1,383 @@
+"""The transformers ``Cache`` adapter: ``KVTrimCache`` and its layers.
+
+Thin by design: the entries live in the stores of :mod:`kvtrim.cache`, the compression policy in a
+:class:`~kvtrim.compression.state.CompressionState`; this module speaks transformers' cache protocol, hands new
+entries to kvtrim's attention function (:mod:`kvtrim.integration.attention`) and forwards the start of every
+forward pass to the policy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..cache.dense import INVALID, DenseStore
+from ..cache.layer import hand_over, raise_if_unconsumed
+from ..cache.store import KVStore
+from ..compression.compressor import BudgetSpec, CompressionReport
+from ..compression.pipeline import Pipeline
+from ..compression.state import CompressionState
+from ..errors import InvalidParameterError
+from ..scoring.observation import LayerObservation, ObservationSpec, record
+from .attention import kvtrim_attention_enabled
+from .prompt_ids import RecordsPromptIds
+
+__all__ = ["CacheStats", "CompressibleLayer", "KVTrimCache"]
+
+
+def _policy(name: str, doc: str) -> property:
+    """A cache attribute that reads and writes the same attribute of the cache's :class:`CompressionState`."""
+    return property(
+        lambda self: getattr(self.compression, name),
+        lambda self, value: setattr(self.compression, name, value),
+        doc=doc,
+    )
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Entries and bytes held by a cache, measured from its tensors."""
+
+    entries: int
+    kv_bytes: int
+    index_bytes: int
+    seen_tokens: int
+
+    def as_dict(self) -> dict:
+        return {
+            "entries": self.entries,
+            "kv_bytes": self.kv_bytes,
+            "index_bytes": self.index_bytes,
+            "seen_tokens": self.seen_tokens,
+        }
+
+
+class KVTrimCache(Cache, RecordsPromptIds):
+    """A KV cache that a compression method can shrink after prefill.
+
+    Used two ways:
+      * by :func:`kvtrim.generate`, which prefills, calls :meth:`compress` and decodes;
+      * inside a user's own ``model.generate(..., past_key_values=cache)``: the prompt is prefilled exactly, and
+        the cache compresses itself at the start of the next forward pass (question-aware mode).
+
+    Args:
+        num_layers: number of decoder layers of the model
+        pipeline: the compression method (from :func:`kvtrim.methods.get_method`), or None for no compression
+        budget: how much to keep (a :class:`kvtrim.compression.compressor.BudgetSpec`); required with ``pipeline``
+        auto_compress: compress automatically before the first forward pass that follows a prefill
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        pipeline: Pipeline | None = None,
+        budget: BudgetSpec | None = None,
+        auto_compress: bool = True,
+    ):
+        if num_layers <= 0:
+            raise InvalidParameterError(f"num_layers must be positive, got {num_layers}")
+        self.compression = CompressionState(pipeline, budget, auto_compress)
+        super().__init__(layers=[CompressibleLayer(self, i) for i in range(num_layers)])
+        self.peak_kv_bytes = 0  # largest K/V bytes held at the start of a forward pass (or after a compression)
+        self._unconsumed: int | None = None  # layer whose update was not yet consumed by kvtrim attention
+        # [batch, w] log p(x_j | x_<j) of the last prompt tokens (NaN: padding or not recorded); set by kvtrim.api
+        # when the method's observation asks for token_logprobs
+        self.prompt_logprobs: torch.Tensor | None = None
+        self._last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last prefill position
+        # [batch, n] the prompt's token ids (-1: padding), when the method's observation asks for input_ids
+        self.prompt_ids: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ the policy (CompressionState)
+    pipeline: Pipeline | None = _policy("pipeline", "the compression method, or None")
+    budget: BudgetSpec | None = _policy("budget", "how much to keep")
+    auto_compress: bool = _policy("auto_compress", "compress before the first forward pass after a prefill")
+    observing: bool = _policy("observing", "record what the method's scorer needs during attention")
+    observation_spec: ObservationSpec = _policy("observation_spec", "what to record")
+    last_report: CompressionReport | None = _policy("last_report", "the latest compression's report")
+    reports: list[CompressionReport] = _policy("reports", "every compression, in order")
+    compressions: int = _policy("compressions", "compressions so far")
+    tokens_since_compression: int = _policy("tokens_since_compression", "token columns since the last one")
+
+    @property
+    def schedule(self):
+        return self.compression.schedule
+
+    def _before_forward(self, new_tokens: int) -> None:
+        """Called at layer 0 of every forward pass, before anything is stored."""
+        self.compression.before_forward(self, new_tokens)
+
+    def compress(self, logits: torch.Tensor | None = None, keep_observing: bool = False) -> CompressionReport:
+        """Apply the method to everything stored so far.
+
+        Observation stops afterwards unless the method's schedule compresses again later (or ``keep_observing``,
+        used between the chunks of a chunked prefill).
+        """
+        return self.compression.compress(self, logits, keep_observing)
+
+    def track_peak(self) -> None:
+        """Raise :attr:`peak_kv_bytes` to the bytes held now."""
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_nbytes())
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the key and value tensors held right now (append slack included)."""
+        return sum(layer.store.nbytes() for layer in self.kv_layers)
+
+    def context_lengths(self) -> torch.Tensor | None:
+        """``[batch]`` tokens seen per row (largest stored position + 1), or None while empty."""
+        layers = self.kv_layers
+        if not layers:
+            return None
+        return (layers[0].store.latest_positions() + 1).clamp(min=0)
+
+    def clone(self, pipeline: Pipeline | None = None, budget: BudgetSpec | None = None) -> KVTrimCache:
+        """An independent copy (tensors copied) that may carry another method and budget.
+
+        Lets one prefill serve several methods: observations recorded for the union of their needs are copied
+        with the entries.
+        """
+        other = KVTrimCache(len(self.layers), pipeline, budget, auto_compress=self.auto_compress)
+        other.compression = self.compression.copy_for(pipeline, budget)
+        other.peak_kv_bytes = self.kv_nbytes()
+        other.prompt_logprobs = None if self.prompt_logprobs is None else self.prompt_logprobs.clone()
+        other.prompt_ids = self.prompt_ids  # never written in place: appends build a new tensor
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            theirs.seen = mine.seen
+            theirs.module = mine.module
+            if pipeline is not None and pipeline is self.pipeline and mine.compressed_until is not None:
+                theirs.compressed_until = mine.compressed_until.clone()
+            if mine.store is not None:
+                theirs.store = mine.store.copy()
+                theirs.is_initialized = True
+                theirs.dtype, theirs.device = mine.dtype, mine.device
+            theirs.observation = mine.observation.copy()
+        return other
+
+    def record_prompt_ids(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Append a forward call's token ids to :attr:`prompt_ids` (``-1`` where ``attention_mask`` is 0) while
+        they are part of the prompt and the method asks for them (``ObservationSpec.input_ids``)."""
+        if not self.observation_spec.input_ids:
+            return
+        if not (self.observing or self.compressions == 0):
+            return  # compressed and no longer observing: these tokens (a question, an answer) are not the prompt
+        if self.compression.prefilled_uncompressed and self.auto_compress:
+            return  # this forward compresses the prompt first: its tokens come after the prompt
+        ids = ids.long()
+        if attention_mask is not None and attention_mask.dim() == 2:
+            ids = ids.masked_fill(~attention_mask[:, -ids.shape[1] :].to(torch.bool), -1)
+        self.prompt_ids = ids if self.prompt_ids is None else torch.cat([self.prompt_ids, ids], dim=1)
+
+    @staticmethod
+    def replay(
+        model: torch.nn.Module,
+        views: list,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        observation: ObservationSpec,
+    ) -> dict[int, DenseStore]:
+        """Feed ``input_ids`` ``[batch, w]`` through ``model`` (kvtrim attention) over a scratch cache that starts
+        with the entries of ``views`` (:class:`~kvtrim.scoring.base.LayerView`), recording ``observation``.
+
+        ``attention_mask`` ``[batch, seen + w]`` covers the stored columns and the new ones. Returns each view's
+        layer store after the pass (its first slots are the views' entries); the views' tensors are not written.
+        """
+        work = KVTrimCache(views[0].num_layers, auto_compress=False)
+        seen = attention_mask.shape[1] - input_ids.shape[1]
+        for view in views:
+            layer = work.layers[view.layer_idx]
+            layer.store = DenseStore(view.keys, view.values, view.positions, view.keys.shape[2])  # grows on append
+            layer.seen, layer.module = seen, view.module
+            layer.is_initialized, layer.dtype, layer.device = True, view.keys.dtype, view.keys.device
+        work.observing = True
+        work.observation_spec = observation
+        with torch.no_grad(), kvtrim_attention_enabled(model):
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=work,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return {view.layer_idx: work.layers[view.layer_idx].store for view in views}
+
+    @property
+    def kv_layers(self) -> list[CompressibleLayer]:
+        return [layer for layer in self.layers if layer.store is not None]
+
+    # ------------------------------------------------------------------ rollback
+    def mark(self) -> list[tuple]:
+        """Remember the current end of every layer, to remove later appends with :meth:`rollback`."""
+        return [(layer.store.mark() if layer.store else None, layer.seen) for layer in self.layers]
+
+    def rollback(self, mark: list[tuple]) -> None:
+        """Remove every entry appended after ``mark`` (e.g. a question and its answer)."""
+        for layer, (store_mark, seen) in zip(self.layers, mark, strict=True):
+            if layer.store is not None:
+                layer.store.truncate_to(store_mark)
+            layer.seen = seen
+
+    # ------------------------------------------------------------------ accounting
+    def stats(self) -> CacheStats:
+        """Entries and bytes held right now, measured from the tensors."""
+        layers = self.kv_layers
+        return CacheStats(
+            entries=sum(layer.store.entries() for layer in layers),
+            kv_bytes=self.kv_nbytes(),
+            index_bytes=sum(layer.store.index_nbytes() for layer in layers),
+            seen_tokens=self.layers[0].seen,
+        )
+
+    def entries_per_layer_head(self) -> torch.Tensor:
+        """``[batch, layers, kv_heads]`` real tokens held per layer and KV head."""
+        return torch.stack([layer.store.entries_per_head() for layer in self.kv_layers], dim=1)
+
+
+class CompressibleLayer(CacheLayerMixin):
+    """One layer of a :class:`KVTrimCache`.
+
+    ``seen`` counts token columns seen so far (including padding), which is what transformers uses to slice
+    inputs and build default positions; the store holds only what was kept.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: KVTrimCache, layer_idx: int):
+        self.is_initialized = False
+        self._cache = weakref.ref(cache)  # the cache owns its layers; a strong back-reference would form a cycle
+        self.layer_idx = layer_idx
+        self.store: KVStore | None = None
+        self.seen = 0
+        self.observation = LayerObservation()
+        self.module: torch.nn.Module | None = None
+        self.compressed_until: torch.Tensor | None = None  # [batch], set by recursive methods (LagKV)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def cache(self) -> KVTrimCache:
+        return self._cache()
+
+    # transformers reads .keys/.values on some code paths (device, dtype); expose the stored entries.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.store is None else self.store.keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.store is None else self.store.values
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.store = DenseStore.empty(b, h, d, key_states.dtype, key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise_if_unconsumed(
+            self.cache,
+            "the model must run with attn_implementation='kvtrim': use kvtrim.compressing(model, ...) or "
+            "kvtrim.make_cache(model, ...), which install it",
+        )
+        if self.layer_idx == 0:
+            self.cache._before_forward(key_states.shape[2])
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        hand_over(self, key_states, value_states)
+        return key_states, value_states
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        padding_mask: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Store the pending tokens, attend over the store, record observations.
+
+        Args:
+            query: ``[batch, q_heads, q, head_dim]`` post-rotary
+            position_ids: ``[1 or batch, q]`` or None (then positions continue from ``seen``)
+            padding_mask: ``[batch, >= q]`` boolean, the last ``q`` columns flag real tokens; None = no padding
+        Returns:
+            ``[batch, q, q_heads, head_dim]``
+        """
+        keys, values = self._pending
+        self._pending = None
+        self.cache._unconsumed = None
+        self.module = module
+        b, _, q, _ = keys.shape
+        if position_ids is None:
+            positions = torch.arange(self.seen, self.seen + q, device=keys.device).expand(b, q)
+        else:
+            positions = position_ids.to(keys.device).expand(b, q)
+        valid = None
+        if padding_mask is not None:
+            if padding_mask.shape[-1] < q:
+                raise ValueError(f"attention_mask has {padding_mask.shape[-1]} columns for {q} new tokens")
+            valid = padding_mask[:, -q:].to(torch.bool)
+            # A prompt chunk is checked once (cheaper attention when nothing is padding); a decoding step is not
+            # read back (no host sync): its token is masked on the device if the mask says it is padding.
+            if q > 1 and bool(valid.all()):
+                valid = None
+        positions = positions.long() if valid is None else positions.long().masked_fill(~valid, INVALID)
+        store = self.store
+        fresh = store.causal_prefill_ready and valid is None and bool((positions.diff(dim=1) == 1).all())
+        store.append(keys, values, positions, padded=valid is not None)
+        out = store.attend(query, positions, scaling, fresh_causal=fresh)
+        self.seen += q
+        if self.cache.observing:
+            record(self.cache.observation_spec, self.observation, store, query, positions, scaling)
+        return out
+
+    # ------------------------------------------------------------------ transformers Cache protocol
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store = None
+        self.seen = 0
+        self.is_initialized = False
+        self.observation = LayerObservation()
+        self.compressed_until = None
+        self._pending = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` appended tokens (assisted decoding)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        n = -tokens_to_remove
+        if n == 0 or self.store is None:
+            return
+        self.store.drop_last(n)
+        self.seen -= n
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store is not None:
+            self.store.select_batch(beam_idx.to(self.store.positions.device))
+        if self.compressed_until is not None:
+            self.compressed_until = self.compressed_until[beam_idx.to(self.compressed_until.device)]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            idx = torch.arange(self.store.batch_size, device=self.store.positions.device)
+            self.store.select_batch(idx.repeat_interleave(repeats))
+        if self.compressed_until is not None:
+            self.compressed_until = self.compressed_until.repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store.select_batch(indices)
+        if self.compressed_until is not None:
+            self.compressed_until = self.compressed_until[indices]

@@ -1,0 +1,96 @@
+"""Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction."""
+
+from __future__ import annotations
+
+from ..budgets.global_threshold import GlobalThresholdBudget
+from ..budgets.uniform import UniformBudget
+from ..compression.pipeline import Pipeline
+from ..scoring.expected_attention import ExpectedAttentionScorer
+from ..scoring.reconstruction import ReconstructionScorer
+from ..scoring.window_attention import WindowAttentionScorer
+from ..selection.chunk import ChunkSelector
+from ..selection.topk import TopKSelector
+from . import papers
+from .presets import SINKS, SNAPKV
+from .registry import parts, register
+
+FAMILY = "kvpress"
+
+
+@register(
+    "expected_attention",
+    family=FAMILY,
+    summary="Expected attention of future queries (Gaussian query statistics moved by the average rotary rotation "
+    "ahead) times ‖v‖; sinks kept. Query-agnostic.",
+    paper=papers.EXPECTED_ATTENTION,
+    preset="kvpress defaults: 512 future positions, 4 sinks, covariance on, value-norm rescaling on, ε=0; "
+    "statistics from the post-RoPE prompt queries un-rotated (kvtrim records every prompt query)",
+)
+def expected_attention(
+    n_future: int = 512, n_sink: int = SINKS, use_covariance: bool = True, use_vnorm: bool = True, eps: float = 0.0
+) -> Pipeline:
+    """Expected Attention (Devoto et al., arXiv 2510.00636): kvpress's query-agnostic expected-attention score."""
+    scorer = ExpectedAttentionScorer(
+        n_future=n_future, n_sink=n_sink, use_covariance=use_covariance, use_vnorm=use_vnorm, eps=eps
+    )
+    return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))
+
+
+def _chunkkv_parts(window: int, chunk: int, reuse_layers: int, share_heads: bool) -> Pipeline:
+    scorer = WindowAttentionScorer(window=window, kernel=1, pooling="none", aggregate="mean", group_reduce="mean")
+    selector = ChunkSelector(chunk=chunk, recent=window, reuse_layers=reuse_layers, share_heads=share_heads)
+    return parts(scorer, UniformBudget(), selector)
+
+
+@register(
+    "chunkkv",
+    family=FAMILY,
+    summary="Window attention summed into chunks of 10 contiguous tokens; whole chunks kept (the same for every KV "
+    "head of a layer) plus the window.",
+    paper=papers.CHUNKKV,
+    preset="chunk size 10 (paper default), observation window w=8 (kvtrim's SnapKV preset, no pooling), chunk "
+    "score = mean token score summed over the KV heads (kvpress ChunkKVPress), no layer reuse",
+)
+def chunkkv(window: int = SNAPKV.window, chunk: int = 10, reuse_layers: int = 1, share_heads: bool = True) -> Pipeline:
+    """ChunkKV (Liu et al., arXiv 2502.00299): chunk-granular selection; ``reuse_layers`` > 1 shares indices."""
+    return _chunkkv_parts(window, chunk, reuse_layers, share_heads)
+
+
+@register(
+    "chunkkv_reuse",
+    family=FAMILY,
+    summary="ChunkKV with layer-wise index reuse: each pair of layers keeps the chunks chosen by its first layer.",
+    paper=papers.CHUNKKV,
+    preset="as chunkkv with reuse_layers=2 (the paper's index-reuse setting of 2 layers per group)",
+)
+def chunkkv_reuse(
+    window: int = SNAPKV.window, chunk: int = 10, reuse_layers: int = 2, share_heads: bool = True
+) -> Pipeline:
+    """ChunkKV (arXiv 2502.00299) with layer-wise index reuse (layers grouped by ``reuse_layers``)."""
+    return _chunkkv_parts(window, chunk, reuse_layers, share_heads)
+
+
+@register(
+    "kvzip",
+    family=FAMILY,
+    summary="Query-agnostic: the model re-reads its context after a repeat instruction; an entry scores the "
+    "largest attention the reconstruction pays it; one global threshold across layers and heads (stored ragged). "
+    "Costs one extra forward pass over the prompt at compression.",
+    paper=papers.KVZIP,
+    preset="kvpress KVzipPress defaults: prompt 'Repeat the previous context exactly.' in the chat template, 4 "
+    "sinks, max over the group and the reconstruction queries, non-layerwise (global) budgets; layerwise=True "
+    "gives every layer the same budget; one reconstruction pass instead of 2K-token chunks",
+)
+def kvzip(
+    prompt: str = "Repeat the previous context exactly.",
+    n_sink: int = SINKS,
+    layerwise: bool = False,
+    chunk: int = 256,
+    tokenizer: str | None = None,
+) -> Pipeline:
+    """KVzip (Kim et al., arXiv 2505.23416): context-reconstruction scores, global or per-layer budgets."""
+    return parts(
+        ReconstructionScorer(prompt=prompt, n_sink=n_sink, chunk=chunk, tokenizer=tokenizer),
+        UniformBudget() if layerwise else GlobalThresholdBudget(),
+        TopKSelector(sink=n_sink),
+    )

@@ -1,0 +1,64 @@
+"""Citations of the papers the methods follow (several methods cite the same paper)."""
+
+from __future__ import annotations
+
+STREAMING_LLM = "Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 (arXiv 2309.17453)"
+SNAPKV = "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 (arXiv 2404.14469)"
+PYRAMIDKV = (
+    "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling (arXiv 2406.02069)"
+)
+ADAKV = (
+    "Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference "
+    "(arXiv 2407.11550)"
+)
+H2O = (
+    "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023 (arXiv 2306.14048)"
+)
+KNORM = (
+    "Devoto et al., A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, EMNLP 2024 "
+    "(arXiv 2406.11430)"
+)
+TOVA = "Oren et al., Transformers are Multi-State RNNs (TOVA), EMNLP 2024 (arXiv 2401.06104)"
+RANDOM = "Baseline used across the KV-compression literature (e.g. kvpress RandomPress)"
+CRITICALKV = (
+    "Feng et al., CriticalKV: Optimizing KV Cache Eviction from an Output Perturbation Perspective, ICML 2026 "
+    "(arXiv 2502.03805, v1: Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective)"
+)
+HEADKV = (
+    "Fu et al., Not All Heads Matter: A Head-Level KV Cache Compression Method with Integrated Retrieval and "
+    "Reasoning, ICLR 2025 (arXiv 2410.19258)"
+)
+COMPRESSKV = (
+    "Lin et al., CompressKV: Semantic Retrieval Heads Know What Tokens are Not Important Before Generation "
+    "(arXiv 2508.02401)"
+)
+LAGKV = (
+    "Liang et al., LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important, 2025 "
+    "(arXiv 2504.04704)"
+)
+COMPILERKV = "CompilerKV: Risk-Adaptive KV Compression via Offline Experience Compilation (arXiv 2602.08686)"
+KV_COMPRESS = (
+    "Rehg, KV-Compress: Paged KV-Cache Compression with Variable Compression Rates per Attention Head "
+    "(arXiv 2410.00161)"
+)
+EXPECTED_ATTENTION = (
+    "Devoto et al., Expected Attention: KV Cache Compression by Estimating Attention from Future Queries "
+    "Distribution (arXiv 2510.00636); kvpress ExpectedAttentionPress"
+)
+KEYDIFF = (
+    "Park et al., KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in "
+    "Resource-Constrained Environments (arXiv 2504.15364)"
+)
+CHUNKKV = (
+    "Liu et al., ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM Inference "
+    "(arXiv 2502.00299)"
+)
+KVZIP = (
+    "Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction, NeurIPS 2025 "
+    "(arXiv 2505.23416)"
+)
+THINK = "Xu et al., ThinK: Thinner Key Cache by Query-Driven Pruning, ICLR 2025 (arXiv 2407.21018)"
+DUO_ATTENTION = (
+    "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, "
+    "ICLR 2025 (arXiv 2410.10819)"
+)
