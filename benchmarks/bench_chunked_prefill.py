@@ -71,9 +71,9 @@ def _prompt_ids(tokenizer, length: int, task: str = "niah_single_2", index: int 
 
 
 def _prefill(model, ids, config: str, chunk: int):
-    from kvtrim.api import prefill_chunked, prefill_ids
     from kvtrim.compression.compressor import BudgetSpec
     from kvtrim.methods import get_method
+    from kvtrim.runtime import Prefill
     from kvtrim.scoring.observation import ObservationSpec
 
     method, ratio, budget, chunked = CONFIGS[config]
@@ -81,11 +81,11 @@ def _prefill(model, ids, config: str, chunk: int):
     pipeline = get_method(method) if method else None
     spec = BudgetSpec(ratio=ratio, budget=budget) if method else None
     if chunked:
-        pre = prefill_chunked(model, ids, mask, chunk, pipeline, spec)
+        pre = Prefill.chunked(model, ids, mask, chunk, pipeline, spec)
         if pipeline is not None:
             pre.cache.compress()  # the final compression, as after a one-pass prefill
     else:
-        pre = prefill_ids(model, ids, mask, ObservationSpec())
+        pre = Prefill.plain(model, ids, mask, ObservationSpec())
         pre.cache.peak_kv_bytes = pre.cache.stats().kv_bytes
     return pre
 
@@ -125,10 +125,10 @@ def worker(length: int, config: str, chunk: int, threads: int) -> dict:
 def agreement(samples: int, chunk: int, threads: int) -> list[dict]:
     """First-token agreement on ~1k-token prompts (question included), several tasks."""
     import kvtrim
-    from kvtrim.api import prefill_chunked, prefill_ids
     from kvtrim.compression.compressor import BudgetSpec
     from kvtrim.integration.attention import kvtrim_attention_enabled
     from kvtrim.methods import get_method
+    from kvtrim.runtime import Prefill
     from kvtrim.scoring.observation import ObservationSpec
 
     torch.set_num_threads(threads)
@@ -141,10 +141,10 @@ def agreement(samples: int, chunk: int, threads: int) -> list[dict]:
             for index in range(samples):
                 ids = _prompt_ids(tokenizer, 1024, task, index)
                 mask = torch.ones_like(ids)
-                full = prefill_ids(model, ids, mask, ObservationSpec())
+                full = Prefill.plain(model, ids, mask, ObservationSpec())
                 reference = int(full.logits[0].argmax())
                 for method, ratio in setups:
-                    chunked = prefill_chunked(model, ids, mask, chunk, get_method(method), BudgetSpec(ratio=ratio))
+                    chunked = Prefill.chunked(model, ids, mask, chunk, get_method(method), BudgetSpec(ratio=ratio))
                     row = rows[(method, ratio)]
                     row["n"] += 1
                     row["chunked_agree"] += int(int(chunked.logits[0].argmax()) == reference)

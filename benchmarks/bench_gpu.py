@@ -51,10 +51,10 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvtrim
-from kvtrim.api import _resolve_method
 from kvtrim.cache.sdpa import flash_attn_function, get_attention_backend, set_attention_backend
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.integration.cache import KVTrimCache
+from kvtrim.runtime import resolve_method
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_gpu"
 HF, FULL = "hf", "full"
@@ -147,7 +147,7 @@ def _cache_for(model, method: str, ratio: float):
     layers = model.config.num_hidden_layers
     if method == FULL:
         return KVTrimCache(layers, auto_compress=False), kvtrim_attention_enabled(model)
-    pipeline, spec = _resolve_method(method, ratio, None, None, model)
+    pipeline, spec = resolve_method(method, ratio, None, None, model)
     return KVTrimCache(layers, pipeline, spec, auto_compress=False), kvtrim_attention_enabled(model)
 
 

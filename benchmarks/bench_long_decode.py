@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 import kvtrim
-from kvtrim.api import _decode, prefill_ids
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
+from kvtrim.runtime import Prefill, greedy_decode
 from kvtrim.scoring.observation import ObservationSpec
 
 MODEL = "smollm2-135m"
@@ -86,7 +86,7 @@ def main() -> None:
             observation = observation.merge(get_method(name).observation)
     rows, reference = [], None
     with torch.inference_mode(), kvtrim_attention_enabled(model):
-        pre = prefill_ids(model, ids, mask, observation)
+        pre = Prefill.plain(model, ids, mask, observation)
         for name, ratio, budget in configs(args.budget):
             pipeline = None if name == "full" else get_method(name)
             spec = None if pipeline is None else BudgetSpec(ratio=ratio, budget=budget)
@@ -95,7 +95,7 @@ def main() -> None:
                 cache.compress()
             after_prefill = cache.stats().kv_bytes
             cpu0 = time.process_time()
-            outcome = _decode(model, cache, pre.mask, pre.logits, args.tokens + 1, set(), -1)
+            outcome = greedy_decode(model, cache, pre.mask, pre.logits, args.tokens + 1, set(), -1)
             cpu = time.process_time() - cpu0
             tokens = outcome.tokens[0]
             if reference is None:
@@ -109,7 +109,7 @@ def main() -> None:
                 "budget": budget,
                 "decode_steps": outcome.steps,
                 "decode_cpu_ms_per_token": round(1000 * cpu / outcome.steps, 2),
-                "decode_wall_ms_per_token": round(1000 * outcome.decode_s / outcome.steps, 2),
+                "decode_wall_ms_per_token": round(1000 * outcome.seconds / outcome.steps, 2),
                 "kv_bytes_after_prefill": after_prefill,
                 "kv_bytes_end": cache.stats().kv_bytes,
                 "kv_entries_end": cache.stats().entries,

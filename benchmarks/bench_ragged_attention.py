@@ -36,7 +36,7 @@ def main() -> None:
     model, tok = kvtrim.load_model("smollm2-135m")
     sample = generate_task("passkey", tok, args.tokens, 1, seed=0)[0]
     session = kvtrim.Session(model, tok, sample.context, methods=[args.method])
-    pre = session._pre
+    pre = session.prefill
     rows = []
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         for ratio in (float(r) for r in args.ratios.split(",")):

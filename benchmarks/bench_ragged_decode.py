@@ -26,9 +26,9 @@ import torch
 import transformers
 
 import kvtrim
-from kvtrim.api import _feed
 from kvtrim.eval.tasks import generate_task
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.runtime import feed
 
 CONFIGS = [
     ("snapkv", "dense (uniform per head)", {}),
@@ -42,7 +42,8 @@ def decode_ms(model, cache, mask, first_token: torch.Tensor, steps: int, clock=t
     token, times = first_token.view(1, 1), []
     for step in range(steps + 4):
         t0 = clock()
-        logits, mask, _ = _feed(model, cache, mask, token, torch.ones(1, 1, dtype=mask.dtype))
+        fed = feed(model, cache, mask, token, torch.ones(1, 1, dtype=mask.dtype))
+        logits, mask = fed.logits, fed.mask
         if step >= 4:
             times.append(clock() - t0)
         token = logits.argmax(-1).view(1, 1)
@@ -64,7 +65,7 @@ def main() -> None:
     model, tok = kvtrim.load_model("smollm2-135m")
     sample = generate_task("passkey", tok, args.tokens, 1, seed=0)[0]
     session = kvtrim.Session(model, tok, sample.context, methods=["snapkv", "adakv"])
-    pre = session._pre
+    pre = session.prefill
     configs = [("full", "dense", {}, 0.0)]
     configs += [(m, label, o, float(r)) for r in args.ratios.split(",") for m, label, o in CONFIGS]
     with torch.inference_mode(), kvtrim_attention_enabled(model):

@@ -6,10 +6,10 @@ import pytest
 
 import kvtrim
 from conftest import byte_tokenizer
-from kvtrim.api import _tokenize
 from kvtrim.errors import InvalidParameterError
 from kvtrim.models import EMBEDDED_MODELS
 from kvtrim.prompts import prompt_template
+from kvtrim.runtime import tokenize
 
 CONTEXT = "The pass key is 48213. Remember it. The grass is green."
 QUESTION = "What is the pass key?"
@@ -34,8 +34,8 @@ needs_smollm2 = pytest.mark.skipif(
 def test_kvpress_layout_token_ids_equal_kvpress_pipeline():
     tok = kvtrim.load_tokenizer("smollm2-135m")
     template = prompt_template(tok, prompt_format="kvpress")
-    ctx_ids, _ = _tokenize(tok, [template.context_part(CONTEXT)], template.add_special_tokens)
-    q_ids, _ = _tokenize(tok, [template.question_part(QUESTION, PREFIX)], False)
+    ctx_ids, _ = tokenize(tok, [template.context_part(CONTEXT)], template.add_special_tokens)
+    q_ids, _ = tokenize(tok, [template.question_part(QUESTION, PREFIX)], False)
     assert ctx_ids[0].tolist() == KVPRESS_CONTEXT_IDS
     assert q_ids[0].tolist() == KVPRESS_QUESTION_IDS
 
@@ -45,7 +45,7 @@ def test_kvtrim_layout_differs_by_its_separator():
     tok = kvtrim.load_tokenizer("smollm2-135m")
     template = prompt_template(tok)
     assert template.format == "kvtrim" and template.separator == "\n\n"
-    q_ids, _ = _tokenize(tok, [template.question_part(QUESTION, PREFIX)], False)
+    q_ids, _ = tokenize(tok, [template.question_part(QUESTION, PREFIX)], False)
     assert q_ids[0].tolist() != KVPRESS_QUESTION_IDS
     assert q_ids[0].tolist()[-len(KVPRESS_QUESTION_IDS) :] == KVPRESS_QUESTION_IDS  # only "\n\n" in front
 

@@ -91,3 +91,19 @@ def test_session_run_takes_sampling(llama, tokenizer):
 def test_bad_sampling_settings_raise(llama, tokenizer, kwargs, match):
     with pytest.raises(InvalidParameterError, match=match):
         kvtrim.generate(llama, tokenizer, CTX, Q, ratio=0.5, **kwargs)
+
+
+def test_a_resolved_sampling_is_used_once_per_generation(llama, tokenizer):
+    """generate resolves the settings once; question-aware prompts each restart the seeded sampler."""
+    from kvtrim.sampling import build_sampling
+
+    settings = {"do_sample": True, "seed": 5, "max_new_tokens": 6}
+    qa = kvtrim.generate(llama, tokenizer, CTX, ["one?", "one?"], ratio=0.5, question_aware=True, **settings)
+    assert qa.answers[0] == qa.answers[1]  # same prompt, sampler restarted from the seed: same answer
+    session = kvtrim.Session(llama, tokenizer, CTX, methods=["snapkv"])
+    sampling = build_sampling(llama, tokenizer, **settings)
+    via_object = session.run("snapkv", ratio=0.5, questions="one?", sampling=sampling.fresh())
+    via_settings = session.run("snapkv", ratio=0.5, questions="one?", **settings)
+    assert via_object.answers == via_settings.answers
+    with pytest.raises(InvalidParameterError, match="either sampling= or the decoding settings"):
+        session.run("snapkv", ratio=0.5, questions="one?", sampling=sampling, seed=5)

@@ -7,12 +7,12 @@ import torch
 
 import kvtrim
 from conftest import random_text, tiny_model
-from kvtrim.api import _decode, prefill_chunked, prefill_ids
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.compression.schedule import AfterPrefill, EveryNTokens, OverBudget, TailFull, parse_schedule
 from kvtrim.errors import InvalidParameterError
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
+from kvtrim.runtime import Prefill, greedy_decode
 from kvtrim.scoring.partitions import kept_length
 
 
@@ -21,7 +21,7 @@ def _ids(tokenizer, n, seed=0):
 
 
 def _prefilled(model, ids, pipeline, spec):
-    pre = prefill_ids(model, ids, torch.ones_like(ids), pipeline.observation)
+    pre = Prefill.plain(model, ids, torch.ones_like(ids), pipeline.observation)
     cache = pre.cache.clone(pipeline, spec)
     cache.compress()
     return pre, cache
@@ -69,7 +69,7 @@ def test_decoding_time_compression_stays_within_budget(tokenizer, name, slack):
             before_forward(new_tokens)
 
         cache._before_forward = watch
-        _decode(model, cache, pre.mask, pre.logits, steps + 1, set(), 0)
+        greedy_decode(model, cache, pre.mask, pre.logits, steps + 1, set(), 0)
     assert len(held) == steps and cache.layers[0].seen == ids.shape[1] + steps
     worst = torch.stack(held)
     if name.startswith("adakv"):  # heads vary within a layer; the layer mean is the budget
@@ -83,7 +83,7 @@ def test_lagkv_recursive_decoding_bounds_the_tail(llama, tokenizer):
     lag, sink = 16, 4
     with torch.inference_mode(), kvtrim_attention_enabled(llama):
         pre, cache = _prefilled(llama, ids, get_method("lagkv", sink=sink, lag=lag), BudgetSpec(ratio=0.5))
-        _decode(llama, cache, pre.mask, pre.logits, 200, set(), 0)
+        greedy_decode(llama, cache, pre.mask, pre.logits, 200, set(), 0)
     seen = cache.layers[0].seen
     until = cache.layers[0].compressed_until
     assert seen - int(until) <= 2 * lag  # a tail of 2L is compressed before the next token is stored
@@ -101,19 +101,19 @@ def test_chunked_prefill_without_eviction_equals_prefill(tokenizer, family):
     ids = _ids(tokenizer, 230, seed=5)
     mask = torch.ones_like(ids)
     with torch.inference_mode(), kvtrim_attention_enabled(model):
-        full = prefill_ids(model, ids, mask, get_method("snapkv").observation)
-        chunked = prefill_chunked(model, ids, mask, 64, get_method("snapkv"), BudgetSpec(budget=10_000))
+        full = Prefill.plain(model, ids, mask, get_method("snapkv").observation)
+        chunked = Prefill.chunked(model, ids, mask, 64, get_method("snapkv"), BudgetSpec(budget=10_000))
         torch.testing.assert_close(chunked.logits, full.logits, atol=1e-5, rtol=1e-4)
-        a = _decode(model, full.cache, full.mask, full.logits, 20, set(), 0)
-        b = _decode(model, chunked.cache, chunked.mask, chunked.logits, 20, set(), 0)
+        a = greedy_decode(model, full.cache, full.mask, full.logits, 20, set(), 0)
+        b = greedy_decode(model, chunked.cache, chunked.mask, chunked.logits, 20, set(), 0)
     assert a.tokens == b.tokens
 
 
 def test_chunked_prefill_bounds_memory(llama, tokenizer):
     ids = _ids(tokenizer, 600, seed=6)
     with torch.inference_mode(), kvtrim_attention_enabled(llama):
-        chunked = prefill_chunked(llama, ids, torch.ones_like(ids), 50, get_method("snapkv"), BudgetSpec(budget=64))
-        full = prefill_ids(llama, ids, torch.ones_like(ids), get_method("snapkv").observation)
+        chunked = Prefill.chunked(llama, ids, torch.ones_like(ids), 50, get_method("snapkv"), BudgetSpec(budget=64))
+        full = Prefill.plain(llama, ids, torch.ones_like(ids), get_method("snapkv").observation)
     per_entry = 2 * 16 * 4  # K and V, head_dim 16, fp32
     bound = 2 * 2 * (64 + 50) * per_entry * 2  # layers x kv_heads x (budget + chunk), dense growth slack x2
     assert chunked.cache.peak_kv_bytes <= bound < full.cache.stats().kv_bytes

@@ -17,7 +17,7 @@ Two settings groups:
 Sizes come from :class:`kvtrim.GenerationStats` (bytes of the key/value tensors actually held,
 ``untyped_storage().nbytes()``). ``index_bytes`` (positions and per-head bookkeeping of the ragged layout) is not
 in those stats; it is read by repeating the compression on another copy of the session's prefilled cache
-(private ``Session._pre``) and calling ``KVTrimCache.stats()``, which also cross-checks entries and bytes.
+(``Session.prefill``) and calling ``KVTrimCache.stats()``, which also cross-checks entries and bytes.
 
 Speeds are recorded but the machine is shared: do not read them as benchmarks.
 
@@ -62,7 +62,7 @@ def index_accounting(session: kvtrim.Session, pipeline, ratio: float | None) -> 
     """Compress another copy of the session's prefilled cache and read its full stats (incl. index bytes).
 
     With ``pipeline=None`` the uncompressed prefilled cache is measured as it is."""
-    pre = session._pre  # private: the prefilled cache that Session.run clones
+    pre = session.prefill  # the prefilled cache that Session.run clones
     with torch.inference_mode(), kvtrim_attention_enabled(session.model):
         if pipeline is None:
             cache = pre.cache

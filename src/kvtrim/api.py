@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .compression.compressor import BudgetSpec
 from .compression.pipeline import Pipeline
-from .errors import InvalidParameterError, KVTrimError
+from .errors import InvalidParameterError
 from .integration.attention import check_supported, enable, kvtrim_attention_enabled
 from .integration.cache import KVTrimCache
-from .methods import get_method
 from .prompts import prompt_template
+from .runtime import FULL, Decoded, Prefill, feed, greedy_decode, observation_of, resolve_method, tokenize
 from .sampling import Sampling, build_sampling
-from .scoring.observation import ObservationSpec
-
-FULL = "full"
 
 
 @dataclass
@@ -80,34 +75,6 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _resolve_method(method, ratio, budget, params: dict | None, model=None):
-    """Validate everything up front so bad input changes nothing."""
-    if method is None or method == FULL:
-        if ratio is not None or budget is not None:
-            raise InvalidParameterError("method='full' keeps everything; do not pass ratio or budget with it")
-        if params:
-            raise InvalidParameterError("method='full' takes no method parameters")
-        return None, None
-    if isinstance(method, Pipeline):
-        if params:
-            raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
-        pipeline, spec = method, BudgetSpec(ratio=ratio, budget=budget)
-    elif not isinstance(method, str):
-        raise InvalidParameterError(f"method must be a registry name or a Pipeline, got {method!r}")
-    else:
-        spec = BudgetSpec(ratio=ratio, budget=budget)
-        try:
-            pipeline = get_method(method, **(params or {}))
-        except KVTrimError:
-            raise
-        except (ValueError, TypeError) as exc:  # a component rejected a value: say which method and parameters
-            raise InvalidParameterError(f"method_params {params!r} for method {method!r}: {exc}") from exc
-    pipeline.check(spec.ratio, spec.budget)
-    if model is not None:
-        pipeline.bind(model)  # loads offline artifacts; a missing one raises before any work
-    return pipeline, spec
-
-
 def _normalize_inputs(context, questions) -> tuple[list[str], list[list[str]], bool]:
     batched = isinstance(context, (list, tuple))
     contexts = list(context) if batched else [context]
@@ -132,169 +99,6 @@ def _normalize_inputs(context, questions) -> tuple[list[str], list[list[str]], b
     return contexts, rows, batched
 
 
-def _tokenize(tokenizer, texts: Sequence[str], special: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    enc = tokenizer(list(texts), return_tensors="pt", padding=True, padding_side="left", add_special_tokens=special)
-    return enc["input_ids"], enc["attention_mask"]
-
-
-def _positions(mask: torch.Tensor, new: int) -> torch.Tensor:
-    """Logical positions of the last ``new`` columns of a (possibly mid-padded) 2-D mask."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
-
-
-@dataclass
-class _DecodeOutcome:
-    tokens: list[list[int]]
-    prefill_s: float
-    decode_s: float
-    steps: int
-
-
-def _feed(model, cache, mask, input_ids, input_mask):
-    """Feed ``input_ids`` after what ``cache`` holds; returns (last logits, extended mask, seconds).
-
-    Token ids and masks move to the device of the model's input embeddings (tokenizers return CPU tensors)."""
-    device = model.get_input_embeddings().weight.device
-    input_ids, input_mask = input_ids.to(device), input_mask.to(device)
-    mask = torch.cat([mask.to(device), input_mask], dim=1)
-    window = cache.observation_spec.token_logprobs if isinstance(cache, KVTrimCache) and cache.observing else 0
-    t0 = time.perf_counter()
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=_positions(mask, input_ids.shape[1]),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=min(window + 1, input_ids.shape[1]) if window else 1,
-    )
-    if window:
-        _record_prompt_logprobs(cache, out.logits, input_ids, input_mask, window)
-    return out.logits[:, -1], mask, time.perf_counter() - t0
-
-
-def _record_prompt_logprobs(cache, logits, input_ids, input_mask, window: int) -> None:
-    """Append log p(x_j | x_<j) of the fed tokens to ``cache.prompt_logprobs`` (last ``window`` kept, NaN where
-    padding or where the predicting logits are not available). ``logits`` ``[batch, k, vocab]`` are the last ``k``
-    positions of this feed; the first fed token is predicted by the previous feed's last position."""
-    n, k = input_ids.shape[1], logits.shape[1]
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [b, k, V]
-    got = logp[:, :-1].gather(-1, input_ids[:, n - k + 1 :, None]).squeeze(-1)  # tokens n-k+1 .. n-1
-    if k == n:  # the feed's first token: the previous feed's last position predicted it, if there was one
-        last = cache._last_logprobs
-        first = last.gather(-1, input_ids[:, :1]) if last is not None else got.new_full((got.shape[0], 1), float("nan"))
-        got = torch.cat([first, got], dim=1)
-    got = got[:, -window:]
-    got = got.masked_fill(~input_mask[:, -got.shape[1] :].to(torch.bool), float("nan"))
-    prev = cache.prompt_logprobs
-    cache.prompt_logprobs = (got if prev is None else torch.cat([prev, got], dim=1))[:, -window:]
-    cache._last_logprobs = logp[:, -1]
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else list(eos))
-    return ids
-
-
-def _decode(
-    model,
-    cache,
-    mask: torch.Tensor,
-    logits: torch.Tensor,
-    max_new_tokens: int,
-    eos: set[int],
-    pad: int,
-    prefill_s: float = 0.0,
-    *,
-    sampling: Sampling | None = None,
-    prompt_ids: torch.Tensor | None = None,
-    tokenizer=None,
-) -> _DecodeOutcome:
-    """Decode from ``logits`` ``[batch, vocab]`` (the last prompt position) over ``cache``.
-
-    Greedy with ``eos``/``pad`` and at most ``max_new_tokens``, unless ``sampling`` (from
-    :func:`kvtrim.sampling.build_sampling`) says otherwise (it then supplies all four). ``prompt_ids``
-    ``[batch, n]`` are the prompt's tokens, which logits processors such as a repetition penalty read;
-    ``tokenizer`` decodes for stop strings. A row ends at an EOS token or a stop string."""
-    if sampling is None:
-        sampling = Sampling(False, [], tuple(sorted(eos)), pad, max_new_tokens)
-    batch, device = logits.shape[0], logits.device
-    eos_ids = sampling.eos_tensor(device)
-    seq = logits.new_zeros((batch, 0), dtype=torch.long) if prompt_ids is None else prompt_ids.to(device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    emitted: list[torch.Tensor] = []  # [batch] per step; -1 where the row emitted nothing
-    next_token = sampling.pick(seq, logits)
-    steps, t0 = 0, time.perf_counter()
-    for step in range(sampling.max_new_tokens):
-        is_eos = torch.isin(next_token, eos_ids)
-        emitted.append(next_token.masked_fill(done | is_eos, -1))
-        done = done | is_eos
-        if sampling.stop:  # only with stop strings: decode the answers so far on the host
-            so_far = torch.stack(emitted, dim=1).tolist()
-            texts = [tokenizer.decode([t for t in row if t >= 0], skip_special_tokens=True) for row in so_far]
-            done = done | torch.tensor([sampling.stopped(t) for t in texts], dtype=torch.bool, device=device)
-        if step == sampling.max_new_tokens - 1 or bool(done.all()):
-            break
-        feed = next_token.masked_fill(done, sampling.pad).view(batch, 1)
-        seq = torch.cat([seq, feed], dim=1)
-        logits, mask, _ = _feed(model, cache, mask, feed, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device))
-        next_token = sampling.pick(seq, logits)
-        steps += 1
-    rows = torch.stack(emitted, dim=1).tolist()
-    tokens = [[t for t in row if t >= 0] for row in rows]
-    return _DecodeOutcome(tokens, prefill_s, time.perf_counter() - t0, steps)
-
-
-@dataclass
-class _Prefilled:
-    cache: KVTrimCache
-    mask: torch.Tensor
-    logits: torch.Tensor
-    before: object
-    prefill_s: float
-
-
-def prefill_ids(model, ids: torch.Tensor, mask: torch.Tensor, observation: ObservationSpec) -> _Prefilled:
-    """Prefill token ids ``[batch, n]`` (mask 1 = real token) into a fresh uncompressed cache, recording what
-    ``observation`` asks for. Call under kvtrim attention."""
-    cache = KVTrimCache(model.config.num_hidden_layers, auto_compress=False)
-    cache.observing = bool(observation.window or observation.accumulate)
-    cache.observation_spec = observation
-    logits, mask, prefill_s = _feed(model, cache, mask[:, :0], ids, mask)
-    cache.observing = False
-    return _Prefilled(cache, mask, logits, cache.stats(), prefill_s)
-
-
-def prefill_chunked(
-    model,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    chunk: int,
-    pipeline: Pipeline | None = None,
-    spec: BudgetSpec | None = None,
-) -> _Prefilled:
-    """Prefill ``ids`` ``[batch, n]`` ``chunk`` tokens at a time; each chunk attends to the cache as the previous
-    chunks left it. With a ``pipeline``, the cache is compressed between chunks (every time for a one-shot
-    method; when its schedule is due for a continuous one, e.g. LagKV's full tail), so the cache never holds
-    much more than the budget plus one chunk. The final compression is left to the caller. Call under kvtrim
-    attention."""
-    cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=False)
-    cache.observing = pipeline is not None
-    seen = mask[:, :0]
-    logits, total = None, 0.0
-    for start in range(0, ids.shape[1], chunk):
-        if start and pipeline is not None and (not pipeline.schedule.continuous or pipeline.schedule.due(cache)):
-            t0 = time.perf_counter()
-            cache.compress(keep_observing=True)
-            total += time.perf_counter() - t0
-        logits, seen, seconds = _feed(model, cache, seen, ids[:, start : start + chunk], mask[:, start : start + chunk])
-        total += seconds
-    return _Prefilled(cache, seen, logits, cache.stats(), total)
-
-
 class Session:
     """A prompt prefilled once; each :meth:`run` compresses a fresh copy of its cache and decodes from it.
 
@@ -304,6 +108,11 @@ class Session:
     Args:
         methods: every method name (or built pipeline) that :meth:`run` will be asked for, so the prefill records
             what all of them need (observation windows, accumulated attention)
+
+    Attributes:
+        ids, mask: ``[batch, n]`` the tokenized prompt (left-padded) and its attention mask
+        prefill: the shared one-pass :class:`kvtrim.runtime.Prefill` (uncompressed, never modified); None with
+            ``prefill_chunk``, where every method prefills on its own because it compresses between the chunks
     """
 
     def __init__(
@@ -334,43 +143,29 @@ class Session:
         self.special = self.template.add_special_tokens  # a chat template already carries its special tokens
         self.answer_prefix = answer_prefix
         self.question_aware = question is not None
-        observation = ObservationSpec()
-        for m in methods:
-            pipe = get_method(m) if isinstance(m, str) else m
-            if pipe is not None:
-                observation = observation.merge(pipe.observation)
-        self.observation = observation
+        self.observation = observation_of(methods)
         texts = [self.template.context_part(c) for c in contexts]
         if question is not None:
             qs = [question] * len(contexts) if isinstance(question, str) else list(question)
             if len(qs) != len(contexts) or any(not isinstance(q, str) for q in qs):
                 raise InvalidParameterError("question must be a string or one string per context")
             texts = [t + self.template.question_part(q, answer_prefix) for t, q in zip(texts, qs, strict=True)]
-        self._ids, self._mask = _tokenize(tokenizer, texts, self.special)
-        check_length(model, self._ids.shape[1], "the prompt" if question is not None else "the context")
+        self.ids, self.mask = tokenize(tokenizer, texts, self.special)
+        check_length(model, self.ids.shape[1], "the prompt" if question is not None else "the context")
+        self.prefill: Prefill | None = None
         if prefill_chunk is None:
             with torch.inference_mode(), kvtrim_attention_enabled(model):
-                self._pre = prefill_ids(model, self._ids, self._mask, observation)
-        else:  # every method prefills on its own: it compresses between the chunks
-            self._pre = None
+                self.prefill = Prefill.plain(model, self.ids, self.mask, self.observation)
 
-    def _prefilled(self, pipeline: Pipeline | None, spec: BudgetSpec | None) -> tuple[_Prefilled, KVTrimCache]:
-        """The prefill to answer from, and a cache of it that ``pipeline`` may compress."""
-        if self.prefill_chunk is None:
-            return self._pre, self._pre.cache.clone(pipeline, spec)
-        pre = prefill_chunked(self.model, self._ids, self._mask, self.prefill_chunk, pipeline, spec)
-        return pre, pre.cache
+    def _prefilled(self, pipeline: Pipeline | None, spec) -> Prefill:
+        """The prefill that ``pipeline`` compresses (the shared one, or a chunked prefill of its own)."""
+        if self.prefill is not None:
+            return self.prefill
+        return Prefill.chunked(self.model, self.ids, self.mask, self.prefill_chunk, pipeline, spec)
 
     @property
     def context_tokens_per_row(self) -> list[int]:
-        return [int(x) for x in self._mask.sum(-1).tolist()]
-
-    def _check_covered(self, pipeline: Pipeline) -> None:
-        if not self.observation.covers(pipeline.observation):
-            raise InvalidParameterError(
-                f"method {pipeline.name!r} needs observations this session did not record; "
-                "list it in Session(methods=...)"
-            )
+        return [int(x) for x in self.mask.sum(-1).tolist()]
 
     @torch.inference_mode()
     def run(
@@ -388,40 +183,50 @@ class Session:
         top_k: int | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        *,
+        sampling: Sampling | None = None,
     ) -> Result:
         """Compress a copy of the prefilled cache with ``method`` and answer (see :func:`generate` for the
-        decoding settings)."""
-        pipeline, spec = _resolve_method(method, ratio, budget, method_params, self.model)
-        sampling = build_sampling(
-            self.model,
-            self.tokenizer,
-            generation_config,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-        )
+        decoding settings).
+
+        Args:
+            sampling: a decoding strategy already resolved by :func:`kvtrim.sampling.build_sampling`, instead of
+                the settings (``max_new_tokens`` ... ``stop``), which must then be left out
+        """
+        pipeline, spec = resolve_method(method, ratio, budget, method_params, self.model)
+        settings = {
+            "max_new_tokens": max_new_tokens,
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "stop": stop,
+        }
+        if sampling is None:
+            sampling = build_sampling(self.model, self.tokenizer, generation_config, **settings)
+        elif generation_config is not None or any(v is not None for v in settings.values()):
+            raise InvalidParameterError("give either sampling= or the decoding settings, not both")
         rows = self._question_rows(questions)
-        if pipeline is not None and self.prefill_chunk is None:
-            self._check_covered(pipeline)
+        if pipeline is not None and self.prefill is not None and not self.prefill.covers(pipeline):
+            raise InvalidParameterError(
+                f"method {pipeline.name!r} needs observations this session did not record; "
+                "list it in Session(methods=...)"
+            )
         with kvtrim_attention_enabled(self.model):
-            pre, cache = self._prefilled(pipeline, spec)
-            t0 = time.perf_counter()
-            report = cache.compress(logits=pre.logits) if pipeline is not None else None
-            compress_s = time.perf_counter() - t0
+            pre = self._prefilled(pipeline, spec)
+            compressed = pre.compressed(pipeline, spec)
+            cache, report, compress_s = compressed.cache, compressed.report, compressed.seconds
             after = cache.stats()
             answers: list[list[str]] = [[] for _ in range(len(pre.mask))]
             timings = {"qprefill": 0.0, "decode": 0.0, "steps": 0}
             peak, compressions = cache.peak_kv_bytes, cache.compressions
             if self.question_aware:
-                outcome = _decode(
-                    self.model, cache, pre.mask, pre.logits, 0, set(), 0,
-                    sampling=sampling, prompt_ids=self._ids, tokenizer=self.tokenizer,
+                outcome = greedy_decode(
+                    self.model, cache, pre.mask, pre.logits,
+                    sampling=sampling, prompt_ids=self.ids, tokenizer=self.tokenizer,
                 )  # fmt: skip
-                _collect(outcome, self.tokenizer, answers, timings, sampling)
+                _collect(outcome, 0.0, self.tokenizer, answers, timings, sampling)
                 peak, compressions = max(peak, cache.peak_kv_bytes, cache.kv_nbytes()), cache.compressions
             else:
                 # A decoding-time schedule rewrites the cache while answering: answer from a copy, not a rollback.
@@ -430,19 +235,19 @@ class Session:
                 for qi in range(len(rows[0])):
                     work = cache.clone(pipeline, spec) if continuous else cache
                     texts = [self.template.question_part(r[qi], self.answer_prefix) for r in rows]
-                    q_ids, q_mask = _tokenize(self.tokenizer, texts, False)
-                    check_length(self.model, self._ids.shape[1] + q_ids.shape[1], "context and question")
-                    logits, mask, q_s = _feed(self.model, work, pre.mask, q_ids, q_mask)
-                    prompt = torch.cat([self._ids, q_ids], dim=1)
-                    outcome = _decode(
-                        self.model, work, mask, logits, 0, set(), 0, q_s,
+                    q_ids, q_mask = tokenize(self.tokenizer, texts, False)
+                    check_length(self.model, self.ids.shape[1] + q_ids.shape[1], "context and question")
+                    fed = feed(self.model, work, pre.mask, q_ids, q_mask)
+                    prompt = torch.cat([self.ids, q_ids], dim=1)
+                    outcome = greedy_decode(
+                        self.model, work, fed.mask, fed.logits,
                         sampling=sampling, prompt_ids=prompt, tokenizer=self.tokenizer,
                     )  # fmt: skip
                     peak = max(peak, work.peak_kv_bytes, work.kv_nbytes())
                     compressions = max(compressions, work.compressions)
                     if not continuous:
                         cache.rollback(mark)
-                    _collect(outcome, self.tokenizer, answers, timings, sampling)
+                    _collect(outcome, fed.seconds, self.tokenizer, answers, timings, sampling)
         per_row = self.context_tokens_per_row
         stats = GenerationStats(
             method=FULL if pipeline is None else pipeline.name,
@@ -454,7 +259,7 @@ class Session:
             kv_entries_after=after.entries,
             kv_bytes_before=pre.before.kv_bytes,
             kv_bytes_after=after.kv_bytes,
-            prefill_s=pre.prefill_s,
+            prefill_s=pre.seconds,
             compress_s=compress_s,
             question_prefill_s=timings["qprefill"],
             decode_s=timings["decode"],
@@ -537,19 +342,11 @@ def generate(
         are those of the first question's prompt and timings are summed.
     """
     check_supported(model)
-    pipeline, _ = _resolve_method(method, ratio, budget, method_params, model)
-    decoding = {
-        "max_new_tokens": max_new_tokens,
-        "method_params": method_params,
-        "generation_config": generation_config,
-        "do_sample": do_sample,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": seed,
-        "stop": stop,
-    }
-    build_sampling(model, tokenizer, **{k: v for k, v in decoding.items() if k != "method_params"})  # validate
+    pipeline, _ = resolve_method(method, ratio, budget, method_params, model)
+    sampling = build_sampling(
+        model, tokenizer, generation_config, max_new_tokens=max_new_tokens, do_sample=do_sample,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+    )  # fmt: skip
     contexts, rows, batched = _normalize_inputs(context, questions)
     methods_ = [pipeline] if pipeline is not None else []
     layout = {"prompt_format": prompt_format, "separator": separator}
@@ -557,7 +354,7 @@ def generate(
         session = Session(
             model, tokenizer, context, None, methods_, answer_prefix, use_chat_template, prefill_chunk, **layout
         )
-        return session.run(method, ratio, budget, questions, **decoding)
+        return session.run(method, ratio, budget, questions, method_params=method_params, sampling=sampling)
     results = []
     for qi in range(len(rows[0])):
         qs = [r[qi] for r in rows]
@@ -565,7 +362,8 @@ def generate(
         session = Session(
             model, tokenizer, context, question, methods_, answer_prefix, use_chat_template, prefill_chunk, **layout
         )
-        results.append(session.run(method, ratio, budget, None, **decoding))
+        # each question's prompt is decoded as a generate call of its own: the sampler restarts from the seed
+        results.append(session.run(method, ratio, budget, None, method_params=method_params, sampling=sampling.fresh()))
     stats = results[0].stats
     for r in results[1:]:
         for name in ("prefill_s", "compress_s", "question_prefill_s", "decode_s", "decode_tokens"):
@@ -588,12 +386,12 @@ def check_length(model, tokens: int, what: str) -> None:
 
 
 def _collect(
-    outcome: _DecodeOutcome, tokenizer, answers: list[list[str]], timings: dict, sampling: Sampling
+    outcome: Decoded, question_s: float, tokenizer, answers: list[list[str]], timings: dict, sampling: Sampling
 ) -> None:
     for row, toks in enumerate(outcome.tokens):
         answers[row].append(sampling.cut(tokenizer.decode(toks, skip_special_tokens=True)).strip())
-    timings["qprefill"] += outcome.prefill_s
-    timings["decode"] += outcome.decode_s
+    timings["qprefill"] += question_s
+    timings["decode"] += outcome.seconds
     timings["steps"] += outcome.steps
 
 
@@ -603,7 +401,7 @@ def make_cache(
     """A cache for ``model.generate(..., past_key_values=cache)`` that compresses the prompt after prefill
     (question-aware). Installs kvtrim attention on ``model`` (plain causal attention for other caches).
     One cache serves one ``generate`` call."""
-    pipeline, spec = _resolve_method(method, ratio, budget, method_params, model)
+    pipeline, spec = resolve_method(method, ratio, budget, method_params, model)
     enable(model)
     return KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)
 
@@ -666,7 +464,7 @@ def compressing(
             out = model.generate(**inputs, max_new_tokens=32)
         print(cache.last_report)
     """
-    pipeline, spec = _resolve_method(method, ratio, budget, method_params, model)
+    pipeline, spec = resolve_method(method, ratio, budget, method_params, model)
     layers = model.config.num_hidden_layers
     cache = KVTrimCache(layers, pipeline, spec, auto_compress=True)
     with (

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -56,6 +56,10 @@ class Sampling:
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, num_samples=1, generator=self._generator).squeeze(1)
 
+    def fresh(self) -> Sampling:
+        """The same strategy with its sampler restarted from the seed (for an independent generation)."""
+        return replace(self, _generator=None)
+
     def cut(self, text: str) -> str:
         """``text`` up to the first stop string (all of it when none occurs)."""
         ends = [i for i in (text.find(s) for s in self.stop) if i >= 0]
@@ -63,6 +67,18 @@ class Sampling:
 
     def stopped(self, text: str) -> bool:
         return any(s in text for s in self.stop)
+
+
+def eos_ids(model, tokenizer, generation_config=None) -> set[int]:
+    """End-of-sequence token ids: those of ``generation_config`` (default: the model's) and the tokenizer's
+    (chat models end their turns with the tokenizer's EOS)."""
+    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    ids: set[int] = set()
+    for source in (config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else list(value))
+    return ids
 
 
 def _check_number(name: str, value, low: float, high: float, low_open: bool, high_open: bool = False) -> None:
@@ -141,11 +157,7 @@ def build_sampling(
             )
     device = next(model.parameters()).device
     processors = model._get_logits_processor(config, device=device, model_kwargs={})
-    eos: set[int] = set()
-    for source in (config, tokenizer):  # the tokenizer's EOS too: chat models end turns with it
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            eos.update([value] if isinstance(value, int) else list(value))
+    eos = eos_ids(model, tokenizer, config)
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = config.pad_token_id

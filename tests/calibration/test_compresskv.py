@@ -7,6 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 import kvtrim.calibration.compresskv as ckv
+import kvtrim.calibration.needles as needles
 from conftest import byte_tokenizer, tiny_model
 from kvtrim.artifacts.store import load_artifact, model_key
 from kvtrim.calibration.cli import calibrate_app
@@ -113,7 +114,7 @@ def test_only_successful_tests_count(tokenizer, monkeypatch):
         text = NEEDLE.answer if i % 2 == 0 else "no idea at all"
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    monkeypatch.setattr(ckv, "greedy_decode_with_attention", fake_decode)
+    monkeypatch.setattr(needles, "greedy_decode_with_attention", fake_decode)  # the shared detection loop
     found = detect_retrieval_heads(model, tokenizer, [200], 4, [NEEDLE], haystack="noise", progress=False)
     assert found.n_tests == 4 and found.success.tolist() == [True, False, True, False]
     assert found.recall.tolist() == [1.0, 0.0, 1.0, 0.0]

@@ -9,7 +9,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvtrim
 from conftest import FAMILIES, random_text, tiny_model
-from kvtrim.api import _feed
 from kvtrim.errors import InvalidParameterError
 from kvtrim.eval.fidelity import (
     Prefill,
@@ -22,6 +21,7 @@ from kvtrim.eval.fidelity import (
     text_fidelity,
 )
 from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.runtime import feed
 
 CTX_LEN, CONT_LEN = 96, 24
 
@@ -145,8 +145,9 @@ def test_teacher_forced_forward_equals_step_by_step_decoding(models, text_ids, m
     steps, mask = [pre.logits[0]], pre.mask
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         for token in cont[:-1].tolist():
-            logits, mask, _ = _feed(model, cache, mask, torch.tensor([[token]]), torch.ones(1, 1, dtype=mask.dtype))
-            steps.append(logits[0])
+            fed = feed(model, cache, mask, torch.tensor([[token]]), torch.ones(1, 1, dtype=mask.dtype))
+            mask = fed.mask
+            steps.append(fed.logits[0])
     step_lp = torch.log_softmax(torch.stack(steps).float(), dim=-1)
     assert torch.allclose(lp[0], step_lp, atol=1e-4)
     assert nll == pytest.approx(float(-step_lp.gather(-1, cont[:, None]).mean()), abs=1e-5)
@@ -205,7 +206,7 @@ def test_uncovered_method_is_a_clear_error(models, text_ids):
 def test_session_prefill_can_be_reused(models, tokenizer):
     model = models["llama"]
     session = kvtrim.Session(model, tokenizer, random_text(80, seed=2), methods=["snapkv"])
-    entries = session._pre.cache.stats().entries
+    entries = session.prefill.cache.stats().entries
     cont = _ids(tokenizer, 12, seed=9)
     from_session = continuation_fidelity(model, tokenizer, None, cont, "snapkv", ratio=0.5, full=session)
     text = session.template.context_part(random_text(80, seed=2))
@@ -213,7 +214,7 @@ def test_session_prefill_can_be_reused(models, tokenizer):
     fresh = continuation_fidelity(model, None, ctx, cont, "snapkv", ratio=0.5)
     assert from_session.nll_full == pytest.approx(fresh.nll_full, abs=1e-5)
     assert from_session.nll_compressed == pytest.approx(fresh.nll_compressed, abs=1e-5)
-    assert session._pre.cache.stats().entries == entries
+    assert session.prefill.cache.stats().entries == entries
     assert session.run("snapkv", ratio=0.5, questions="q?", max_new_tokens=2).stats.kv_entries_before == entries
 
 

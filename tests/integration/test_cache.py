@@ -199,7 +199,7 @@ def test_padding_is_never_kept_over_real_tokens(tokenizer):
     session = kvtrim.Session(model, tokenizer, [random_text(60, 1), random_text(25, 2)], methods=["snapkv"])
     res = session.run("snapkv", budget=30, questions=["a", "b"], max_new_tokens=2)
     assert res.stats.context_tokens_per_row == [60, 25]
-    cache = session._pre.cache.clone(get_method("snapkv"), BudgetSpec(budget=30))
+    cache = session.prefill.cache.clone(get_method("snapkv"), BudgetSpec(budget=30))
     cache.compress()
     counts = cache.entries_per_layer_head()
     assert bool((counts[0] == 30).all())  # long row: exactly the budget

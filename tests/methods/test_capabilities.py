@@ -10,6 +10,7 @@ from kvtrim.budgets.uniform import UniformBudget
 from kvtrim.compression.pipeline import Pipeline
 from kvtrim.methods import capabilities_of, method_info, method_names
 from kvtrim.methods.presets import KV_COMPRESS
+from kvtrim.scoring.base import Scorer
 from kvtrim.scoring.key_norm import KeyNormScorer
 from kvtrim.selection.topk import TopKSelector
 
@@ -90,7 +91,7 @@ def test_schedules():
 
 def test_a_part_that_declares_nothing_is_an_error_not_a_default():
     @dataclass
-    class Undeclared:
+    class Undeclared(Scorer):
         def score(self, view):
             raise AssertionError
 

@@ -9,11 +9,11 @@ import torch
 
 import kvtrim
 from conftest import tiny_model
-from kvtrim.api import prefill_ids
 from kvtrim.artifacts.compilerkv import CompiledTables, TableSource
 from kvtrim.compression.compressor import BudgetSpec, layer_views
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.methods import get_method
+from kvtrim.runtime import Prefill
 from kvtrim.scoring.risk import bin_index, local_perplexity, quantile_edges, structural_entropy
 from kvtrim.scoring.stabilized_utility import StabilizedUtilityScorer
 
@@ -23,7 +23,7 @@ def _views(model, ids, mask=None, window=16):
     scorer = StabilizedUtilityScorer(TableSource(neutral=True), window=window)
     mask = torch.ones_like(ids) if mask is None else mask
     with torch.inference_mode(), kvtrim_attention_enabled(model):
-        pre = prefill_ids(model, ids, mask, scorer.observation)
+        pre = Prefill.plain(model, ids, mask, scorer.observation)
     cache = pre.cache
     context = mask.sum(-1)
     views = layer_views(cache, context, shared={"keep": torch.full_like(context, 10)})
@@ -108,11 +108,10 @@ def test_chunked_prefill_records_the_same_logprobs():
     model = tiny_model("llama", layers=2)
     ids = torch.randint(3, 200, (1, 48), generator=torch.Generator().manual_seed(4))
     pipeline = get_method("compilerkv_neutral", window=16)
-    from kvtrim.api import prefill_chunked
 
     with torch.inference_mode(), kvtrim_attention_enabled(model):
-        one = prefill_ids(model, ids, torch.ones_like(ids), pipeline.observation).cache.prompt_logprobs
-        chunked = prefill_chunked(model, ids, torch.ones_like(ids), 10, pipeline, BudgetSpec(budget=1000))
+        one = Prefill.plain(model, ids, torch.ones_like(ids), pipeline.observation).cache.prompt_logprobs
+        chunked = Prefill.chunked(model, ids, torch.ones_like(ids), 10, pipeline, BudgetSpec(budget=1000))
     assert torch.allclose(one, chunked.cache.prompt_logprobs, atol=1e-4)
 
 

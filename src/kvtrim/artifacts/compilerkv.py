@@ -136,6 +136,11 @@ class TableSource:
         if not self.neutral and self.tables is None:
             self.tables = load_compilerkv(model, self.path)
 
+    def use(self, tables: CompiledTables) -> None:
+        """Serve ``tables`` (compiled in memory, e.g. by the calibration's rollouts) from now on, instead of the
+        artifact; the scorer and the selector sharing this source both see them."""
+        self.tables = tables
+
     def _require(self) -> CompiledTables:
         if self.tables is None:
             raise InvalidParameterError(

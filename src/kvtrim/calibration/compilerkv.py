@@ -37,12 +37,12 @@ from ..artifacts.compilerkv import (
     THRESHOLD_ACTIONS,
     UNVISITED_THRESHOLD,
     CompiledTables,
-    TableSource,
 )
 from ..artifacts.store import save_artifact
 from ..compression.compressor import BudgetSpec
 from ..errors import InvalidParameterError
 from ..integration.attention import kvtrim_attention_enabled
+from ..runtime import Prefill
 from ..scoring.risk import bin_index, quantile_edges
 from .cql import CQLResult, CQLSettings, fit_cql
 
@@ -146,7 +146,7 @@ def _balanced_actions(states: int, length: int, actions: int, gen: torch.Generat
 
 @dataclass
 class _Prefilled:
-    cache: object
+    prefill: Prefill
     first_logprob: float  # log p(first continuation token | prompt), identical for every cache of this prompt
     full_nll: float
     entropy: float = float("nan")
@@ -164,14 +164,12 @@ class _Rollouts:
         self.observation = self.pipelines["pad"].observation
 
     def prefill(self, doc: CalibrationDocument) -> _Prefilled:
-        from ..api import prefill_ids
-
         T = self.settings.prompt_tokens
         ids = doc.ids[None, :T]
-        pre = prefill_ids(self.model, ids, torch.ones_like(ids), self.observation)
+        pre = Prefill.plain(self.model, ids, torch.ones_like(ids), self.observation)
         cont = doc.ids[T]
         first = float(torch.log_softmax(pre.logits.float(), -1)[0, cont])
-        return _Prefilled(pre.cache, first, self.nll(pre.cache.clone(None, None), doc, first))
+        return _Prefilled(pre, first, self.nll(pre.compressed(None, None).cache, doc, first))
 
     def nll(self, cache, doc: CalibrationDocument, first_logprob: float) -> float:
         """Mean teacher-forced NLL of the continuation over ``cache`` (consumed); ``first_logprob`` scores its
@@ -190,11 +188,9 @@ class _Rollouts:
     def run(self, pre: _Prefilled, doc, mode: str, budget: int, tables: CompiledTables) -> tuple[float, dict]:
         """Compress a copy of ``pre`` with ``tables`` in ``mode``; return (ΔNLL, compression metadata)."""
         pipeline = self.pipelines[mode]
-        source = TableSource(tables=tables)
-        pipeline.scorer.tables = pipeline.selector.tables = source
-        cache = pre.cache.clone(pipeline, BudgetSpec(budget=budget))
-        report = cache.compress()
-        return self.nll(cache, doc, pre.first_logprob) - pre.full_nll, report.metadata
+        pipeline.scorer.tables.use(tables)  # the scorer's source is the selector's too
+        compressed = pre.prefill.compressed(pipeline, BudgetSpec(budget=budget))
+        return self.nll(compressed.cache, doc, pre.first_logprob) - pre.full_nll, compressed.report.metadata
 
 
 def _tables(budget: int, weights: torch.Tensor, thresholds: torch.Tensor, edges: tuple) -> CompiledTables:

@@ -43,13 +43,10 @@ import torch
 
 from kvtrim.artifacts.compresskv import COMPRESSKV_KIND, load_compresskv
 from kvtrim.artifacts.store import Artifact, model_display_name, save_artifact
-from kvtrim.calibration.needles import (
-    eos_ids,
-    greedy_decode_with_attention,
-    needle_prompt,
-    prepare_needle_run,
-)
+from kvtrim.calibration.needles import NeedleTest, TestPlan, detect_needle_heads, prepare_needle_run
 from kvtrim.errors import InvalidParameterError, KVTrimError
+from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.runtime import eos_ids, greedy_decode
 
 __all__ = [
     "COMPRESSKV_KIND",
@@ -60,6 +57,7 @@ __all__ = [
     "AnswerNeedle",
     "HeadScores",
     "LayerProfile",
+    "RetrievalHeadScorer",
     "calibrate_compresskv",
     "detect_retrieval_heads",
     "find_answer_span",
@@ -244,6 +242,31 @@ class HeadScores:
         return int(self.success.sum())
 
 
+@dataclass
+class RetrievalHeadScorer:
+    """CompressKV's per-step scores (SRH, eq. 5, and TRH) for :func:`detect_needle_heads`; a test counts when its
+    answer span was found and the response's ROUGE-1 recall exceeds ``min_recall``."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    min_recall: float = DEFAULT_MIN_RECALL
+    names: tuple[str, ...] = ("srh", "trh")
+    label: str = "ok"
+
+    def plan(self, tokenizer: Any, test: NeedleTest) -> TestPlan:
+        span = answer_span(tokenizer, test.ids, test.spec.answer)
+        prompt_ids = torch.tensor(test.ids)
+
+        def score_step(token: int, att: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return srh_step_scores(att, token, prompt_ids, span), trh_step_scores(att, token, prompt_ids, span)
+
+        return TestPlan(span, self.max_new_tokens, score_step)
+
+    def judge(self, test: NeedleTest, plan: TestPlan, response: str) -> tuple[float, bool, dict[str, Any]]:
+        score = rouge1_recall(response, test.spec.answer)
+        ok = plan.span is not None and score > self.min_recall
+        return score, ok, {"rouge1_recall": round(score, 4), "success": bool(ok)}
+
+
 def detect_retrieval_heads(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -267,8 +290,6 @@ def detect_retrieval_heads(
         min_recall: a test counts when ROUGE-1 recall exceeds this (0.5; −1 counts every test with a span)
         max_new_tokens: decoding steps per test (50)
     """
-    from tqdm.auto import tqdm
-
     needles = list(needles)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r}: give a positive integer")
@@ -276,60 +297,17 @@ def detect_retrieval_heads(
         if not spec.answer.strip() or spec.answer not in spec.needle:
             raise InvalidParameterError(f"needle {spec.name!r}: answer {spec.answer!r} is not part of its needle")
     run = prepare_needle_run(model, tokenizer, lengths, depths, needles, haystack, seed, use_chat_template)
-    started, template, hay, eos = run.started, run.template, run.hay, run.eos
-    layers, heads, periods, newline, grid = run.layers, run.heads, run.periods, run.newline, run.grid
-    lengths, depth_list, offset = run.lengths, run.depths, run.haystack_start
-    srh_all = torch.zeros(len(grid), layers, heads)
-    trh_all = torch.zeros(len(grid), layers, heads)
-    recall = torch.zeros(len(grid))
-    success = torch.zeros(len(grid), dtype=torch.bool)
-    records: list[dict[str, Any]] = []
-    bar = tqdm(grid, desc="compresskv heads", unit="test", disable=not progress, dynamic_ncols=True)
-    for i, (length, depth, spec) in enumerate(bar):
-        _, ids, _ = needle_prompt(
-            tokenizer, template, hay, spec.needle, spec.question, spec.answer_prefix, length, depth, periods
-        )
-        span = answer_span(tokenizer, ids, spec.answer)
-        prompt_ids = torch.tensor(ids)
-        sums = {"srh": torch.zeros(layers, heads), "trh": torch.zeros(layers, heads)}
-
-        def on_step(token: int, att: torch.Tensor, span=span, prompt_ids=prompt_ids, sums=sums) -> None:
-            if span is None:
-                return
-            sums["srh"] += srh_step_scores(att, token, prompt_ids, span)
-            sums["trh"] += trh_step_scores(att, token, prompt_ids, span)
-
-        generated = greedy_decode_with_attention(model, tokenizer, ids, max_new_tokens, eos, newline, on_step)
-        response = tokenizer.decode(generated, skip_special_tokens=True).strip()
-        score = rouge1_recall(response, spec.answer)
-        ok = span is not None and score > min_recall
-        srh_all[i], trh_all[i], recall[i], success[i] = sums["srh"], sums["trh"], score, ok
-        records.append(
-            {
-                "length": length,
-                "depth": depth,
-                "needle": spec.name,
-                "prompt_tokens": len(ids),
-                "span": None if span is None else list(span),
-                "response": response,
-                "rouge1_recall": round(score, 4),
-                "success": bool(ok),
-            }
-        )
-        bar.set_postfix(ok=f"{int(success[: i + 1].sum())}/{i + 1}")
-    if success.any():
-        srh, trh = srh_all[success].mean(0), trh_all[success].mean(0)
-    else:
-        srh, trh = torch.zeros(layers, heads), torch.zeros(layers, heads)
+    scorer = RetrievalHeadScorer(max_new_tokens, min_recall)
+    found = detect_needle_heads(model, tokenizer, run, scorer, "compresskv heads", progress)
     settings = {
-        "lengths": lengths,
-        "depths": depth_list,
+        "lengths": run.lengths,
+        "depths": run.depths,
         "haystack": haystack,
-        "haystack_start_char": offset,
+        "haystack_start_char": run.haystack_start,
         "seed": seed,
         "min_recall": min_recall,
         "max_new_tokens": max_new_tokens,
-        "use_chat_template": bool(use_chat_template and template.prefix != ""),
+        "use_chat_template": bool(use_chat_template and run.template.prefix != ""),
         "needles": [asdict(spec) for spec in needles],
         "span_rule": f"first prompt window whose token set covers > {SPAN_OVERLAP} of the answer's token set",
         "srh_rule": "generated token == prompt token at i in span adds the attention mass over the span, "
@@ -338,14 +316,14 @@ def detect_retrieval_heads(
         "success_rule": f"ROUGE-1 recall (stemmed) of the response vs the answer span > {min_recall}",
     }
     return HeadScores(
-        srh=srh,
-        trh=trh,
-        per_test_srh=srh_all,
-        per_test_trh=trh_all,
-        recall=recall,
-        success=success,
-        records=records,
-        seconds=time.perf_counter() - started,
+        srh=found.mean("srh"),
+        trh=found.mean("trh"),
+        per_test_srh=found.per_test["srh"],
+        per_test_trh=found.per_test["trh"],
+        recall=found.quality,
+        success=found.counted,
+        records=found.records,
+        seconds=time.perf_counter() - run.started,
         settings=settings,
     )
 
@@ -384,37 +362,6 @@ class LayerProfile:
     records: list[dict[str, Any]]
     seconds: float
     settings: dict[str, Any] = field(default_factory=dict)
-
-
-@torch.inference_mode()
-def _greedy_full(model, pre, max_new_tokens: int, eos: set[int]) -> tuple[list[int], list[int]]:
-    """Greedy decoding over a copy of the full prefilled cache; returns (generated ids, ids fed as queries)."""
-    from kvtrim.integration.attention import kvtrim_attention_enabled
-
-    work = pre.full_cache()
-    mask, logits = pre.mask, pre.logits
-    generated: list[int] = []
-    fed: list[int] = []
-    with kvtrim_attention_enabled(model):
-        for step in range(max_new_tokens):
-            token = int(logits[0].argmax())
-            if token in eos:
-                break
-            generated.append(token)
-            if step == max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(
-                input_ids=torch.tensor([[token]], device=mask.device),
-                attention_mask=mask,
-                position_ids=(mask.sum(-1, keepdim=True) - 1),
-                past_key_values=work,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            fed.append(token)
-            logits = out.logits[:, -1].float()
-    return generated, fed
 
 
 def profile_layer_errors(
@@ -477,7 +424,10 @@ def profile_layer_errors(
         ids = tokenizer(prompt, add_special_tokens=special)["input_ids"]
         pre = prefill(model, ids, methods=[pipeline])
         compressed = pre.compressed_cache(pipeline, budget=budget)
-        generated, fed = _greedy_full(model, pre, sample.max_new_tokens, eos)
+        with torch.inference_mode(), kvtrim_attention_enabled(model):  # greedy decoding with the full cache
+            decoded = greedy_decode(model, pre.full_cache(), pre.mask, pre.logits, sample.max_new_tokens, eos)
+        generated = decoded.tokens[0]
+        fed = generated[: decoded.steps]  # the last token chosen is not fed back
         if fed:
             errors = layer_errors(capture_decoding_queries(model, pre.cache, fed, pre.mask), compressed)
             per_task[tasks.index(task)] += errors.rel_per_query.double().sum(-1)

@@ -42,10 +42,11 @@ import torch
 
 from kvtrim.artifacts.store import model_display_name, save_artifact
 from kvtrim.calibration.needles import (
+    NeedleTest,
+    TestPlan,
     char_span_tokens,
     depth_grid,
-    greedy_decode_with_attention,
-    needle_prompt,
+    detect_needle_heads,
     prepare_needle_run,
 )
 from kvtrim.errors import InvalidParameterError, KVTrimError
@@ -58,6 +59,7 @@ __all__ = [
     "QUESTION_KINDS",
     "HeadDetection",
     "NeedleSpec",
+    "RetrievalReasoningScorer",
     "calibrate_headkv",
     "depth_grid",
     "detect_heads",
@@ -189,38 +191,41 @@ class HeadDetection:
         return out
 
 
-# ---------------------------------------------------------------------------------------------------- one test
-def _run_test(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    ids: list[int],
-    span: tuple[int, int],
-    steps: int,
-    answer_tokens: int,
-    eos: set[int],
-    newline: dict[int, bool],
-) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Decode greedily; return (generated ids, R2 scores ``[L, H]``, retrieval scores ``[L, H]``)."""
-    start, end = span
-    k = end - start
-    token_at = torch.tensor(ids + [-1] * (steps + 1))
-    totals: dict[str, torch.Tensor] = {}
-
-    def on_step(token: int, att: torch.Tensor) -> None:
-        vals, idx = att.topk(min(k, att.shape[-1]), dim=-1)
-        inside = (idx >= start) & (idx < end)
-        step_r2 = (vals * inside).sum(-1) / (k * answer_tokens)
-        top1 = idx[..., 0]
-        copy = inside[..., 0] & (token_at[top1] == token)
-        step_ret = copy.float() / k
-        totals["r2"] = step_r2 if "r2" not in totals else totals["r2"] + step_r2
-        totals["ret"] = step_ret if "ret" not in totals else totals["ret"] + step_ret
-
-    generated = greedy_decode_with_attention(model, tokenizer, ids, steps, eos, newline, on_step)
-    return generated, totals["r2"], totals["ret"]
-
-
 # ---------------------------------------------------------------------------------------------------- detection
+@dataclass
+class RetrievalReasoningScorer:
+    """HeadKV's per-step scores (R2 and retrieval, see the module notes) for :func:`detect_needle_heads`; a test
+    counts when ``qa_f1_score(response, answer) > min_f1``."""
+
+    min_f1: float = 0.5
+    names: tuple[str, ...] = ("retrieval_reasoning", "retrieval")
+    label: str = "kept"
+
+    def plan(self, tokenizer: Any, test: NeedleTest) -> TestPlan:
+        spec, ids = test.spec, test.ids
+        char_start = test.needle_at + spec.needle.index(spec.span)
+        start, end = char_span_tokens(tokenizer, test.prompt, ids, char_start, char_start + len(spec.span), spec.span)
+        answer_tokens = len(tokenizer(" " + spec.answer, add_special_tokens=False)["input_ids"])
+        k = end - start
+        token_at = torch.tensor(ids + [-1] * (answer_tokens + 1))
+
+        def score_step(token: int, att: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            vals, idx = att.topk(min(k, att.shape[-1]), dim=-1)
+            inside = (idx >= start) & (idx < end)
+            r2 = (vals * inside).sum(-1) / (k * answer_tokens)
+            copy = inside[..., 0] & (token_at[idx[..., 0]] == token)
+            return r2, copy.float() / k
+
+        return TestPlan((start, end), answer_tokens, score_step)
+
+    def judge(self, test: NeedleTest, plan: TestPlan, response: str) -> tuple[float, bool, dict[str, Any]]:
+        from kvtrim.eval.metrics import qa_f1_score
+
+        score = float(qa_f1_score(response, [test.spec.answer]))
+        keep = score > self.min_f1
+        return score, keep, {"kind": test.spec.kind, "f1": round(score, 4), "kept": keep}
+
+
 def detect_heads(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -244,66 +249,20 @@ def detect_heads(
         min_f1: keep tests whose QA-F1 exceeds this (the reference's 0.5; −1 keeps every test)
         use_chat_template: wrap the prompt in the tokenizer's chat template when it has one
     """
-    from tqdm.auto import tqdm
-
-    from kvtrim.eval.metrics import qa_f1_score
-
     needles = list(needles)
     for spec in needles:
         if spec.span not in spec.needle:
             raise InvalidParameterError(f"needle {spec.name!r}: span {spec.span!r} is not part of its needle text")
     run = prepare_needle_run(model, tokenizer, lengths, depths, needles, haystack, seed, use_chat_template)
-    started, template, hay, eos = run.started, run.template, run.hay, run.eos
-    layers, heads, periods, newline, grid = run.layers, run.heads, run.periods, run.newline, run.grid
-    lengths, depth_list, offset = run.lengths, run.depths, run.haystack_start
-    r2_all = torch.zeros(len(grid), layers, heads)
-    ret_all = torch.zeros(len(grid), layers, heads)
-    f1 = torch.zeros(len(grid))
-    records: list[dict[str, Any]] = []
-    bar = tqdm(grid, desc="headkv calibration", unit="test", disable=not progress, dynamic_ncols=True)
-    kept = 0
-    for i, (length, depth, spec) in enumerate(bar):
-        prompt, ids, needle_at = needle_prompt(
-            tokenizer, template, hay, spec.needle, spec.question, spec.answer_prefix, length, depth, periods
-        )
-        char_start = needle_at + spec.needle.index(spec.span)
-        span = char_span_tokens(tokenizer, prompt, ids, char_start, char_start + len(spec.span), spec.span)
-        answer_tokens = len(tokenizer(" " + spec.answer, add_special_tokens=False)["input_ids"])
-        generated, r2, ret = _run_test(model, tokenizer, ids, span, answer_tokens, answer_tokens, eos, newline)
-        response = tokenizer.decode(generated, skip_special_tokens=True).strip()
-        score = float(qa_f1_score(response, [spec.answer]))
-        keep = score > min_f1
-        kept += int(keep)
-        r2_all[i], ret_all[i], f1[i] = r2, ret, score
-        records.append(
-            {
-                "length": length,
-                "depth": depth,
-                "needle": spec.name,
-                "kind": spec.kind,
-                "prompt_tokens": len(ids),
-                "span": list(span),
-                "response": response,
-                "f1": round(score, 4),
-                "kept": keep,
-            }
-        )
-        bar.set_postfix(kept=f"{kept}/{i + 1}")
-    kept_mask = f1 > min_f1
-    if kept_mask.any():
-        r2_mean = r2_all[kept_mask].mean(0)
-        ret_mean = ret_all[kept_mask].mean(0)
-    else:
-        r2_mean = torch.zeros(layers, heads)
-        ret_mean = torch.zeros(layers, heads)
+    found = detect_needle_heads(model, tokenizer, run, RetrievalReasoningScorer(min_f1), "headkv calibration", progress)
     settings = {
-        "lengths": lengths,
-        "depths": depth_list,
+        "lengths": run.lengths,
+        "depths": run.depths,
         "haystack": haystack,
-        "haystack_start_char": offset,
+        "haystack_start_char": run.haystack_start,
         "seed": seed,
         "min_f1": min_f1,
-        "use_chat_template": bool(use_chat_template and template.prefix != ""),
+        "use_chat_template": bool(use_chat_template and run.template.prefix != ""),
         "needles": [asdict(spec) for spec in needles],
         "decode_steps": "len(answer tokens)",
         "r2_rule": "top-|span| positions inside the span add attention/(|span|*|answer tokens|); no copy condition",
@@ -311,14 +270,14 @@ def detect_heads(
         "keep_rule": f"qa_f1_score(response, answer) > {min_f1}",
     }
     return HeadDetection(
-        retrieval_reasoning=r2_mean,
-        retrieval=ret_mean,
-        per_test_retrieval_reasoning=r2_all,
-        per_test_retrieval=ret_all,
-        f1=f1,
-        kept=kept_mask,
-        records=records,
-        seconds=time.perf_counter() - started,
+        retrieval_reasoning=found.mean("retrieval_reasoning"),
+        retrieval=found.mean("retrieval"),
+        per_test_retrieval_reasoning=found.per_test["retrieval_reasoning"],
+        per_test_retrieval=found.per_test["retrieval"],
+        f1=found.quality,
+        kept=found.counted,
+        records=found.records,
+        seconds=time.perf_counter() - run.started,
         settings=settings,
     )
 

@@ -5,8 +5,12 @@
   preceding sentence end (:func:`insert_needle`, Kamradt / Retrieval_Head), and wraps context, question and
   answer prefix in the model's prompt template (:func:`needle_prompt`).
 * **Decoding.** :func:`greedy_decode_with_attention` prefills the prompt minus its last token, then decodes
-  greedily with eager attention so that every step returns the attention row of the query that *produced* the
-  new token, per layer and query head; a callback receives ``(token, attention [layers, q_heads, keys])``.
+  greedily (:func:`kvtrim.runtime.greedy_decode`) with eager attention so that every step returns the attention
+  row of the query that *produced* the new token, per layer and query head; a callback receives
+  ``(token, attention [layers, q_heads, keys])``.
+* **Head detection.** :func:`detect_needle_heads` runs every test of a :class:`NeedleRun` and sums per-step head
+  scores; what it scores, how many steps it decodes and which tests count come from a :class:`NeedleScorer`
+  (HeadKV's retrieval-reasoning scores, CompressKV's SRH/TRH).
 """
 
 from __future__ import annotations
@@ -16,18 +20,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from kvtrim.errors import InvalidParameterError
+from kvtrim.runtime import eos_ids, feed, greedy_decode
 
 __all__ = [
     "NEEDLE_MARK",
+    "NeedleHeadScores",
     "NeedleRun",
+    "NeedleScorer",
+    "NeedleTest",
+    "TestPlan",
     "attention_implementation",
     "char_span_tokens",
     "depth_grid",
+    "detect_needle_heads",
     "eos_ids",
     "greedy_decode_with_attention",
     "haystack_ids",
@@ -141,16 +151,6 @@ def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None
         model.set_attn_implementation(previous)
 
 
-def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    """End-of-sequence token ids of the model's generation config and the tokenizer."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else list(eos))
-    return ids
-
-
 @torch.no_grad()
 def greedy_decode_with_attention(
     model: torch.nn.Module,
@@ -169,27 +169,31 @@ def greedy_decode_with_attention(
     Decoding stops after an EOS token, or after a newline once the response holds non-blank text. ``newline``
     caches which token ids contain a newline.
     """
+    from transformers import DynamicCache
+
     device = model.get_input_embeddings().weight.device
     prompt = torch.tensor([ids], device=device)
-    out = model(input_ids=prompt[:, :-1], use_cache=True)
-    cache = out.past_key_values
+    cache = DynamicCache(config=model.config)
+    pre = feed(model, cache, torch.ones_like(prompt[:, :0]), prompt[:, :-1])
     generated: list[int] = []
-    inp = prompt[:, -1:]
+
+    def step(_: int, tokens: torch.Tensor, attentions) -> bool:
+        token = int(tokens[0])
+        att = torch.stack([a[0, :, -1, :] for a in attentions]).float().cpu()  # [L, H, kv], scored on CPU
+        on_step(token, att)
+        if token in eos:
+            return True
+        generated.append(token)
+        if token not in newline:
+            newline[token] = "\n" in tokenizer.decode([token])
+        return newline[token] and bool(tokenizer.decode(generated).strip())
+
     with attention_implementation(model, "eager"):
-        for _ in range(steps):
-            out = model(input_ids=inp, past_key_values=cache, use_cache=True, output_attentions=True)
-            cache = out.past_key_values
-            att = torch.stack([a[0, :, -1, :] for a in out.attentions]).float().cpu()  # [L, H, kv], scored on CPU
-            token = int(out.logits[0, -1].argmax())
-            on_step(token, att)
-            if token in eos:
-                break
-            generated.append(token)
-            if token not in newline:
-                newline[token] = "\n" in tokenizer.decode([token])
-            if newline[token] and tokenizer.decode(generated).strip():
-                break
-            inp = torch.tensor([[token]], device=device)
+        last = feed(model, cache, pre.mask, prompt[:, -1:], output_attentions=True)
+        greedy_decode(
+            model, cache, last.mask, last.logits, steps, eos,
+            on_step=step, attentions=last.attentions, output_attentions=True,
+        )  # fmt: skip
     return generated
 
 
@@ -251,3 +255,119 @@ def prepare_needle_run(
         heads=int(config.num_attention_heads),
         started=started,
     )
+
+
+# ---------------------------------------------------------------------------------------------------- detection
+@dataclass
+class NeedleTest:
+    """One test of a needle run: its grid point, prompt text, prompt ids and the needle's character offset."""
+
+    length: int
+    depth: float
+    spec: Any
+    prompt: str
+    ids: list[int]
+    needle_at: int
+
+
+@dataclass
+class TestPlan:
+    """How a :class:`NeedleScorer` scores one test.
+
+    Attributes:
+        span: the scored prompt span ``[s, e)`` (None: nothing is scored, the test still decodes)
+        steps: decoding steps
+        score_step: ``(token, attention [layers, q_heads, keys]) -> one [layers, q_heads] increment per score``
+    """
+
+    span: tuple[int, int] | None
+    steps: int
+    score_step: Callable[[int, torch.Tensor], Sequence[torch.Tensor]]
+
+
+class NeedleScorer(Protocol):
+    """What a head detection scores (HeadKV: retrieval-reasoning and retrieval; CompressKV: SRH and TRH)."""
+
+    names: tuple[str, ...]  # the per-step scores, in the order ``score_step`` returns them
+    label: str  # progress-bar name of the tests that count
+
+    def plan(self, tokenizer: Any, test: NeedleTest) -> TestPlan:
+        """The span, step count and step scorer of ``test``."""
+        ...
+
+    def judge(self, test: NeedleTest, plan: TestPlan, response: str) -> tuple[float, bool, dict[str, Any]]:
+        """``(quality score, whether the test counts, fields added to its record)`` of the decoded response."""
+        ...
+
+
+@dataclass
+class NeedleHeadScores:
+    """What :func:`detect_needle_heads` found.
+
+    Attributes:
+        per_test: score name -> ``[tests, layers, q_heads]`` per-test sums over decoding steps
+        quality: ``[tests]`` the scorer's quality score of each response
+        counted: ``[tests]`` bool, the tests the scorer counts
+        records: one dict per test (length, depth, needle, prompt tokens, span, response, the scorer's fields)
+        run: the needle run (grid, template, geometry)
+    """
+
+    per_test: dict[str, torch.Tensor]
+    quality: torch.Tensor
+    counted: torch.Tensor
+    records: list[dict[str, Any]]
+    run: NeedleRun
+
+    def mean(self, name: str) -> torch.Tensor:
+        """``[layers, q_heads]`` mean of score ``name`` over the counted tests (zeros when none counts)."""
+        scores = self.per_test[name]
+        if self.counted.any():
+            return scores[self.counted].mean(0)
+        return torch.zeros(scores.shape[1:])
+
+
+def detect_needle_heads(
+    model: torch.nn.Module, tokenizer: Any, run: NeedleRun, scorer: NeedleScorer, desc: str, progress: bool = True
+) -> NeedleHeadScores:
+    """Decode every test of ``run`` with attention and sum ``scorer``'s per-step head scores over its steps."""
+    from tqdm.auto import tqdm
+
+    tests = len(run.grid)
+    per_test = {name: torch.zeros(tests, run.layers, run.heads) for name in scorer.names}
+    quality = torch.zeros(tests)
+    counted = torch.zeros(tests, dtype=torch.bool)
+    records: list[dict[str, Any]] = []
+    bar = tqdm(run.grid, desc=desc, unit="test", disable=not progress, dynamic_ncols=True)
+    for i, (length, depth, spec) in enumerate(bar):
+        prompt, ids, needle_at = needle_prompt(
+            tokenizer, run.template, run.hay, spec.needle, spec.question, spec.answer_prefix, length, depth, run.periods
+        )
+        test = NeedleTest(length, depth, spec, prompt, ids, needle_at)
+        plan = scorer.plan(tokenizer, test)
+        sums = [torch.zeros(run.layers, run.heads) for _ in scorer.names]
+
+        def on_step(token: int, att: torch.Tensor, plan=plan, sums=sums) -> None:
+            if plan.span is None:
+                return
+            for total, increment in zip(sums, plan.score_step(token, att), strict=True):
+                total += increment
+
+        generated = greedy_decode_with_attention(model, tokenizer, ids, plan.steps, run.eos, run.newline, on_step)
+        response = tokenizer.decode(generated, skip_special_tokens=True).strip()
+        score, ok, fields = scorer.judge(test, plan, response)
+        for name, total in zip(scorer.names, sums, strict=True):
+            per_test[name][i] = total
+        quality[i], counted[i] = score, ok
+        records.append(
+            {
+                "length": length,
+                "depth": depth,
+                "needle": spec.name,
+                "prompt_tokens": len(ids),
+                "span": None if plan.span is None else list(plan.span),
+                "response": response,
+                **fields,
+            }
+        )
+        bar.set_postfix({scorer.label: f"{int(counted[: i + 1].sum())}/{i + 1}"})
+    return NeedleHeadScores(per_test, quality, counted, records, run)

@@ -30,15 +30,14 @@ from typing import Any
 
 import torch
 
-from ..api import _positions, _resolve_method, prefill_ids
+from .. import runtime
 from ..cache.attention import grouped_attention
 from ..compression.compressor import BudgetSpec
 from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
 from ..integration.attention import check_supported, kvtrim_attention_enabled
 from ..integration.cache import KVTrimCache
-from ..methods import get_method
-from ..scoring.observation import ObservationSpec
+from ..runtime import positions, resolve_method
 
 __all__ = [
     "ContinuationFidelity",
@@ -88,7 +87,7 @@ def _forward_all(model, cache: KVTrimCache, mask: torch.Tensor, input_ids: torch
     out = model(
         input_ids=input_ids,
         attention_mask=full_mask,
-        position_ids=_positions(full_mask, input_ids.shape[1]),
+        position_ids=positions(full_mask, input_ids.shape[1]),
         past_key_values=cache,
         use_cache=True,
     )
@@ -112,42 +111,34 @@ class _Quiet:
 
 # ---------------------------------------------------------------------------------------------------- prefill
 @dataclass
-class Prefill:
-    """A context prefilled once into an uncompressed :class:`KVTrimCache`.
+class Prefill(runtime.Prefill):
+    """A context prefilled once (a :class:`kvtrim.runtime.Prefill`) that also memoizes the full-cache reference
+    (log-probabilities, captured queries) of the continuations it is scored on.
 
-    Attributes:
-        cache: the uncompressed cache, with the observations of ``observation`` recorded (never modified)
-        mask: ``[batch, n]`` attention mask of the context (1 = real token)
-        logits: ``[batch, vocab]`` logits of the last context position (predict the first continuation token)
-        observation: what was recorded; methods needing more cannot be applied to this prefill
+    ``cache`` is the uncompressed cache with the observations of ``observation`` recorded (never modified);
+    ``logits`` ``[batch, vocab]`` predict the first continuation token.
     """
 
-    cache: KVTrimCache
-    mask: torch.Tensor
-    logits: torch.Tensor
-    observation: ObservationSpec
     _reference: dict = field(default_factory=dict, repr=False)
     _captures: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, obj: Any) -> Prefill:
-        """A :class:`Prefill` from itself, a :class:`kvtrim.Session` (its prefill is shared, not copied), or
-        any object with ``cache``, ``mask`` and ``logits`` attributes. Keep the result to reuse its memoized
-        full-cache reference across calls."""
+        """A :class:`Prefill` from itself, a :class:`kvtrim.Session` (its prefill is shared, not copied), a
+        :class:`kvtrim.runtime.Prefill`, or any object with ``cache``, ``mask`` and ``logits`` attributes. Keep
+        the result to reuse its memoized full-cache reference across calls."""
         if isinstance(obj, Prefill):
             return obj
-        pre = getattr(obj, "_pre", obj)
+        pre = obj if isinstance(obj, runtime.Prefill) else getattr(obj, "prefill", obj)
         try:
             cache, mask, logits = pre.cache, pre.mask, pre.logits
         except AttributeError as exc:
             raise InvalidParameterError(
-                "full= must be a kvtrim.eval.fidelity.Prefill, a kvtrim.Session, or have cache/mask/logits"
+                "full= must be a kvtrim.eval.fidelity.Prefill, a kvtrim.Session prefilled in one pass "
+                "(no prefill_chunk), or have cache/mask/logits"
             ) from exc
-        observation = getattr(obj, "observation", None) or cache.observation_spec
+        observation = getattr(pre, "observation", None) or getattr(obj, "observation", None) or cache.observation_spec
         return cls(cache, mask, logits, observation)
-
-    def covers(self, pipeline: Pipeline) -> bool:
-        return self.observation.covers(pipeline.observation)
 
     def full_cache(self) -> KVTrimCache:
         """An independent uncompressed copy."""
@@ -166,27 +157,8 @@ class Prefill:
                 raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
             pipeline, spec = method, BudgetSpec(ratio=ratio, budget=budget)
         else:
-            pipeline, spec = _resolve_method(method, ratio, budget, method_params)
-        if pipeline is None:
-            return self.full_cache()
-        if not self.covers(pipeline):
-            raise InvalidParameterError(
-                f"method {pipeline.name!r} needs observations {pipeline.observation} but this prefill recorded "
-                f"{self.observation}; prefill with methods=[...] including it"
-            )
-        cache = self.cache.clone(pipeline, spec)
-        cache.compress(logits=self.logits)
-        return cache
-
-
-def _observation_of(methods: Sequence) -> ObservationSpec:
-    spec = ObservationSpec()
-    for m in methods:
-        if m is None or m == "full":
-            continue
-        pipe = get_method(m) if isinstance(m, str) else m
-        spec = spec.merge(pipe.observation)
-    return spec
+            pipeline, spec = resolve_method(method, ratio, budget, method_params)
+        return self.compressed(pipeline, spec).cache
 
 
 @torch.inference_mode()
@@ -206,10 +178,10 @@ def prefill(model, context_ids: Any, methods: Sequence = (), context_mask: torch
     mask = torch.ones_like(ids) if context_mask is None else torch.as_tensor(context_mask).to(device).long()
     if mask.shape != ids.shape:
         raise InvalidParameterError(f"context_mask has shape {tuple(mask.shape)}, context_ids {tuple(ids.shape)}")
-    observation = _observation_of(methods)
+    observation = runtime.observation_of(methods)
     with kvtrim_attention_enabled(model):
-        pre = prefill_ids(model, ids, mask, observation)
-    return Prefill(pre.cache, pre.mask, pre.logits.float(), observation)
+        pre = runtime.Prefill.plain(model, ids, mask, observation)
+    return Prefill(pre.cache, pre.mask, pre.logits.float(), observation, pre.before, pre.seconds)
 
 
 # ---------------------------------------------------------------------------------------------------- NLL / KL
@@ -375,7 +347,7 @@ def continuation_fidelity(
             raise InvalidParameterError("method_params apply to registry names, not to a built Pipeline")
         pipeline = method.bind(model)
     else:
-        pipeline, _ = _resolve_method(method, ratio, budget, method_params, model)  # binds offline artifacts
+        pipeline, _ = resolve_method(method, ratio, budget, method_params, model)  # binds offline artifacts
     if full is None:
         ctx = _as_ids(context_ids, "context_ids", tokenizer, special=True)
         pre = prefill(model, ctx, [pipeline] if pipeline is not None else [])
@@ -537,7 +509,7 @@ def capture_decoding_queries(
         original = layer.attend
 
         def attend(module, query, position_ids, padding_mask, scaling):
-            keys, values = layer._pending
+            keys, values = layer.pending
             b, n = query.shape[0], query.shape[2]
             if position_ids is None:
                 positions = torch.arange(layer.seen, layer.seen + n, device=query.device).expand(b, n)
@@ -569,7 +541,7 @@ def capture_decoding_queries(
             model(
                 input_ids=ids,
                 attention_mask=full_mask,
-                position_ids=_positions(full_mask, ids.shape[1]),
+                position_ids=positions(full_mask, ids.shape[1]),
                 past_key_values=work,
                 use_cache=True,
                 logits_to_keep=1,

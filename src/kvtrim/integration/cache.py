@@ -86,7 +86,7 @@ class KVTrimCache(Cache, RecordsPromptIds):
         # [batch, w] log p(x_j | x_<j) of the last prompt tokens (NaN: padding or not recorded); set by kvtrim.api
         # when the method's observation asks for token_logprobs
         self.prompt_logprobs: torch.Tensor | None = None
-        self._last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last prefill position
+        self.last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last fed position
         # [batch, n] the prompt's token ids (-1: padding), when the method's observation asks for input_ids
         self.prompt_ids: torch.Tensor | None = None
 
@@ -261,6 +261,12 @@ class CompressibleLayer(CacheLayerMixin):
     @property
     def cache(self) -> KVTrimCache:
         return self._cache()
+
+    @property
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(keys, values)`` ``[batch, kv_heads, q, head_dim]`` handed over by ``update`` and not yet stored by
+        :meth:`attend` (None between forward passes)."""
+        return self._pending
 
     # transformers reads .keys/.values on some code paths (device, dtype); expose the stored entries.
     @property

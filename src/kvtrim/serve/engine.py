@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..api import _eos_ids
 from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence, prefill_metric
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
 from ..methods.presets import KV_COMPRESS as PAGED_METHODS  # the KV-Compress presets, stated once
+from ..runtime import eos_ids
 from ..selection.block_eviction import compress_sequence
 from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
 from .types import RequestHandle, SamplingParams, TokenEvent
@@ -293,7 +293,7 @@ class Engine:
         self.min_cache_tokens = min_cache_tokens
         self.compress_once = compress_once
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        self.eos = _eos_ids(model, tokenizer)
+        self.eos = eos_ids(model, tokenizer)
         self.scheduler = Scheduler(
             self.geometry, self.pool.num_blocks, compress=self.compress, compress_once=compress_once,
             compression_interval=compression_interval, max_batch=max_batch, prefill_chunk=prefill_chunk,
