@@ -22,7 +22,8 @@ Usage::
     python benchmarks/bench_chunked_prefill.py                 # ~20 min of CPU time
     python benchmarks/bench_chunked_prefill.py --quick         # smoke run
 
-Writes ``--out`` (JSON, default ``benchmarks/results/chunked_prefill.json``) and a markdown table next to it.
+Writes ``--out`` (JSON, default ``benchmarks/results/bench_chunked_prefill/chunked_prefill.json``) and a markdown
+table next to it.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--agreement-samples", type=int, default=4, help="prompts per task for part 2")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/chunked_prefill.json")
+    parser.add_argument("--out", default="benchmarks/results/bench_chunked_prefill/chunked_prefill.json")
     parser.add_argument("--worker", nargs=2, metavar=("LENGTH", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

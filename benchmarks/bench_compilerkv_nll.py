@@ -9,7 +9,7 @@ Usage::
 
     python benchmarks/bench_compilerkv_nll.py --windows 12 --threads 1
 
-Writes ``benchmarks/results/compilerkv_nll/nll.json`` and ``nll.md``.
+Writes ``benchmarks/results/bench_compilerkv_nll/nll.json`` and ``nll.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import kvtrim
-from fidelity_demo import windows
+from bench_fidelity import windows
 from kvtrim.eval.fidelity import continuation_fidelity, prefill
 from kvtrim.eval.haystacks import get_haystack
 
@@ -39,7 +39,7 @@ METHODS = (
     "pyramidkv",
     "adakv",
 )
-OUT = Path(__file__).parent / "results" / "compilerkv_nll"
+OUT = Path(__file__).parent / "results" / "bench_compilerkv_nll"
 # (method, reference): paired ΔNLL differences over the same windows
 PAIRS = (
     ("compilerkv", "compilerkv_neutral"),

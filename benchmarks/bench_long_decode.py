@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512, help="entries per (layer, KV head) for capped configs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/long_decode.json")
+    parser.add_argument("--out", default="benchmarks/results/bench_long_decode/long_decode.json")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.length = 150, 600

@@ -9,7 +9,7 @@ Usage::
 
     python benchmarks/bench_paged_bytes.py --tokens 1000 --decode 20
 
-Writes ``benchmarks/results/paged_bytes/paged_bytes.json`` and ``paged_bytes.md``.
+Writes ``benchmarks/results/bench_paged_bytes/paged_bytes.json`` and ``paged_bytes.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvtrim.eval.haystacks import get_haystack
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.selection.block_eviction import compress_sequence
 
-OUT = Path(__file__).parent / "results" / "paged_bytes"
+OUT = Path(__file__).parent / "results" / "bench_paged_bytes"
 
 
 def measure(seq: PagedSequence, pool: BlockPool, label: str, rate: float, elapsed: float) -> dict:

@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--ratios", default="0.5,0.75,0.875")
-    parser.add_argument("--out", default="benchmarks/results/ragged_decode.json")
+    parser.add_argument("--out", default="benchmarks/results/bench_ragged_decode/ragged_decode.json")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3, help="round-robin repetitions (median reported)")
     parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu")

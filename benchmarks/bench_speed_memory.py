@@ -20,8 +20,8 @@ Usage::
     python benchmarks/bench_speed_memory.py --threads 1 --timer cpu   # on a machine busy with other work
     python benchmarks/bench_speed_memory.py --quick     # smoke run (short prompts, 1 repetition)
 
-Results go to ``--out`` (JSON, default ``benchmarks/results/speed_memory.json``) and a markdown table next to
-it (same name, ``.md``), which is also printed.
+Results go to ``--out`` (JSON, default ``benchmarks/results/bench_speed_memory/speed_memory.json``) and a markdown
+table next to it (same name, ``.md``), which is also printed.
 """
 
 from __future__ import annotations
@@ -653,7 +653,9 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: short prompts, 1 repetition, few tokens")
-    parser.add_argument("--out", default="benchmarks/results/speed_memory.json", help="JSON results path")
+    parser.add_argument(
+        "--out", default="benchmarks/results/bench_speed_memory/speed_memory.json", help="JSON results path"
+    )
     parser.add_argument("--lengths", type=int, nargs="+", help="prefill prompt lengths (default 1024 2048 4096)")
     parser.add_argument("--reps", type=int, help="prefill repetitions (default 3)")
     parser.add_argument("--reps-long", type=int, help="prefill repetitions for prompts over 2048 tokens (default 3)")

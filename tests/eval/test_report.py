@@ -185,3 +185,17 @@ def test_header_threads_and_layout_come_from_run_json(tmp_path):
     text = build_report(out, plots=False)
     assert "torch threads: 2;" in text
     assert "prompt layout: kvpress" in text
+
+
+def test_report_reads_gzipped_records_and_records_appended_after_them(tmp_path):
+    import gzip
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with gzip.open(out / (RECORDS_FILE + ".gz"), "wt", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in HAND[:-2]))
+    (out / RECORDS_FILE).write_text("".join(json.dumps(r) + "\n" for r in HAND[-2:]))
+    assert load_records(out) == HAND
+    assert load_records(out / RECORDS_FILE) == HAND
+    plain = build_report(_write(tmp_path / "plain", HAND), plots=False)
+    assert build_report(out, plots=False).split("\n", 1)[1] == plain.split("\n", 1)[1]

@@ -21,7 +21,7 @@ from .store import load_artifact
 HEAD_ACTIONS = torch.linspace(0.8, 1.5, 29)
 THRESHOLD_ACTIONS = torch.linspace(0.8, 1.0, 21)
 NEUTRAL_WEIGHT = 1.0
-UNVISITED_THRESHOLD = 0.8  # the lowest, most conservative threshold (spec §1a step 12)
+UNVISITED_THRESHOLD = 0.8  # the lowest, most conservative threshold: decision 2 (docs/decisions.md)
 
 
 def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from .base import BudgetAllocator, BudgetRequest
 
 @dataclass
 class GlobalBlockBudget(BudgetAllocator):
-    """KV-Compress allocation (Rehg, arXiv 2410.00161, §4.a steps 5-7) for kvtrim's pipeline.
+    """KV-Compress allocation (Rehg, arXiv 2410.00161: metric, chunk ranking, block counts) for kvtrim's pipeline.
 
     Per sequence, the requested mean ``M`` entries per (layer, KV head) — the protected window included — becomes a
     total of ``⌈M·L·H / block_size⌉`` blocks. Each head's entries are cut into chunks of ``block_size`` by ascending

@@ -55,8 +55,9 @@ class HeadAdaptiveBudget(BudgetAllocator):
     Per layer and sequence, with ``B' = keep - window`` selected entries per head on average: the top ``H·B'``
     non-window scores over all heads of the layer are pooled; head ``h`` wins ``c_h`` of them.
 
-    * ``rule="official"`` (AdaKV repository, the default): ``b_h = c_h·(1 − α) + α·B'``, rounded so the layer total
-      stays exactly ``H·B'`` (largest remainder) with every head at least ``⌊α·B'⌋``.
+    * ``rule="official"`` (AdaKV repository, the default: decision 8 (docs/decisions.md)):
+      ``b_h = c_h·(1 − α) + α·B'``, rounded so the layer total stays exactly ``H·B'`` (largest remainder) with
+      every head at least ``⌊α·B'⌋``.
     * ``rule="kvpress"`` (kvpress AdaKVPress safeguard): each head's own top ``⌊α·keep⌋`` entries, window
       included, are forced into the pool before the global top is taken; ``b_h`` is the count that lands in
       head ``h``.

@@ -1,6 +1,6 @@
 """Per-head budgets in proportion to offline head-importance scores (HeadKV).
 
-HeadKV (``ReasonSnapKVCluster``, spec A.6 / seeds §6.2) turns retrieval–reasoning head scores ``s[l, h]`` into
+HeadKV (``ReasonSnapKVCluster`` in FYYFU/HeadKV) turns retrieval–reasoning head scores ``s[l, h]`` into
 per-head capacities. With ``b = keep − window`` selected entries per head on average:
 
 1. ``p = s / Σ s`` over all (layer, head); ``p = p^temperature``; ``p /= Σ p``;
@@ -34,10 +34,10 @@ from .base import BudgetAllocator, BudgetRequest
 __all__ = ["DEFAULT_BETA", "DEFAULT_TEMPERATURE", "HeadScoreBudget", "exact_bounded_round", "head_score_capacities"]
 
 DEFAULT_BETA = 1.5
-"""Default β (also HeadKV's ``run_longbench.py`` default). Chosen by the sweep in
-``benchmarks/results/headkv_beta_sweep.md`` on the embedded model (10 passkey + 10 niah_single_2 at ~1k tokens,
-context-only): best at ratio 0.75 (80 vs 70–75 for β ≤ 1.2, 50 for β = 2, 0 for β = 5), tied at 0.5, and with a
-larger guaranteed base per head than β near 1."""
+"""Default β (also HeadKV's ``run_longbench.py`` default; decision 9 (docs/decisions.md)). Chosen by the sweep in
+``benchmarks/results/bench_headkv_beta_sweep/headkv_beta_sweep.md`` on the embedded model (10 passkey +
+10 niah_single_2 at ~1k tokens, context-only): best at ratio 0.75 (80 vs 70–75 for β ≤ 1.2, 50 for β = 2, 0 for
+β = 5), tied at 0.5, and with a larger guaranteed base per head than β near 1."""
 DEFAULT_TEMPERATURE = 1.0
 """``p^temperature``; 1 in all HeadKV scripts. The sweep at β = 1.5 found 0.5 much worse and 2 no better."""
 

@@ -2,7 +2,7 @@
 error-aware layer profile, saved as the ``compresskv`` artifact.
 
 **Offline A: head scores** (``semantic_retrieval_head_detection.py`` / ``retrieval_head_detection.py`` of
-TUDa-HWAI/CompressKV, spec §5.a):
+TUDa-HWAI/CompressKV):
 
 * *Tests.* Needle-in-a-haystack over ``lengths × depths × needles``. Each needle has a question and an *answer
   span* (``real_needle``): the part of the needle that answers it. Prompts use the model's chat template with
@@ -14,7 +14,7 @@ TUDa-HWAI/CompressKV, spec §5.a):
   query head from the query that produced each token (:mod:`kvtrim.calibration.needles`).
 * *SRH, paper eq. 5.* When the generated token equals the prompt token at a position ``i ∈ [s, e)``, every
   (layer, query head) adds its attention mass over the whole span, ``Σ_{k∈[s,e)} A[k]``, once per matching span
-  position (an answer token occurring twice in the span adds the mass twice; spec decision 7).
+  position (an answer token occurring twice in the span adds the mass twice; decision 7 (docs/decisions.md)).
 * *TRH (Retrieval_Head).* When a head's top-1 attended position ``i`` lies in ``[s, e)`` and the generated token
   equals ``prompt[i]``, the head adds ``1/(e − s)``.
 * *Filter.* A test counts only if ROUGE-1 recall (stemmed, ``rouge-score``) of the response against the answer

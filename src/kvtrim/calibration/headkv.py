@@ -1,6 +1,6 @@
 """Retrieval–reasoning head detection ("R2", HeadKV) and the ``headkv`` calibration artifact.
 
-Follows ``retrieval_head_detection_r2.py`` of FYYFU/HeadKV (spec A.6 / seeds §6.2):
+Follows ``retrieval_head_detection_r2.py`` of FYYFU/HeadKV:
 
 * **Tests.** Needle-in-a-haystack prompts over a grid of context lengths × depths. Each needle holds two facts
   plus ages ("Mary is 13 years old and her favorite thing is ... John is 12 years old and ..."); the
@@ -22,7 +22,7 @@ Follows ``retrieval_head_detection_r2.py`` of FYYFU/HeadKV (spec A.6 / seeds §6
 * **Kept tests.** A test counts only if ``qa_f1_score(response, answer) > min_f1`` (0.5); a head's score is
   the mean of its per-test scores over the kept tests.
 
-Besides the spec's reasoning question, each needle is also asked *directly* ("What is Mary's favorite
+Besides HeadKV's reasoning question, each needle is also asked *directly* ("What is Mary's favorite
 thing?"): the same two-fact needle and span, but the model only has to pick the right one of two facts.
 Small models (the embedded SmolLM2-135M answers essentially none of the age-comparison questions) then still
 produce kept tests; the artifact records how many tests of each kind were kept and the scores per test, so

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as _dt
+import gzip
 import json
 import math
 import os
@@ -99,22 +100,28 @@ def record_key(record: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------------------- records io
 def load_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of ``records.jsonl`` (or of the directory holding it); unparsable lines are skipped."""
+    """Records of ``records.jsonl`` (or of the directory holding it); unparsable lines are skipped.
+
+    A gzipped ``records.jsonl.gz`` beside it is read first: checked-in sweeps keep their records compressed, and a
+    resumed sweep appends its new records to the plain file.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / RECORDS_FILE
-    if not path.is_file():
-        return []
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    records: list[dict[str, Any]] = []
+    archived = path.with_name(path.name + ".gz")
+    for source, opener in ((archived, gzip.open), (path, open)):
+        if not source.is_file():
+            continue
+        with opener(source, "rt", encoding="utf-8") as fh:
+            for line in fh:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
     return records
 
 

@@ -45,8 +45,8 @@ class LagRelativeScorer(Scorer):
             own statistics, the paper's LocalKV ablation) or ``key_norm`` (``softmax(−‖k‖)``, the L2-norm score
             in the same recursive frame)
         value_weight: γ, weight of the value score added to the key score (1.0: a plain sum)
-        eps: added to the min–max range so constant channels give finite scores (kvtrim decision; the authors'
-            code has none)
+        eps: added to the min–max range so constant channels give finite scores (decision 5 (docs/decisions.md);
+            the authors' code has none)
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry)

@@ -1,6 +1,6 @@
 """Block-granular, variable-rate eviction across all layers and KV heads of a sequence (KV-Compress).
 
-KV-Compress (Rehg, arXiv 2410.00161, §4.a steps 5-8):
+KV-Compress (Rehg, arXiv 2410.00161; decision 6 (docs/decisions.md)):
 
 * per (layer, KV head), sort the entries by metric ascending and cut the sorted list into chunks of
   ``block_size``; the *block metric* of chunk ``k`` (0-based) is the metric of the ``(k·bs + hanging − 1)``-th

@@ -1,4 +1,6 @@
-"""A continuous-batching engine over one paged, KV-Compress-compressed cache pool (arXiv 2410.00161 §4.a).
+"""A continuous-batching engine over one paged, KV-Compress-compressed cache pool (arXiv 2410.00161).
+
+The engine follows decision 6 (docs/decisions.md): real blocks, block-granular eviction, MoveCache.
 
 Every :meth:`Engine.step` runs, in order: compression (forced after a completed prefill and under memory
 pressure, otherwise every step unless ``compress_once``), preemption by recompute if the next decode step still

@@ -3,7 +3,7 @@ compressed size, compression triggers, preemption.
 
 Pure logic, testable without a model: sequences are seen through :class:`ScheduledSequence` and the pool
 through its free-block count; the engine owns the model, the pool and the caches, and calls the scheduler
-in this order every step (KV-Compress, arXiv 2410.00161, §4.a step 9):
+in this order every step (the schedule of KV-Compress's vLLM runner, arXiv 2410.00161):
 
 1. :meth:`Scheduler.plan_compression` — whether compression runs now and on which running sequences. Forced
    after a new prefill and when the running sequences need more blocks than are free (``must_preempt``); a

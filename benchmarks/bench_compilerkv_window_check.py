@@ -1,11 +1,11 @@
 """Why CompilerKV misses pass keys on the embedded model: its observation window W (paper: 64).
 
 Question-aware passkey prompts of ~1k tokens, `compilerkv_neutral` (no tables involved) at one budget, W swept.
-Writes ``benchmarks/results/compilerkv_window/window.json`` and ``window.md``.
+Writes ``benchmarks/results/bench_compilerkv_window_check/window.json`` and ``window.md``.
 
 Usage::
 
-    python benchmarks/compilerkv_window_check.py --samples 6 --budget 128
+    python benchmarks/bench_compilerkv_window_check.py --samples 6 --budget 128
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import kvtrim
 from kvtrim.eval.tasks import generate_task
 
-OUT = Path(__file__).parent / "results" / "compilerkv_window"
+OUT = Path(__file__).parent / "results" / "bench_compilerkv_window_check"
 
 
 def main() -> None:

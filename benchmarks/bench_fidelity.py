@@ -13,10 +13,10 @@ Values are averaged over ``--windows`` windows taken at evenly spaced offsets of
 
 Usage::
 
-    python benchmarks/fidelity_demo.py                 # 4 windows (~2-4 min on 2 CPU cores)
-    python benchmarks/fidelity_demo.py --windows 1     # quick look
+    python benchmarks/bench_fidelity.py                 # 4 windows (~2-4 min on 2 CPU cores)
+    python benchmarks/bench_fidelity.py --windows 1     # quick look
 
-Writes ``benchmarks/results/fidelity/fidelity.json`` (every measurement) and ``fidelity.md`` (the table,
+Writes ``benchmarks/results/bench_fidelity/fidelity.json`` (every measurement) and ``fidelity.md`` (the table,
 also printed).
 """
 
@@ -37,7 +37,7 @@ from kvtrim.eval.haystacks import get_haystack
 
 MODEL = "smollm2-135m"
 RATIOS = (0.5, 0.75, 0.9)
-OUT = Path(__file__).parent / "results" / "fidelity"
+OUT = Path(__file__).parent / "results" / "bench_fidelity"
 
 
 def windows(tokenizer, text: str, count: int, length: int) -> list[tuple[int, list[int]]]:

@@ -1,4 +1,4 @@
-"""Sweep HeadKV's β (and a few temperatures) on the embedded model: seeds decision 9.
+"""Sweep HeadKV's β (and a few temperatures) on the embedded model: decision 9 (docs/decisions.md).
 
 For every sample (passkey and RULER niah_single_2 at ~1k tokens, context-only compression) the context is
 prefilled once in a :class:`kvtrim.Session`; each configuration compresses a copy of that cache and answers:
@@ -11,12 +11,12 @@ prefilled once in a :class:`kvtrim.Session`; each configuration compresses a cop
 
 Usage::
 
-    .venv/bin/python benchmarks/headkv_beta_sweep.py --threads 1   # ~15 min on a shared 2-core CPU
-    .venv/bin/python benchmarks/headkv_beta_sweep.py --samples 1 --quick  # smoke run
-    .venv/bin/python benchmarks/headkv_beta_sweep.py --threads 1 --betas '' --temperatures 0.5,2 \
-        --temperature-beta 1.5 --out benchmarks/results/headkv_temperature_sweep.json
+    .venv/bin/python benchmarks/bench_headkv_beta_sweep.py --threads 1   # ~15 min on a shared 2-core CPU
+    .venv/bin/python benchmarks/bench_headkv_beta_sweep.py --samples 1 --quick  # smoke run
+    .venv/bin/python benchmarks/bench_headkv_beta_sweep.py --threads 1 --betas '' --temperatures 0.5,2 \
+        --temperature-beta 1.5 --out benchmarks/results/bench_headkv_beta_sweep/headkv_temperature_sweep.json
 
-Writes ``benchmarks/results/headkv_beta_sweep.json`` (every record) and ``.md`` (the tables).
+Writes ``benchmarks/results/bench_headkv_beta_sweep/headkv_beta_sweep.json`` (every record) and ``.md`` (the tables).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def main() -> None:
     parser.add_argument("--temperature-beta", type=float, default=1.2)
     parser.add_argument("--quick", action="store_true", help="two betas, one ratio")
     parser.add_argument("--artifact", type=Path, default=None, help="headkv artifact (default: search)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "headkv_beta_sweep.json")
+    default_out = Path(__file__).parent / "results" / "bench_headkv_beta_sweep" / "headkv_beta_sweep.json"
+    parser.add_argument("--out", type=Path, default=default_out)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,7 +2,7 @@
 
 Jargon File windows (as `bench_compilerkv_nll.py`), one prefill each; per layer, the Jaccard overlap of the positions
 kept by `compilerkv` and `compilerkv_neutral` (and, for scale, `compilerkv` vs `snapkv`'s first KV head).
-Writes ``benchmarks/results/compilerkv_nll/kept_overlap.json`` and ``kept_overlap.md``.
+Writes ``benchmarks/results/bench_compilerkv_kept_overlap/kept_overlap.json`` and ``kept_overlap.md``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 import kvtrim
-from fidelity_demo import windows
+from bench_fidelity import windows
 from kvtrim.eval.fidelity import prefill
 from kvtrim.eval.haystacks import get_haystack
 from kvtrim.methods import get_method
 
-OUT = Path(__file__).parent / "results" / "compilerkv_nll"
+OUT = Path(__file__).parent / "results" / "bench_compilerkv_kept_overlap"
 
 
 def kept_sets(pre, model, method: str, budget: int) -> list[set[int]]:
