@@ -15,7 +15,7 @@ FAMILY = "CompilerKV"
 
 PRESET = (
     "v2 operator (per-head ρ, cross-layer α, weighted max over heads, quantile risk bins, absolute threshold), "
-    "W=64, pad-to-budget (kvtrim decision 2); tables compiled by `kvtrim calibrate compilerkv`"
+    "W=64, pad-to-budget (decision 2, docs/decisions.md); tables compiled by `kvtrim calibrate compilerkv`"
 )
 
 
