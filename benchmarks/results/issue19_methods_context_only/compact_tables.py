@@ -85,7 +85,7 @@ def table(mode: str, methods: list[str]) -> str:
     ]
     full, _ = _row(records, prompts, "full", None, tasks)
     out.append(f"| full | {full} |  |  | 100 |")
-    for m in methods:
+    for m in [m for m in methods if m in MAIN]:
         cells = [_row(records, prompts, m, x, tasks) for x in RATIOS]
         out.append(f"| {m} | " + " | ".join(c[0] for c in cells) + " | " + "/".join(c[1] for c in cells) + " |")
     for extra, base in EXTRA.items():
