@@ -61,11 +61,8 @@ def _filled_sequence(lengths: list[int], block_size=4, layers=2, heads=2, seed=0
     ids = pool.allocate(sum(need))
     at = 0
     for r, (n, k) in enumerate(zip(lengths, need, strict=True)):
-        seq.tables[r] = ids[at : at + k]
+        seq.set_row(r, ids[at : at + k], n)
         at += k
-        seq._length[r] = n
-        seq._nblocks[r] = k
-        seq._table_tensor = None
         slot, _ = seq.slots(torch.tensor([r]))
         s = slot[0, :n]
         pool.keys.view(-1, 3)[s] = torch.randn(n, 3, generator=g)

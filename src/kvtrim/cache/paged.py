@@ -73,11 +73,12 @@ class PagedSequence:
     """Block tables of one sequence: one table and one length per (layer, KV head).
 
     Row ``r = layer * kv_heads + head`` indexes the tables. Entries of a row occupy logical slots ``0..length-1``;
-    logical slot ``i`` lives in block ``table[i // block_size]`` at offset ``i % block_size``.
+    logical slot ``i`` lives in block ``table[i // block_size]`` at offset ``i % block_size``. The tables are the
+    sequence's slot of the pool's shared device-resident :class:`~kvtrim.cache.block_tables.BlockTables`.
 
     Attributes:
         seen: tokens seen (the next token's logical position)
-        tables: per row, the block ids in logical order
+        store, slot: the shared tables and this sequence's index in them
     """
 
     def __init__(self, pool: BlockPool, num_layers: int, kv_heads: int):
@@ -86,11 +87,9 @@ class PagedSequence:
         self.pool = pool
         self.num_layers, self.kv_heads = num_layers, kv_heads
         self.seen = 0
-        self.tables: list[list[int]] = [[] for _ in range(num_layers * kv_heads)]
-        # host-side bookkeeping (block tables are Python lists); the device copy is made in table_tensor()
-        self._length = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
-        self._nblocks = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
-        self._table_tensor: torch.Tensor | None = None
+        self.store = pool.block_tables(num_layers * kv_heads)
+        self.slot = self.store.acquire()
+        weakref.finalize(self, self.store.release_slot, self.slot)
 
     @property
     def num_rows(self) -> int:
@@ -99,6 +98,21 @@ class PagedSequence:
     @property
     def block_size(self) -> int:
         return self.pool.block_size
+
+    @property
+    def _length(self) -> torch.Tensor:
+        """``[rows]`` host lengths (a view into the shared tables)."""
+        return self.store.host_length[self.slot]
+
+    @property
+    def _nblocks(self) -> torch.Tensor:
+        return self.store.host_nblocks[self.slot]
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Per row, the block ids in logical order (a host copy, for inspection)."""
+        table = self.store.table[self.slot].cpu()
+        return [table[r, :n].tolist() for r, n in enumerate(self._nblocks.tolist())]
 
     def lengths(self) -> torch.Tensor:
         """``[layers, kv_heads]`` stored entries."""
@@ -128,66 +142,44 @@ class PagedSequence:
         return self.blocks_held() * self.pool.block_nbytes()
 
     # ------------------------------------------------------------------ block management
+    def _slots(self) -> torch.Tensor:
+        return torch.tensor([self.slot], dtype=torch.long)
+
     def reserve(self, new_tokens: int) -> None:
-        """Allocate the blocks an append of ``new_tokens`` per row needs (all or nothing: :class:`OutOfBlocks`)."""
-        need = (_ceil_div(self._length + new_tokens, self.block_size) - self._nblocks).clamp(min=0)
-        total = int(need.sum())
-        if total == 0:
-            return
-        ids = self.pool.allocate(total)
-        at = 0
-        for r, n in enumerate(need.tolist()):
-            if n:
-                self.tables[r].extend(ids[at : at + n])
-                at += n
-        self._nblocks += need
-        self._table_tensor = None
+        """Allocate the blocks an append of ``new_tokens`` per row needs (all or nothing: :class:`OutOfBlocks`).
+        Lengths are unchanged."""
+        self.store.append(self._slots(), new_tokens, self.pool, grow_length=False)
 
     def release(self) -> None:
         """Free every block back to the pool (finish, preemption, cancellation); the sequence becomes empty."""
-        ids = [b for table in self.tables for b in table]
-        self.pool.free(ids)
-        self.tables = [[] for _ in range(self.num_rows)]
-        self._length.zero_()
-        self._nblocks.zero_()
-        self._table_tensor = None
+        slots = self._slots()
+        dropped = self.store.shrink(slots, torch.zeros(1, self.num_rows, dtype=torch.long, device=self.pool.device))
+        self.pool.free(dropped)
         self.seen = 0
 
-    def _set_row(self, row: int, length: int) -> list[int]:
-        """Shrink ``row`` to ``length`` entries; returns the now-unneeded trailing blocks (not yet freed)."""
-        keep = _ceil_div(length, self.block_size)
-        dropped = self.tables[row][keep:]
-        del self.tables[row][keep:]
-        self._length[row] = length
-        self._nblocks[row] = keep
-        if dropped:
-            self._table_tensor = None
-        return dropped
+    def set_row(self, row: int, blocks: list[int], length: int) -> None:
+        """Make ``row`` hold ``length`` entries in ``blocks`` (already allocated to this sequence by the caller;
+        for tests and tools that lay out a sequence by hand)."""
+        if not 0 <= length <= len(blocks) * self.block_size:
+            raise InvalidParameterError(f"length must lie in [0, {len(blocks) * self.block_size}], got {length}")
+        self.store.ensure_width(len(blocks))
+        self.store.table[self.slot, row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.store.host_nblocks[self.slot, row] = len(blocks)
+        self.store.host_length[self.slot, row] = length
+        if not self.store._shared:
+            self.store.length[self.slot, row] = length
 
-    def _shrink_rows(self, new_lengths: torch.Tensor) -> list[int]:
+    def _shrink_rows(self, new_lengths: torch.Tensor) -> torch.Tensor:
         """Set every row's length to ``new_lengths`` (``[rows]``, each <= its length); returns the now-unneeded
-        trailing blocks of all rows (not yet freed). Lengths are set in one tensor op; only the tables of rows
-        that lose blocks are touched."""
-        new_lengths = new_lengths.to(self._length.device)
-        keep = _ceil_div(new_lengths, self.block_size)
-        shrunk = torch.nonzero(keep < self._nblocks).flatten().tolist()
-        dropped: list[int] = []
-        if shrunk:
-            for row, k in zip(shrunk, keep[shrunk].tolist(), strict=True):
-                dropped.extend(self.tables[row][k:])
-                del self.tables[row][k:]
-            self._table_tensor = None
-        self._length.copy_(new_lengths)
-        self._nblocks.copy_(keep)
-        return dropped
+        trailing blocks of all rows (a device tensor, not yet freed)."""
+        new_lengths = new_lengths.to(self.pool.device).view(1, -1)
+        return self.store.shrink(self._slots(), new_lengths)
 
     def table_tensor(self) -> torch.Tensor:
-        """``[layers * kv_heads, max_blocks]`` block ids, padded with 0 (padding is masked by the lengths)."""
-        if self._table_tensor is None:
-            width = max(1, max(len(t) for t in self.tables))
-            padded = [t + [0] * (width - len(t)) for t in self.tables]  # one tensor call, not one per row
-            self._table_tensor = torch.tensor(padded, dtype=torch.long, device=self.pool.device)
-        return self._table_tensor
+        """``[layers * kv_heads, max_blocks]`` block ids (a view of the shared tables; entries beyond a row's block
+        count are stale and masked by the lengths)."""
+        width = max(1, int(self._nblocks.max()))
+        return self.store.table[self.slot, :, :width]
 
     def slots(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat pool slot ids of every logical slot: ``([rows, max_blocks * block_size], valid mask)``.
@@ -196,7 +188,7 @@ class PagedSequence:
         ``pool.positions`` / ``pool.metric``.
         """
         table = self.table_tensor()
-        lengths = self._length.to(table.device)
+        lengths = self.store.length[self.slot]
         if rows is not None:
             table, lengths = table[rows], lengths[rows]
         bs = self.block_size
@@ -372,31 +364,31 @@ class PagedBatchCache(Cache):
 
     # ------------------------------------------------------------------ forward
     def _begin_forward(self, n: int, q: int) -> None:
-        """Layer 0: allocate every block this forward needs (all sequences, all layers), or raise."""
+        """Layer 0: allocate every block this forward needs (all sequences, all layers) in one batch, or raise."""
         if n != len(self.sequences):
             raise InvalidParameterError(f"the input has {n} rows but the PagedBatchCache holds {len(self.sequences)}")
-        need = sum(s.blocks_needed(q) for s in self.sequences)
+        store = self.sequences[0].store
+        slots = torch.tensor([s.slot for s in self.sequences], dtype=torch.long)  # host
+        need = int(store.blocks_needed(slots, q).sum())
         if need > self.pool.num_free:
             raise OutOfBlocks(need, self.pool.num_free)
         before = [s.seen for s in self.sequences]
-        base = torch.stack([s._length.view(s.num_layers, s.kv_heads) for s in self.sequences])  # [n, L, H]
-        for s in self.sequences:
-            s.reserve(q)
-        tables = [s.table_tensor() for s in self.sequences]
-        width = max(t.shape[1] for t in tables)
-        if all(t.shape[1] == width for t in tables):
-            table = torch.stack(tables)
-        else:
-            table = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
-        for s in self.sequences:  # the lengths after this forward (attention reads ``base``, fixed at layer 0)
-            s._length += q
+        fresh = bool((store.host_length[slots] == 0).all())  # host copy: no device read
+        dev_slots = slots.to(self.pool.device)
+        base = store.length[dev_slots].view(n, self.num_layers, self.kv_heads)  # a copy: lengths before
+        store.append(slots, q, self.pool, grow_length=False)
+        # Per layer, the widest table of this batch after the append (host arithmetic, no device read).
+        blocks = store.host_nblocks[slots].view(n, self.num_layers, self.kv_heads)
+        widths = blocks.amax(dim=(0, 2)).clamp(min=1).tolist()
+        store.add_length(slots, q, dev_slots)  # the lengths after this forward (attention reads ``base``)
         self._step = {
             "q": q,
             "seen_before": max(before),
             "seen": torch.tensor(before, dtype=torch.long, device=self.pool.device),
-            "base": base.to(self.pool.device),
-            "table": table.view(n, self.num_layers, self.kv_heads, width),
-            "fresh": bool((base == 0).all()),
+            "base": base,
+            "slots": dev_slots,
+            "widths": widths,
+            "fresh": fresh,
         }
         for s in self.sequences:
             s.seen += q
@@ -432,7 +424,9 @@ class PagedBatchCache(Cache):
         self.scaling = scaling
         qpos = self._positions(position_ids, n, q)  # [n, q]
         base = step["base"][:, layer_idx]  # [n, H] lengths before this forward
-        table = step["table"][:, layer_idx]  # [n, H, width]
+        nb = step["widths"][layer_idx]
+        rows = slice(layer_idx * h, (layer_idx + 1) * h)
+        table = self.sequences[0].store.table[step["slots"], rows, :nb]  # [n, H, nb]: one gather per layer
 
         # Write the new entries into their slots.
         logical = base[:, :, None] + torch.arange(q, device=base.device)  # [n, H, q]
@@ -453,8 +447,7 @@ class PagedBatchCache(Cache):
 
         # Gather every (sequence, head)'s entries through its block table: [n, H, S, d].
         length = base + q
-        nb = int(_ceil_div(length.max(), bs))
-        slots = (table[:, :, :nb, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, nb * bs)
+        slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, nb * bs)
         k = pool.keys.view(-1, d)[slots]
         v = pool.values.view(-1, d)[slots]
         kpos = pool.positions.view(-1)[slots]
@@ -475,8 +468,8 @@ class PagedBatchCache(Cache):
         out = torch.matmul(probs.view(n, h, group * q, -1), v.float()).view(n, hq, q, d)
         sq = probs.view(n, h, group, q, -1).square().sum(dim=(2, 3))  # [n, H, S]
         counted = stored & (kpos <= qpos[:, -1:, None] - self.buffer) if self.buffer else stored
-        flat = pool.metric.view(-1)
-        flat.index_add_(0, slots[counted], sq[counted])
+        # Slots beyond a row's length add exactly 0 (no boolean indexing: its size would need a host read).
+        pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
         return out.to(query.dtype).transpose(1, 2)
 
     # ------------------------------------------------------------------ accounting
