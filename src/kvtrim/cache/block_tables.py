@@ -101,8 +101,8 @@ class BlockTables:
 
     def append(self, slots: torch.Tensor, new_tokens: int, pool, *, grow_length: bool = True) -> None:
         """Allocate the blocks ``new_tokens`` more entries per row need, for every row of ``slots`` (``[n]`` host
-        long) at once, write them into the tables and (``grow_length``) add ``new_tokens`` to the lengths. All or nothing:
-        :class:`~kvtrim.cache.block_pool.OutOfBlocks` leaves everything unchanged."""
+        long) at once, write them into the tables and (``grow_length``) add ``new_tokens`` to the lengths.
+        All or nothing: :class:`~kvtrim.cache.block_pool.OutOfBlocks` leaves everything unchanged."""
         need = self.blocks_needed(slots, new_tokens)  # [n, rows] host
         total = int(need.sum())
         if total:
