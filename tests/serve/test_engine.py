@@ -197,24 +197,26 @@ def test_failing_sampler_finishes_only_its_request(model, tok, monkeypatch):
 
 
 def test_failing_stop_handling_and_prefill_finish_only_their_request(model, tok, monkeypatch):
-    original_add, original_prefill = _TextOutput.add, Engine._prefill_chunk
+    original_add, original_prefill = _TextOutput.add, Engine._prefill_chunks
 
     def add(self, token_id):
         if "explode" in self.stop:
             raise ValueError("stop handling exploded")
         return original_add(self, token_id)
 
-    def prefill(self, reqs, n):
-        if any(r.request_id == "bad-prefill" for r in reqs):
+    def prefill(self, chunks):
+        if any(r.request_id == "bad-prefill" for r, _ in chunks):
             raise RuntimeError("prefill exploded")
-        return original_prefill(self, reqs, n)
+        return original_prefill(self, chunks)
 
     monkeypatch.setattr(_TextOutput, "add", add)
-    monkeypatch.setattr(Engine, "_prefill_chunk", prefill)
+    monkeypatch.setattr(Engine, "_prefill_chunks", prefill)
     engine = Engine(model, tok, kv_blocks=200)
     ok = engine.submit("abc", SamplingParams(max_tokens=8))
     bad1 = engine.submit("abc", SamplingParams(max_tokens=8, stop=("explode",)))
-    # chunks of one length share a forward, so a failing forward fails its group: another length, another group
+    # every chunk of a step shares one packed forward, so a failing forward fails that step's prefills: the bad
+    # prefill comes one step later, when the others already decode
+    engine.step()
     bad2 = engine.submit("abcdef", SamplingParams(max_tokens=8), request_id="bad-prefill")
     run_checked(engine)
     assert bad1.result().finish_reason == "error" and "stop handling" in bad1.result().error

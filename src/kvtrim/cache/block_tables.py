@@ -6,6 +6,9 @@ has ``rows = layers × kv_heads`` tables, the block ids of each (sequence, layer
 A sequence owns one slot. Appends and evictions update both in place, for a whole batch of sequences in a few
 tensor ops; decode attention reads ``table[batch_slots]`` and ``length[batch_slots]`` directly.
 
+The tables are inference tensors: every update runs in inference mode (the engine's tensors are made in it), so
+they can be changed from inside and outside it alike.
+
 Block *allocation* is decided on the host (the free list is a Python stack, as in vLLM), so the host keeps its
 own copy of the lengths and block counts (``host_length``, ``host_nblocks``): deciding how many blocks a step
 needs never reads the device. On a CPU pool the host and device copies are the same tensors.
@@ -52,6 +55,7 @@ class BlockTables:
         return self.table.shape[2]
 
     # ------------------------------------------------------------------ slots
+    @torch.inference_mode()
     def acquire(self) -> int:
         """A free slot (grown by doubling when none is left); its rows are empty."""
         if not self._free_slots:
@@ -60,6 +64,7 @@ class BlockTables:
             self._free_slots = list(range(2 * old - 1, old - 1, -1))
         return self._free_slots.pop()
 
+    @torch.inference_mode()
     def release_slot(self, slot: int) -> None:
         """Give a slot back (its blocks must already be freed)."""
         self.host_length[slot] = 0
@@ -68,6 +73,7 @@ class BlockTables:
             self.length[slot] = 0
         self._free_slots.append(slot)
 
+    @torch.inference_mode()
     def _grow(self, slots: int | None = None, width: int | None = None) -> None:
         s, r, w = self.table.shape
         slots, width = slots or s, width or w
@@ -94,12 +100,14 @@ class BlockTables:
             self._grow(width=width)
 
     # ------------------------------------------------------------------ batch updates
-    def blocks_needed(self, slots: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """``[len(slots), rows]`` blocks an append of ``new_tokens`` to every row of ``slots`` (host) allocates."""
+    def blocks_needed(self, slots: torch.Tensor, new_tokens) -> torch.Tensor:
+        """``[len(slots), rows]`` blocks an append of ``new_tokens`` (an int, or ``[len(slots), 1]`` host long: one
+        count per sequence) to every row of ``slots`` (host) allocates."""
         need = ceil_div(self.host_length[slots] + new_tokens, self.block_size) - self.host_nblocks[slots]
         return need.clamp(min=0)
 
-    def append(self, slots: torch.Tensor, new_tokens: int, pool, *, grow_length: bool = True) -> None:
+    @torch.inference_mode()
+    def append(self, slots: torch.Tensor, new_tokens, pool, *, grow_length: bool = True) -> None:
         """Allocate the blocks ``new_tokens`` more entries per row need, for every row of ``slots`` (``[n]`` host
         long) at once, write them into the tables and (``grow_length``) add ``new_tokens`` to the lengths.
         All or nothing: :class:`~kvtrim.cache.block_pool.OutOfBlocks` leaves everything unchanged."""
@@ -120,12 +128,15 @@ class BlockTables:
         if grow_length:
             self.add_length(slots, new_tokens)
 
-    def add_length(self, slots: torch.Tensor, tokens: int, device_slots: torch.Tensor | None = None) -> None:
+    @torch.inference_mode()
+    def add_length(self, slots: torch.Tensor, tokens, device_slots: torch.Tensor | None = None) -> None:
+        """Add ``tokens`` (an int or ``[len(slots), 1]`` host long) to every row length of ``slots``."""
         self.host_length[slots] += tokens
         if not self._shared:
             dev = slots.to(self.device) if device_slots is None else device_slots
-            self.length[dev] += tokens
+            self.length[dev] += tokens.to(self.device) if isinstance(tokens, torch.Tensor) else tokens
 
+    @torch.inference_mode()
     def shrink(self, slots: torch.Tensor, new_length: torch.Tensor) -> torch.Tensor:
         """Set the lengths of ``slots``' rows to ``new_length`` (``[n, rows]``, on the device, each <= the
         current length) and return the block ids no longer needed (``[k]`` on the device; not yet freed)."""

@@ -157,6 +157,7 @@ class PagedSequence:
         self.pool.free(dropped)
         self.seen = 0
 
+    @torch.inference_mode()
     def set_row(self, row: int, blocks: list[int], length: int) -> None:
         """Make ``row`` hold ``length`` entries in ``blocks`` (already allocated to this sequence by the caller;
         for tests and tools that lay out a sequence by hand)."""
@@ -308,6 +309,10 @@ class PagedBatchCache(Cache):
         accumulate_decode_metric: each decode step adds every query head's squared attention, summed over the
             group, to ``pool.metric`` of each cached key (the paper's continual metric)
         buffer: keys within ``buffer`` positions of the query are left out of that accumulation
+        chunk_lengths: packed (varlen) prefill: the input is ONE row holding, back to back, ``chunk_lengths[i]``
+            new tokens of ``sequences[i]`` (``position_ids [1, sum]`` continue each sequence from its ``seen``).
+            Each token attends only to its own sequence's entries: chunks of different lengths share one forward.
+            Pass ``logits_to_keep=torch.tensor(cumsum(chunk_lengths) - 1)`` for each chunk's last logits.
     """
 
     def __init__(
@@ -319,6 +324,7 @@ class PagedBatchCache(Cache):
         observe_window: int = 0,
         accumulate_decode_metric: bool = False,
         buffer: int = 0,
+        chunk_lengths: list[int] | None = None,
     ):
         num_layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
@@ -339,6 +345,14 @@ class PagedBatchCache(Cache):
             raise InvalidParameterError(f"observe_window must be an integer >= 0, got {observe_window!r}")
         if buffer < 0:
             raise InvalidParameterError(f"buffer must be >= 0, got {buffer}")
+        if chunk_lengths is not None:
+            chunk_lengths = list(chunk_lengths)
+            if len(chunk_lengths) != len(sequences) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunk_lengths
+            ):
+                raise InvalidParameterError(
+                    f"chunk_lengths must hold one positive integer per sequence ({len(sequences)}), got {chunk_lengths}"
+                )
         super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
         self.pool = pool
         self.sequences = list(sequences)
@@ -346,6 +360,7 @@ class PagedBatchCache(Cache):
         self.observe_window = observe_window
         self.accumulate_decode_metric = accumulate_decode_metric
         self.buffer = buffer
+        self.chunk_lengths = chunk_lengths
         # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill
         self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.scaling: float | None = None
@@ -365,37 +380,64 @@ class PagedBatchCache(Cache):
     # ------------------------------------------------------------------ forward
     def _begin_forward(self, n: int, q: int) -> None:
         """Layer 0: allocate every block this forward needs (all sequences, all layers) in one batch, or raise."""
-        if n != len(self.sequences):
+        packed = self.chunk_lengths is not None
+        if packed and (n != 1 or q != sum(self.chunk_lengths)):
+            raise InvalidParameterError(
+                f"a packed prefill takes one row of sum(chunk_lengths)={sum(self.chunk_lengths)} tokens, got [{n}, {q}]"
+            )
+        if not packed and n != len(self.sequences):
             raise InvalidParameterError(f"the input has {n} rows but the PagedBatchCache holds {len(self.sequences)}")
+        k = len(self.sequences)
         store = self.sequences[0].store
         slots = torch.tensor([s.slot for s in self.sequences], dtype=torch.long)  # host
-        need = int(store.blocks_needed(slots, q).sum())
+        new = torch.tensor(self.chunk_lengths, dtype=torch.long)[:, None] if packed else q  # per sequence
+        need = int(store.blocks_needed(slots, new).sum())
         if need > self.pool.num_free:
             raise OutOfBlocks(need, self.pool.num_free)
         before = [s.seen for s in self.sequences]
         fresh = bool((store.host_length[slots] == 0).all())  # host copy: no device read
-        dev_slots = slots.to(self.pool.device)
-        base = store.length[dev_slots].view(n, self.num_layers, self.kv_heads)  # a copy: lengths before
-        store.append(slots, q, self.pool, grow_length=False)
+        device = self.pool.device
+        dev_slots = slots.to(device)
+        base = store.length[dev_slots].view(k, self.num_layers, self.kv_heads)  # a copy: lengths before
+        store.append(slots, new, self.pool, grow_length=False)
         # Per layer, the widest table of this batch after the append (host arithmetic, no device read).
-        blocks = store.host_nblocks[slots].view(n, self.num_layers, self.kv_heads)
+        blocks = store.host_nblocks[slots].view(k, self.num_layers, self.kv_heads)
         widths = blocks.amax(dim=(0, 2)).clamp(min=1).tolist()
-        store.add_length(slots, q, dev_slots)  # the lengths after this forward (attention reads ``base``)
+        store.add_length(slots, new, dev_slots)  # the lengths after this forward (attention reads ``base``)
         self._step = {
             "q": q,
             "seen_before": max(before),
-            "seen": torch.tensor(before, dtype=torch.long, device=self.pool.device),
+            "seen": torch.tensor(before, dtype=torch.long, device=device),
             "base": base,
             "slots": dev_slots,
             "widths": widths,
             "fresh": fresh,
         }
-        for s in self.sequences:
-            s.seen += q
+        if packed:
+            lens = torch.tensor(self.chunk_lengths, dtype=torch.long)
+            qmax = int(lens.max())
+            start = torch.cumsum(lens, 0) - lens
+            tok_seq = torch.repeat_interleave(torch.arange(k), lens)  # [q] sequence of each packed token
+            tok_j = torch.arange(q) - start[tok_seq]  # its index inside its chunk
+            t = torch.arange(qmax)[None, :] - (qmax - lens)[:, None]  # right-aligned padded layout [k, qmax]
+            self._step.update(
+                qmax=qmax,
+                tok_seq=tok_seq.to(device),
+                tok_j=tok_j.to(device),
+                tok_t=(tok_j + qmax - lens[tok_seq]).to(device),
+                pad_index=(start[:, None] + t).clamp(min=0).to(device),
+                pad_valid=(t >= 0).to(device),
+                lens=lens[:, None].to(device),
+            )
+        for s, m in zip(self.sequences, self.chunk_lengths or [q] * k, strict=True):
+            s.seen += m
 
     def _positions(self, position_ids: torch.Tensor | None, n: int, q: int) -> torch.Tensor:
         step = self._step
-        expected = step["seen"][:, None] + torch.arange(q, device=step["seen"].device)
+        if "tok_seq" in step:  # packed: [1, q], each token continues its own sequence
+            expected = (step["seen"][step["tok_seq"]] + step["tok_j"])[None]
+        else:
+            expected = step["seen"][:, None] + torch.arange(q, device=step["seen"].device)
         if position_ids is None:
             return expected
         pos = position_ids.to(expected.device).long().expand(n, q)
@@ -423,6 +465,8 @@ class PagedBatchCache(Cache):
         bs = pool.block_size
         self.scaling = scaling
         qpos = self._positions(position_ids, n, q)  # [n, q]
+        if "tok_seq" in step:
+            return self._attend_packed(layer_idx, query, keys, values, qpos[0], scaling)
         base = step["base"][:, layer_idx]  # [n, H] lengths before this forward
         nb = step["widths"][layer_idx]
         rows = slice(layer_idx * h, (layer_idx + 1) * h)
@@ -471,6 +515,52 @@ class PagedBatchCache(Cache):
         # Slots beyond a row's length add exactly 0 (no boolean indexing: its size would need a host read).
         pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
         return out.to(query.dtype).transpose(1, 2)
+
+    def _attend_packed(
+        self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scaling
+    ) -> torch.Tensor:
+        """Packed prefill: ``query [1, q_heads, T, d]``, ``keys/values [1, H, T, d]`` of ``k`` chunks back to back,
+        ``pos [T]``. Writes each token into its own sequence's blocks, then attends as a right-aligned padded batch
+        ``[k, q_heads, qmax, d]`` over each sequence's entries (one gather, one SDPA); returns ``[1, T, q_heads, d]``.
+        """
+        step, pool = self._step, self.pool
+        bs, d = pool.block_size, pool.head_dim
+        h, hq = keys.shape[1], query.shape[1]
+        k, qmax = len(self.sequences), step["qmax"]
+        tok_seq, tok_j = step["tok_seq"], step["tok_j"]
+        base = step["base"][:, layer_idx]  # [k, H]
+        nb = step["widths"][layer_idx]
+        rows = slice(layer_idx * h, (layer_idx + 1) * h)
+        table = self.sequences[0].store.table[step["slots"], rows, :nb]  # [k, H, nb]
+
+        logical = base[tok_seq] + tok_j[:, None]  # [T, H]
+        block = torch.gather(table[tok_seq], 2, (logical // bs)[..., None])[..., 0]
+        slot = (block * bs + logical % bs).T.reshape(-1)  # [H * T], head-major like keys[0]
+        pool.keys.view(-1, d)[slot] = keys[0].to(pool.dtype).reshape(-1, d)
+        pool.values.view(-1, d)[slot] = values[0].to(pool.dtype).reshape(-1, d)
+        pool.positions.view(-1)[slot] = pos.expand(h, -1).reshape(-1)
+        pool.metric.view(-1)[slot] = 0.0
+
+        pad_index, pad_valid = step["pad_index"], step["pad_valid"]  # [k, qmax]
+        qp = query[0][:, pad_index].transpose(0, 1)  # [k, hq, qmax, d]
+        qpos = pos[pad_index]  # [k, qmax]
+        if self.observe_window:
+            w = min(self.observe_window, qmax)
+            self.observations[layer_idx] = (qp[:, :, -w:].clone(), qpos.masked_fill(~pad_valid, EMPTY)[:, -w:].clone())
+
+        length = base + step["lens"]  # [k, H] after the writes
+        slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(k, h, nb * bs)
+        kk = pool.keys.view(-1, d)[slots].to(query.dtype)
+        vv = pool.values.view(-1, d)[slots].to(query.dtype)
+        kpos = pool.positions.view(-1)[slots]
+        stored = torch.arange(nb * bs, device=table.device)[None, None, :] < length[:, :, None]  # [k, H, S]
+        # Padding queries see every stored entry (no empty row, no NaN); their outputs are dropped.
+        see = qpos.masked_fill(~pad_valid, torch.iinfo(torch.long).max)
+        mask = stored[:, :, None, :] & (kpos[:, :, None, :] <= see[:, None, :, None])  # [k, H, qmax, S]
+        group = hq // h
+        m = mask[:, :, None].expand(k, h, group, qmax, mask.shape[-1]).reshape(k, h, group * qmax, -1)
+        out = sdpa(qp.reshape(k, h, group * qmax, d), kk, vv, attn_mask=m, scale=scaling).reshape(k, hq, qmax, d)
+        return out[tok_seq, :, step["tok_t"]][None]  # [1, T, hq, d]
 
     # ------------------------------------------------------------------ accounting
     def kv_nbytes(self) -> int:

@@ -33,7 +33,7 @@ from ..api import _eos_ids
 from ..cache.paged import PAGED_METHODS, BlockPool, PagedBatchCache, PagedSequence, prefill_metric
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
-from ..selection.block_eviction import compress_sequence
+from ..selection.block_eviction import compress_sequences
 from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
 from .types import RequestHandle, SamplingParams, TokenEvent
 
@@ -545,23 +545,30 @@ class Engine:
         if plan is None:
             return
         t0 = time.perf_counter()
-        for req in plan.sequences:
-            try:
-                self._compress(req)
-            except Exception as exc:  # one request's failure must not stop the others
-                self._finish(req, events, None, "error", _describe(exc))
+        self._compress(list(plan.sequences), events)
         self._stats.compress_s += time.perf_counter() - t0
 
-    def _compress(self, req: _Request, mark: bool = True) -> None:
-        seq = req.paged
-        budget = max_cache_tokens(seq.seen, self.compression_rate, self.min_cache_tokens, self.pool.block_size)
-        freed = compress_sequence(seq, max_cache_tokens=budget, protected_window=self.protected_window)
-        if freed:
-            self._stats.compressions += 1
-            self._stats.blocks_evicted += freed
-            req.compressions += 1
-        if mark:
-            self.scheduler.mark_compressed(req)
+    def _compress(self, reqs: list[_Request], events: list[TokenEvent], mark: bool = True) -> None:
+        """Compress every sequence of ``reqs`` to its budget in one batched eviction (one ranking and one
+        MoveCache for all of them); a failure fails exactly these requests."""
+        if not reqs:
+            return
+        bs = self.pool.block_size
+        budgets = [max_cache_tokens(r.paged.seen, self.compression_rate, self.min_cache_tokens, bs) for r in reqs]
+        try:
+            freed = compress_sequences(
+                [r.paged for r in reqs], max_cache_tokens=budgets, protected_window=self.protected_window
+            )
+        except Exception as exc:
+            self._fail(reqs, events, exc)
+            return
+        for req, n in zip(reqs, freed, strict=True):
+            if n:
+                self._stats.compressions += 1
+                self._stats.blocks_evicted += n
+                req.compressions += 1
+            if mark:
+                self.scheduler.mark_compressed(req)
 
     def _preempt_phase(self, events: list[TokenEvent]) -> None:
         victims = self.scheduler.preempt(self.pool.num_free)
@@ -619,33 +626,31 @@ class Engine:
             if not decoded and self.scheduler.running:
                 self._unstall(events)
             return
-        groups: dict[int, list[_Request]] = {}
-        for req, n in plan.chunks:  # chunks of one length share a forward (dicts keep the schedule's order)
-            groups.setdefault(n, []).append(req)
-        for n, reqs in groups.items():
+        # Every chunk of this step in ONE forward, packed back to back whatever their lengths (varlen prefill).
+        reqs = [req for req, _ in plan.chunks]
+        t0 = time.perf_counter()
+        try:
+            logits = self._prefill_chunks(plan.chunks)
+        except Exception as exc:
+            self._fail(reqs, events, exc)
+            return
+        finally:
+            self._stats.prefill_s += time.perf_counter() - t0
+        partial = []
+        for row, req in enumerate(reqs):
+            if req.prefill_remaining() == 0:
+                req.decoding = True
+                self._stats.prefills += 1
+                req.steps_since_compression = 0
+                req.compressed_since_prefill = False
+                self.scheduler.prefill_done()
+                self._next_token(req, logits[row], events)
+            else:
+                partial.append(req)
+        if self.compress and partial:  # compress as chunks arrive: the prompt never sits uncompressed
             t0 = time.perf_counter()
-            try:
-                logits = self._prefill_chunk(reqs, n)
-            except Exception as exc:
-                self._fail(reqs, events, exc)
-                continue
-            finally:
-                self._stats.prefill_s += time.perf_counter() - t0
-            for row, req in enumerate(reqs):
-                if req.prefill_remaining() == 0:
-                    req.decoding = True
-                    self._stats.prefills += 1
-                    req.steps_since_compression = 0
-                    req.compressed_since_prefill = False
-                    self.scheduler.prefill_done()
-                    self._next_token(req, logits[row], events)
-                elif self.compress:  # compress as chunks arrive: the prompt never sits uncompressed in the pool
-                    t0 = time.perf_counter()
-                    try:
-                        self._compress(req, mark=False)
-                    except Exception as exc:
-                        self._finish(req, events, None, "error", _describe(exc))
-                    self._stats.compress_s += time.perf_counter() - t0
+            self._compress(partial, events, mark=False)
+            self._stats.compress_s += time.perf_counter() - t0
 
     def _unstall(self, events: list[TokenEvent]) -> None:
         """Nothing could run this step (only prefilling sequences, none of whose chunks fit): preempt the newest
@@ -659,31 +664,35 @@ class Engine:
         for req in list(self.scheduler.running):
             self._finish(req, events, None, "error", "out of KV memory: the request alone outgrew the pool")
 
-    def _prefill_chunk(self, reqs: list[_Request], n: int) -> torch.Tensor:
-        """Feed the next ``n`` prefill tokens of each request in one forward; returns ``[len(reqs), vocab]``
-        logits of each chunk's last token. With compression, the chunk's metric is added to ``pool.metric``."""
-        rows, positions = [], []
-        for req in reqs:
+    def _prefill_chunks(self, chunks: list[tuple[_Request, int]]) -> torch.Tensor:
+        """Feed the next ``n`` prefill tokens of each ``(request, n)`` in one packed forward (chunks of any lengths
+        back to back in one row); returns ``[len(chunks), vocab]`` logits of each chunk's last token. With
+        compression, each chunk's metric is added to ``pool.metric``."""
+        reqs, lengths = [r for r, _ in chunks], [n for _, n in chunks]
+        tokens, positions = [], []
+        for req, n in chunks:
             if req.paged is None:
                 req.paged = PagedSequence(self.pool, self.geometry.layers, self.geometry.kv_heads)
-            tokens = req.prompt_ids + req.generated
-            rows.append(tokens[req.prefilled : req.prefilled + n])
-            positions.append(req.prefilled)
+            tokens.extend((req.prompt_ids + req.generated)[req.prefilled : req.prefilled + n])
+            positions.extend(range(req.prefilled, req.prefilled + n))
         window = 0
         if self.compress:
-            window = n if self.window is None else min(self.window, n)
-        cache = PagedBatchCache(self.model.config, self.pool, [r.paged for r in reqs], observe_window=window)
+            window = max(lengths) if self.window is None else min(self.window, max(lengths))
+        cache = PagedBatchCache(
+            self.model.config, self.pool, [r.paged for r in reqs], observe_window=window, chunk_lengths=lengths
+        )
         device = self.pool.device
-        ids = torch.tensor(rows, device=device)
-        pos = torch.tensor(positions, device=device)[:, None] + torch.arange(n, device=device)
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        ids = torch.tensor([tokens], device=device)
+        pos = torch.tensor([positions], device=device)
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=last)
         if self.compress:
             prefill_metric(cache, kernel=self.kernel, buffer=self.metric_buffer)
-        for req in reqs:
+        for req, n in chunks:
             req.prefilled += n
-        self._stats.prefill_chunks += len(reqs)
-        self._stats.prefill_tokens += n * len(reqs)
-        return out.logits[:, -1]
+        self._stats.prefill_chunks += len(chunks)
+        self._stats.prefill_tokens += sum(lengths)
+        return out.logits[0]
 
     # ------------------------------------------------------------------------------------ per request
     def _next_token(self, req: _Request, logits: torch.Tensor, events: list[TokenEvent]) -> None:
