@@ -181,10 +181,10 @@ def test_engine_argument_errors(model, tok):
 
 # ------------------------------------------------------------------------------------ error isolation
 def test_failing_sampler_finishes_only_its_request(model, tok, monkeypatch):
-    def flaky(logits, params, generator):
+    def flaky(logits, params, generator, greedy=None):
         if params.seed == 666:
             raise RuntimeError("sampler exploded")
-        return sample_token(logits, params, generator)
+        return sample_token(logits, params, generator, greedy)
 
     monkeypatch.setattr(engine_mod, "sample_token", flaky)
     engine = Engine(model, tok, kv_blocks=200)

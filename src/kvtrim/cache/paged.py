@@ -600,30 +600,31 @@ def prefill_metric(
     pool = cache.pool
     scaling = cache.scaling if cache.scaling is not None else cache.head_dim**-0.5
     flat_pos = pool.positions.view(-1)
-    for i, seq in enumerate(cache.sequences):
-        slot, valid = seq.slots()
-        # Every row's entries in position order (empty slots last); the identity for a fresh, in-order sequence.
-        pos = flat_pos[slot].masked_fill(~valid, torch.iinfo(torch.long).max)
-        order = pos.argsort(dim=1, stable=True)
-        slot, valid = slot.gather(1, order), valid.gather(1, order)
-        for layer in range(seq.num_layers):
-            obs = cache.observations[layer]
-            if obs is None:
-                raise RuntimeError(f"layer {layer}: no prefill queries were recorded")
-            queries, qpos = obs
-            w = queries.shape[2] if window is None else min(window, queries.shape[2])
-            rows = slice(layer * seq.kv_heads, (layer + 1) * seq.kv_heads)
-            s, ok = slot[rows], valid[rows]  # [H, S]
-            kpos = flat_pos[s].masked_fill(~ok, EMPTY)
-            keys = pool.keys.view(-1, pool.head_dim)[s]
-            metric = squared_attention(
-                queries[i : i + 1, :, -w:],
-                qpos[i : i + 1, -w:],
-                keys[None],
-                kpos[None],
-                scaling,
-                buffer=buffer,
-                kernel=kernel,
-                chunk=chunk,
-            )[0]
-            pool.metric.view(-1).index_add_(0, s[ok], metric[ok])
+    seqs = cache.sequences
+    store, bs, device = seqs[0].store, pool.block_size, pool.device
+    k, layers, heads = len(seqs), cache.num_layers, cache.kv_heads
+    host_slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+    width = max(1, int(store.host_nblocks[host_slots].max()))
+    dev_slots = host_slots.to(device)
+    # Every (sequence, layer, head)'s entries through the shared tables, in position order (empty slots last):
+    # one gather and one sort for the whole batch; the identity order for fresh, in-order sequences.
+    table = store.table[dev_slots, :, :width]  # [k, rows, width]
+    slot = (table[..., None] * bs + torch.arange(bs, device=device)).reshape(k, layers * heads, width * bs)
+    valid = torch.arange(width * bs, device=device) < store.length[dev_slots][..., None]
+    order = flat_pos[slot].masked_fill(~valid, torch.iinfo(torch.long).max).argsort(dim=2, stable=True)
+    slot = slot.gather(2, order).view(k, layers, heads, -1)
+    valid = valid.gather(2, order).view(k, layers, heads, -1)
+    for layer in range(layers):  # one batched metric per layer, as the model runs its layers
+        obs = cache.observations[layer]
+        if obs is None:
+            raise RuntimeError(f"layer {layer}: no prefill queries were recorded")
+        queries, qpos = obs  # [k, q_heads, w, d], [k, w] (-1: a padding query of a packed prefill)
+        w = queries.shape[2] if window is None else min(window, queries.shape[2])
+        s, ok = slot[:, layer], valid[:, layer]  # [k, H, S]
+        kpos = flat_pos[s].masked_fill(~ok, EMPTY)
+        keys = pool.keys.view(-1, pool.head_dim)[s]
+        metric = squared_attention(
+            queries[:, :, -w:], qpos[:, -w:], keys, kpos, scaling, buffer=buffer, kernel=kernel, chunk=chunk
+        )
+        # Slots beyond a row's length add exactly 0 (no boolean indexing, so no host read of its size).
+        pool.metric.view(-1).index_add_(0, s.reshape(-1), torch.where(ok, metric, 0.0).reshape(-1))

@@ -152,10 +152,14 @@ def _partial_suffix(text: str, stop: str) -> int:
     return 0
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from ``logits`` ``[vocab]``: argmax at temperature 0, else temperature + nucleus (top-p)."""
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, greedy: int | None = None
+) -> int:
+    """One token from ``logits`` ``[vocab]``: argmax at temperature 0, else temperature + nucleus (top-p).
+
+    ``greedy``: the argmax, when the caller computed it for a whole batch at once (one host read per step)."""
     if params.temperature == 0.0:
-        return int(logits.argmax())
+        return int(logits.argmax()) if greedy is None else greedy
     # Per-request generators live on the CPU (seeds reproduce across devices): sample where the generator is.
     probs = torch.softmax(logits.float().to(generator.device) / params.temperature, dim=-1)
     if params.top_p < 1.0:
@@ -594,8 +598,9 @@ class Engine:
         self._stats.decode_steps += 1
         self._stats.decode_tokens += len(batch)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(batch))
+        greedy = logits.argmax(-1).tolist()  # one host read for the whole batch, not one per request
         for row, req in enumerate(batch):
-            self._next_token(req, logits[row], events)
+            self._next_token(req, logits[row], events, greedy[row])
         self.scheduler.tick()
         return len(batch)
 
@@ -695,10 +700,12 @@ class Engine:
         return out.logits[0]
 
     # ------------------------------------------------------------------------------------ per request
-    def _next_token(self, req: _Request, logits: torch.Tensor, events: list[TokenEvent]) -> None:
+    def _next_token(
+        self, req: _Request, logits: torch.Tensor, events: list[TokenEvent], greedy: int | None = None
+    ) -> None:
         """Sample, detokenize and check the stop conditions of one request (its errors stay its own)."""
         try:
-            token = sample_token(logits, req.params, req.generator)
+            token = sample_token(logits, req.params, req.generator, greedy)
             if token in self.eos and not req.params.ignore_eos:
                 self._finish(req, events, None, "stop", text=req.text.flush())
                 return
