@@ -351,3 +351,15 @@ def test_packed_prefill_rejects_bad_chunk_lengths():
     with pytest.raises(InvalidParameterError, match="packed prefill"):
         cache.update(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8), 0)
     assert pool.num_free == 50
+
+
+def test_scratch_block_is_outside_the_pool_and_bucketed_decode_needs_it():
+    pool = BlockPool(4, 2, 8, torch.float32, scratch=True)
+    assert pool.scratch_block == 4 and pool.keys.shape[0] == 5 and pool.num_free == 4
+    assert sorted(pool.allocate(4)) == [0, 1, 2, 3] and pool.num_free == 0  # the scratch block is never handed out
+    cfg = _config()
+    plain = BlockPool(8, 2, cfg.head_dim, torch.float32)
+    with pytest.raises(InvalidParameterError, match="scratch=True"):
+        PagedBatchCache(
+            cfg, plain, [PagedSequence(plain, cfg.num_hidden_layers, cfg.num_key_value_heads)], bucketed=True
+        )

@@ -70,11 +70,13 @@ def run_checked(engine: Engine, max_steps: int = 100_000) -> None:
 
 
 # ------------------------------------------------------------------------------------------- exactness
-def _randomized(model, n_requests: int, seed: int) -> tuple[Engine, float]:
+def _randomized(model, n_requests: int, seed: int, decode_buckets: bool = False) -> tuple[Engine, float]:
     rng = random.Random(seed)
     # 2 layers x 2 KV heads = 4 tables: 160 blocks hold ~40 tokens x 16 sequences; prompts and outputs
     # up to 40 + 24 tokens make the pool tight, so preemptions happen.
-    engine = Engine(model, byte_tokenizer(), kv_blocks=160, block_size=8, compression_rate=1.0)
+    engine = Engine(
+        model, byte_tokenizer(), kv_blocks=160, block_size=8, compression_rate=1.0, decode_buckets=decode_buckets
+    )
     specs = []
     for i in range(n_requests):
         prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 40))]
@@ -555,3 +557,31 @@ def test_stats_expose_gauges_and_counters(model, tok):
     s = engine.stats
     assert s.tokens_generated == 10 and s.requests_finished == 2 and s.prefill_chunks == 4
     assert set(s.as_dict()) >= {"preemptions", "compressions", "tokens_generated", "pool_blocks_used"}
+
+
+# ------------------------------------------------------------------------------------------- static decode shapes
+def test_batch_bucket_sizes():
+    assert [engine_mod.batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 40]
+    with pytest.raises(InvalidParameterError, match="at least one"):
+        engine_mod.batch_bucket(0)
+
+
+def test_bucketed_decode_matches_running_alone_with_static_shapes(model, monkeypatch):
+    """Padded decode batches (1, 2, 4, 8, 16, ...) and power-of-two table widths: every output still equals the
+    request alone, through preemptions and cancellations, and the pool leaks nothing."""
+    real, shapes = engine_mod.PagedBatchCache, []
+
+    class Recording(real):
+        def _begin_forward(self, n, q):
+            super()._begin_forward(n, q)
+            if q == 1 and self.chunk_lengths is None:
+                shapes.append((n, len(self.sequences), tuple(self._step["widths"])))
+
+    monkeypatch.setattr(engine_mod, "PagedBatchCache", Recording)
+    engine, _ = _randomized(model, 200, seed=3, decode_buckets=True)
+    assert engine.pool.scratch_block == engine.pool.num_blocks  # the padding rows' block is outside the pool
+    assert {n for n, _, _ in shapes} <= {1, 2, 4, 8, 16, 24, 32}
+    assert any(n > k for n, k, _ in shapes)  # padding rows really ran
+    assert all(w & (w - 1) == 0 for _, _, widths in shapes for w in widths)
+    with pytest.raises(InvalidParameterError, match="decode_buckets"):
+        Engine(model, byte_tokenizer(), kv_blocks=10, decode_buckets="yes")

@@ -39,15 +39,21 @@ class BlockPool:
         metric: ``[num_blocks, block_size]`` float32, the KV-Compress eviction metric of each slot
     """
 
-    def __init__(self, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu", scratch: bool = False
+    ):
         _positive_int("num_blocks", num_blocks)
         _positive_int("block_size", block_size)
         _positive_int("head_dim", head_dim)
         self.num_blocks, self.block_size, self.head_dim = num_blocks, block_size, head_dim
-        self.keys = torch.zeros(num_blocks, block_size, head_dim, dtype=dtype, device=device)
+        # ``scratch``: one more block, never handed out, that the padding rows of a bucketed (static-shape) decode
+        # batch write into and read from (block id ``num_blocks``).
+        self.scratch_block = num_blocks if scratch else None
+        physical = num_blocks + int(scratch)
+        self.keys = torch.zeros(physical, block_size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        self.positions = torch.full((num_blocks, block_size), EMPTY, dtype=torch.long, device=device)
-        self.metric = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device)
+        self.positions = torch.full((physical, block_size), EMPTY, dtype=torch.long, device=device)
+        self.metric = torch.zeros(physical, block_size, dtype=torch.float32, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._allocated = torch.zeros(num_blocks, dtype=torch.bool, device="cpu")  # host bookkeeping
         self._tables: dict[int, BlockTables] = {}
@@ -60,8 +66,10 @@ class BlockPool:
         return tables
 
     @classmethod
-    def for_bytes(cls, kv_bytes: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu") -> BlockPool:
-        """The largest pool whose keys and values fit in ``kv_bytes``."""
+    def for_bytes(
+        cls, kv_bytes: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu", scratch: bool = False
+    ) -> BlockPool:
+        """The largest pool whose keys and values fit in ``kv_bytes`` (plus the scratch block, if asked for)."""
         _positive_int("block_size", block_size)
         _positive_int("head_dim", head_dim)
         per_block = 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -70,7 +78,7 @@ class BlockPool:
                 f"kv_bytes must be an integer of at least one block ({per_block} bytes for block_size={block_size}, "
                 f"head_dim={head_dim}, {dtype}), got {kv_bytes!r}"
             )
-        return cls(kv_bytes // per_block, block_size, head_dim, dtype, device)
+        return cls(kv_bytes // per_block, block_size, head_dim, dtype, device, scratch)
 
     @property
     def dtype(self) -> torch.dtype:

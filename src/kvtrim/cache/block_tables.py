@@ -45,6 +45,7 @@ class BlockTables:
         self.host_nblocks = torch.zeros(slots, rows, dtype=torch.long, device="cpu")
         self.length = self.host_length if self._shared else self.host_length.to(self.device)
         self._free_slots = list(range(slots - 1, -1, -1))
+        self._padding_slot: int | None = None
 
     @property
     def _shared(self) -> bool:
@@ -65,6 +66,15 @@ class BlockTables:
         return self._free_slots.pop()
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def padding_slot(self, scratch_block: int) -> int:
+        """A slot for the padding rows of a bucketed decode batch: length 0 in every row, its first block the pool's
+        scratch block, never given blocks (so a padding row writes and reads only the scratch block)."""
+        if self._padding_slot is None:
+            self._padding_slot = self.acquire()
+            self.table[self._padding_slot, :, 0] = scratch_block
+        return self._padding_slot
+
     def release_slot(self, slot: int) -> None:
         """Give a slot back (its blocks must already be freed)."""
         self.host_length[slot] = 0

@@ -313,6 +313,9 @@ class PagedBatchCache(Cache):
             new tokens of ``sequences[i]`` (``position_ids [1, sum]`` continue each sequence from its ``seen``).
             Each token attends only to its own sequence's entries: chunks of different lengths share one forward.
             Pass ``logits_to_keep=torch.tensor(cumsum(chunk_lengths) - 1)`` for each chunk's last logits.
+        bucketed: static decode shapes (for CUDA graphs): a decode input may have more rows than ``sequences``
+            (padding rows, position 0, that write and read only the pool's scratch block, so the pool needs
+            ``scratch=True``), and every layer's block-table width is rounded up to a power of two.
     """
 
     def __init__(
@@ -325,6 +328,7 @@ class PagedBatchCache(Cache):
         accumulate_decode_metric: bool = False,
         buffer: int = 0,
         chunk_lengths: list[int] | None = None,
+        bucketed: bool = False,
     ):
         num_layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
@@ -361,6 +365,9 @@ class PagedBatchCache(Cache):
         self.accumulate_decode_metric = accumulate_decode_metric
         self.buffer = buffer
         self.chunk_lengths = chunk_lengths
+        if bucketed and (pool.scratch_block is None or chunk_lengths is not None):
+            raise InvalidParameterError("bucketed decode needs a BlockPool(scratch=True) and no chunk_lengths")
+        self.bucketed = bucketed
         # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill
         self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.scaling: float | None = None
@@ -385,9 +392,10 @@ class PagedBatchCache(Cache):
             raise InvalidParameterError(
                 f"a packed prefill takes one row of sum(chunk_lengths)={sum(self.chunk_lengths)} tokens, got [{n}, {q}]"
             )
-        if not packed and n != len(self.sequences):
-            raise InvalidParameterError(f"the input has {n} rows but the PagedBatchCache holds {len(self.sequences)}")
         k = len(self.sequences)
+        pad = n - k if self.bucketed and q == 1 else 0
+        if not packed and n != k + pad:
+            raise InvalidParameterError(f"the input has {n} rows but the PagedBatchCache holds {len(self.sequences)}")
         store = self.sequences[0].store
         slots = torch.tensor([s.slot for s in self.sequences], dtype=torch.long)  # host
         new = torch.tensor(self.chunk_lengths, dtype=torch.long)[:, None] if packed else q  # per sequence
@@ -398,18 +406,27 @@ class PagedBatchCache(Cache):
         fresh = bool((store.host_length[slots] == 0).all())  # host copy: no device read
         device = self.pool.device
         dev_slots = slots.to(device)
-        base = store.length[dev_slots].view(k, self.num_layers, self.kv_heads)  # a copy: lengths before
         store.append(slots, new, self.pool, grow_length=False)
         # Per layer, the widest table of this batch after the append (host arithmetic, no device read).
         blocks = store.host_nblocks[slots].view(k, self.num_layers, self.kv_heads)
         widths = blocks.amax(dim=(0, 2)).clamp(min=1).tolist()
+        if self.bucketed:  # static shapes: padding rows on the padding slot, widths rounded up to powers of two
+            widths = [1 << (w - 1).bit_length() for w in widths]
+            store.ensure_width(max(widths))
+            row_slots = torch.cat([slots, torch.full((pad,), store.padding_slot(self.pool.scratch_block))])
+            row_dev_slots = row_slots.to(device)
+            before_rows = before + [0] * pad
+        else:
+            row_dev_slots, before_rows = dev_slots, before
+        rows = len(before_rows)
+        base = store.length[row_dev_slots].view(rows, self.num_layers, self.kv_heads)  # a copy: lengths before
         store.add_length(slots, new, dev_slots)  # the lengths after this forward (attention reads ``base``)
         self._step = {
             "q": q,
             "seen_before": max(before),
-            "seen": torch.tensor(before, dtype=torch.long, device=device),
+            "seen": torch.tensor(before_rows, dtype=torch.long, device=device),
             "base": base,
-            "slots": dev_slots,
+            "slots": row_dev_slots,
             "widths": widths,
             "fresh": fresh,
         }

@@ -250,6 +250,10 @@ class Engine:
             chunk when compression is on)
         max_num_batched_tokens: tokens one step feeds at most, decodes and prefill chunks together (vLLM's
             ``max_num_batched_tokens``; one chunk is always allowed)
+        decode_buckets: static decode shapes, as vLLM pads them for CUDA graphs: the decode batch is padded to a
+            bucket (1, 2, 4, 8, then multiples of 8; padding rows touch only a scratch block) and block-table
+            widths are rounded up to powers of two. Outputs are unchanged; eager execution (no CUDA graphs are
+            captured), so on a CPU it only adds padding work.
     """
 
     def __init__(
@@ -271,6 +275,7 @@ class Engine:
         compression_interval: int = 1,
         prefill_chunk: int = 512,
         max_num_batched_tokens: int = 2048,
+        decode_buckets: bool = False,
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
         enable(model)  # raises UnsupportedModelError for unsupported architectures
@@ -280,10 +285,13 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
+        if not isinstance(decode_buckets, bool):
+            raise InvalidParameterError(f"decode_buckets must be True or False, got {decode_buckets!r}")
+        self.decode_buckets = decode_buckets
         if kv_blocks is not None:
-            self.pool = BlockPool(kv_blocks, block_size, head_dim, dtype, device)
+            self.pool = BlockPool(kv_blocks, block_size, head_dim, dtype, device, scratch=decode_buckets)
         else:
-            self.pool = BlockPool.for_bytes(kv_memory_bytes, block_size, head_dim, dtype, device)
+            self.pool = BlockPool.for_bytes(kv_memory_bytes, block_size, head_dim, dtype, device, decode_buckets)
         self.geometry = BlockGeometry(cfg.num_hidden_layers, cfg.num_key_value_heads, block_size)
         self.compression_rate = float(compression_rate)
         self.compress = self.compression_rate > 1.0
@@ -605,8 +613,9 @@ class Engine:
         return len(batch)
 
     def _decode_forward(self, batch: list[_Request], events: list[TokenEvent]) -> torch.Tensor | None:
-        input_ids = torch.tensor([[r.generated[-1]] for r in batch], device=self.pool.device)
-        positions = torch.tensor([[r.paged.seen] for r in batch], device=self.pool.device)
+        pad = batch_bucket(len(batch)) - len(batch) if self.decode_buckets else 0
+        input_ids = torch.tensor([[r.generated[-1]] for r in batch] + [[0]] * pad, device=self.pool.device)
+        positions = torch.tensor([[r.paged.seen] for r in batch] + [[0]] * pad, device=self.pool.device)
         try:
             cache = PagedBatchCache(
                 self.model.config,
@@ -614,6 +623,7 @@ class Engine:
                 [r.paged for r in batch],
                 accumulate_decode_metric=self.compress and not self.compress_once,
                 buffer=self.metric_buffer,
+                bucketed=self.decode_buckets,
             )
             out = self.model(
                 input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
@@ -621,7 +631,7 @@ class Engine:
         except Exception as exc:  # a failed batch forward (OutOfBlocks would be a scheduler bug) fails the batch
             self._fail(batch, events, exc)
             return None
-        return out.logits[:, -1]
+        return out.logits[: len(batch), -1]
 
     def _prefill_phase(self, events: list[TokenEvent], decoded: int) -> None:
         plan = self.scheduler.schedule_prefill(self.pool.num_free, decoded)
@@ -761,6 +771,14 @@ class Engine:
                 traceback.print_exc()
                 with self._step_lock, torch.inference_mode():
                     self._fail(list(self.scheduler.running), [], exc)
+
+
+def batch_bucket(n: int) -> int:
+    """The padded decode batch size for ``n`` sequences: 1, 2, 4, 8, then the next multiple of 8 (as vLLM's
+    CUDA-graph capture sizes)."""
+    if n <= 0:
+        raise InvalidParameterError(f"a decode batch holds at least one sequence, got {n}")
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
 
 
 def _describe(exc: BaseException) -> str:
