@@ -66,7 +66,6 @@ class BlockTables:
         return self._free_slots.pop()
 
     @torch.inference_mode()
-    @torch.inference_mode()
     def padding_slot(self, scratch_block: int) -> int:
         """A slot for the padding rows of a bucketed decode batch: length 0 in every row, its first block the pool's
         scratch block, never given blocks (so a padding row writes and reads only the scratch block)."""
@@ -75,6 +74,7 @@ class BlockTables:
             self.table[self._padding_slot, :, 0] = scratch_block
         return self._padding_slot
 
+    @torch.inference_mode()
     def release_slot(self, slot: int) -> None:
         """Give a slot back (its blocks must already be freed)."""
         self.host_length[slot] = 0
