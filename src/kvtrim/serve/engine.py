@@ -4,10 +4,12 @@ Every :meth:`Engine.step` runs, in order: compression (forced after a completed 
 pressure, otherwise every step unless ``compress_once``), preemption by recompute if the next decode step still
 does not fit, **one batched decode forward over every decoding sequence**, then **chunked prefill**: the step's
 token budget left by the decodes goes to prefill chunks (running prefills first, then newly admitted requests,
-first come first served, admitted by their projected compressed size), chunks of equal length batched into one
-forward. With compression on, a sequence is compressed after each of its prefill chunks, so a long prompt never
-needs its uncompressed size in the pool. Scheduling decisions live in :mod:`kvtrim.serve.scheduler`; storage and
-eviction in :mod:`kvtrim.cache.paged` and :mod:`kvtrim.selection.block_eviction`.
+first come first served, admitted by their projected compressed size), all chunks of a step packed into one
+forward whatever their lengths. With compression on, a sequence is compressed after each of its prefill chunks, so
+a long prompt never needs its uncompressed size in the pool; every compression of a step is one batched eviction
+over all the sequences due (:func:`~kvtrim.selection.block_eviction.compress_sequences`). Scheduling decisions
+live in :mod:`kvtrim.serve.scheduler`; storage and eviction in :mod:`kvtrim.cache.paged` and
+:mod:`kvtrim.selection.block_eviction`.
 
 ``submit`` and ``cancel`` are thread-safe and take no lock the engine loop holds while it works: ``submit``
 tokenizes in the caller's thread with a tokenizer copy of that thread (fast tokenizers must not be shared across
