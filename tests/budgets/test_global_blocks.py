@@ -44,7 +44,7 @@ def test_pipeline_budget_equals_paged_eviction_on_the_same_metric():
     pool = BlockPool(64, bs, 2, torch.float32)
     seq = PagedSequence(pool, layers, heads)
     seq.reserve(n)
-    seq._length[:] = n
+    seq.store.add_length(torch.tensor([seq.slot]), n)  # n entries per row, written below
     seq.seen = n
     slot, _ = seq.slots()
     metric = torch.rand(layers * heads, n, generator=g)

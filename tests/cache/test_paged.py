@@ -283,3 +283,83 @@ def test_bytes_held_within_one_partial_block_per_head():
         assert 0 <= slack <= seq.num_rows * (pool.block_size - 1) * 2 * cfg.head_dim * 4
         assert seq.kv_nbytes() == seq.entries() * 2 * cfg.head_dim * 4
     assert pool.used_nbytes() == sum(pool.block_nbytes() for _ in range(pool.num_used))
+
+
+# ---------------------------------------------------------------------------------------------------- packed prefill
+def _paged_model_forward(model, pool, seqs, chunks, window, packed: bool):
+    """Feed ``chunks[i]`` (token lists) to ``seqs[i]``: one packed forward, or one forward per sequence.
+    Returns each chunk's last-token logits ``[k, vocab]`` (the metric of the recorded window is added)."""
+    cfg = model.config
+    if not packed:
+        rows = []
+        for s, c in zip(seqs, chunks, strict=True):
+            cache = PagedBatchCache(cfg, pool, [s], observe_window=min(window, len(c)))
+            pos = torch.arange(s.seen, s.seen + len(c))[None]
+            rows.append(
+                model(torch.tensor([c]), position_ids=pos, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+            )
+            prefill_metric(cache)
+        return torch.stack(rows)
+    lengths = [len(c) for c in chunks]
+    cache = PagedBatchCache(cfg, pool, seqs, observe_window=min(window, max(lengths)), chunk_lengths=lengths)
+    ids = torch.tensor([[t for c in chunks for t in c]])
+    pos = torch.tensor([[s.seen + j for s, c in zip(seqs, chunks, strict=True) for j in range(len(c))]])
+    last = torch.tensor(lengths).cumsum(0) - 1
+    out = model(ids, position_ids=pos, past_key_values=cache, logits_to_keep=last).logits[0]
+    prefill_metric(cache)
+    return out
+
+
+def test_packed_prefill_of_unequal_chunks_equals_one_forward_per_sequence():
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    cfg, g = model.config, torch.Generator().manual_seed(5)
+    first = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 17, 11)]
+    second = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 2, 23)]
+    results = {}
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        for packed in (False, True):
+            pool = BlockPool(200, 4, cfg.hidden_size // cfg.num_attention_heads, torch.float32)
+            seqs = [PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads) for _ in range(3)]
+            # a fresh packed prefill, an eviction so that heads differ, then a packed chunk on top of the entries
+            a = _paged_model_forward(model, pool, seqs, first, 8, packed)
+            for s in seqs:
+                plan = schedule_evictions(s, blocks_to_evict=2, protected_window=2)
+                apply_evictions(s, plan)
+            b = _paged_model_forward(model, pool, seqs, second, 8, packed)
+            results[packed] = (a, b, [s.gather() for s in seqs], [s.seen for s in seqs])
+    (a0, b0, g0, s0), (a1, b1, g1, s1) = results[False], results[True]
+    torch.testing.assert_close(a1, a0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b1, b0, atol=1e-5, rtol=1e-5)
+    assert s0 == s1 == [14, 19, 34]
+    for x, y in zip(g0, g1, strict=True):
+        assert torch.equal(x["positions"], y["positions"]) and torch.equal(x["valid"], y["valid"])
+        ok = x["valid"]  # slots beyond a row's length hold stale data
+        torch.testing.assert_close(y["keys"][ok], x["keys"][ok], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y["metric"][ok], x["metric"][ok], atol=1e-5, rtol=1e-5)  # the window metric too
+        assert bool((x["metric"][ok] > 0).any())
+
+
+def test_packed_prefill_rejects_bad_chunk_lengths():
+    cfg = _config()
+    pool = BlockPool(50, 4, cfg.head_dim, torch.float32)
+    seqs = [PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads) for _ in range(2)]
+    with pytest.raises(InvalidParameterError, match="chunk_lengths"):
+        PagedBatchCache(cfg, pool, seqs, chunk_lengths=[3])
+    with pytest.raises(InvalidParameterError, match="chunk_lengths"):
+        PagedBatchCache(cfg, pool, seqs, chunk_lengths=[3, 0])
+    cache = PagedBatchCache(cfg, pool, seqs, chunk_lengths=[3, 4])
+    with pytest.raises(InvalidParameterError, match="packed prefill"):
+        cache.update(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8), 0)
+    assert pool.num_free == 50
+
+
+def test_scratch_block_is_outside_the_pool_and_bucketed_decode_needs_it():
+    pool = BlockPool(4, 2, 8, torch.float32, scratch=True)
+    assert pool.scratch_block == 4 and pool.keys.shape[0] == 5 and pool.num_free == 4
+    assert sorted(pool.allocate(4)) == [0, 1, 2, 3] and pool.num_free == 0  # the scratch block is never handed out
+    cfg = _config()
+    plain = BlockPool(8, 2, cfg.head_dim, torch.float32)
+    with pytest.raises(InvalidParameterError, match="scratch=True"):
+        PagedBatchCache(
+            cfg, plain, [PagedSequence(plain, cfg.num_hidden_layers, cfg.num_key_value_heads)], bucketed=True
+        )

@@ -14,6 +14,7 @@ from kvtrim.selection.block_eviction import (
     block_eviction_counts,
     blocks_over_budget,
     compress_sequence,
+    compress_sequences,
     evicted_entries,
     schedule_evictions,
 )
@@ -50,10 +51,10 @@ def test_ties_keep_each_heads_evictions_a_prefix():
     assert int(counts.sum()) == 4
 
 
-def _filled_sequence(lengths: list[int], block_size=4, layers=2, heads=2, seed=0):
+def _filled_sequence(lengths: list[int], block_size=4, layers=2, heads=2, seed=0, pool=None):
     """A sequence whose rows hold ``lengths`` random entries (positions 0..n-1, random metric)."""
     g = torch.Generator().manual_seed(seed)
-    pool = BlockPool(64, block_size, 3, torch.float32)
+    pool = BlockPool(64, block_size, 3, torch.float32) if pool is None else pool
     seq = PagedSequence(pool, layers, heads)
     n_max = max(lengths)
     seq.seen = n_max
@@ -61,11 +62,8 @@ def _filled_sequence(lengths: list[int], block_size=4, layers=2, heads=2, seed=0
     ids = pool.allocate(sum(need))
     at = 0
     for r, (n, k) in enumerate(zip(lengths, need, strict=True)):
-        seq.tables[r] = ids[at : at + k]
+        seq.set_row(r, ids[at : at + k], n)
         at += k
-        seq._length[r] = n
-        seq._nblocks[r] = k
-        seq._table_tensor = None
         slot, _ = seq.slots(torch.tensor([r]))
         s = slot[0, :n]
         pool.keys.view(-1, 3)[s] = torch.randn(n, 3, generator=g)
@@ -154,3 +152,49 @@ def test_random_rounds_keep_pool_consistent():
         assert all(len(t) == -(-int(n) // 4) for t, n in zip(seq.tables, seq.row_lengths(), strict=True))
     seq.release()
     assert pool.num_free == pool.num_blocks
+
+
+def _batch(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    pool = BlockPool(400, 4, 3, torch.float32)
+    return [
+        _filled_sequence(torch.randint(1, 40, (6,), generator=g).tolist(), layers=2, heads=3, seed=seed + i, pool=pool)
+        for i in range(5)
+    ]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compress_sequences_in_one_batch_equals_one_by_one(seed):
+    budgets, window = [3, 9, 30, 1, 5], 4
+    alone, batched = _batch(seed), _batch(seed)
+    freed_alone = [
+        compress_sequence(s, max_cache_tokens=m, protected_window=window)
+        for s, m in zip(alone, budgets, strict=True)
+    ]
+    freed = compress_sequences(batched, max_cache_tokens=budgets, protected_window=window)
+    assert freed == freed_alone and sum(freed) > 0 and 0 in freed  # the 30-token budget keeps its sequence whole
+    for a, b in zip(alone, batched, strict=True):
+        assert torch.equal(a.row_lengths(), b.row_lengths()) and a.blocks_held() == b.blocks_held()
+        ga, gb = a.gather(), b.gather()
+        for key in ("keys", "values", "positions", "metric", "valid"):
+            assert torch.equal(ga[key], gb[key]), key
+    pool = batched[0].pool
+    assert pool.num_used == sum(s.blocks_held() for s in batched)
+    for s in batched:
+        s.release()
+    assert pool.num_free == pool.num_blocks
+
+
+def test_compress_sequences_matches_the_schedule_and_apply_pair():
+    seq, ref = _filled_sequence([13, 7, 16, 4], seed=3), _filled_sequence([13, 7, 16, 4], seed=3)
+    over = blocks_over_budget(ref, max_cache_tokens=4)
+    apply_evictions(ref, schedule_evictions(ref, blocks_to_evict=over, protected_window=2))
+    assert compress_sequences([seq], max_cache_tokens=[4], protected_window=2) == [over]
+    assert torch.equal(seq.gather()["positions"], ref.gather()["positions"])
+    with pytest.raises(InvalidParameterError, match="max_cache_tokens"):
+        compress_sequences([seq], max_cache_tokens=[0], protected_window=2)
+    with pytest.raises(InvalidParameterError, match="max_cache_tokens"):
+        compress_sequences([seq], max_cache_tokens=[4, 4], protected_window=2)
+    other = PagedSequence(BlockPool(8, 4, 3, torch.float32), 2, 2)
+    with pytest.raises(InvalidParameterError, match="share one pool"):
+        compress_sequences([seq, other], max_cache_tokens=[4, 4], protected_window=2)

@@ -70,11 +70,13 @@ def run_checked(engine: Engine, max_steps: int = 100_000) -> None:
 
 
 # ------------------------------------------------------------------------------------------- exactness
-def _randomized(model, n_requests: int, seed: int) -> tuple[Engine, float]:
+def _randomized(model, n_requests: int, seed: int, decode_buckets: bool = False) -> tuple[Engine, float]:
     rng = random.Random(seed)
     # 2 layers x 2 KV heads = 4 tables: 160 blocks hold ~40 tokens x 16 sequences; prompts and outputs
     # up to 40 + 24 tokens make the pool tight, so preemptions happen.
-    engine = Engine(model, byte_tokenizer(), kv_blocks=160, block_size=8, compression_rate=1.0)
+    engine = Engine(
+        model, byte_tokenizer(), kv_blocks=160, block_size=8, compression_rate=1.0, decode_buckets=decode_buckets
+    )
     specs = []
     for i in range(n_requests):
         prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 40))]
@@ -181,10 +183,10 @@ def test_engine_argument_errors(model, tok):
 
 # ------------------------------------------------------------------------------------ error isolation
 def test_failing_sampler_finishes_only_its_request(model, tok, monkeypatch):
-    def flaky(logits, params, generator):
+    def flaky(logits, params, generator, greedy=None):
         if params.seed == 666:
             raise RuntimeError("sampler exploded")
-        return sample_token(logits, params, generator)
+        return sample_token(logits, params, generator, greedy)
 
     monkeypatch.setattr(engine_mod, "sample_token", flaky)
     engine = Engine(model, tok, kv_blocks=200)
@@ -197,24 +199,26 @@ def test_failing_sampler_finishes_only_its_request(model, tok, monkeypatch):
 
 
 def test_failing_stop_handling_and_prefill_finish_only_their_request(model, tok, monkeypatch):
-    original_add, original_prefill = _TextOutput.add, Engine._prefill_chunk
+    original_add, original_prefill = _TextOutput.add, Engine._prefill_chunks
 
     def add(self, token_id):
         if "explode" in self.stop:
             raise ValueError("stop handling exploded")
         return original_add(self, token_id)
 
-    def prefill(self, reqs, n):
-        if any(r.request_id == "bad-prefill" for r in reqs):
+    def prefill(self, chunks):
+        if any(r.request_id == "bad-prefill" for r, _ in chunks):
             raise RuntimeError("prefill exploded")
-        return original_prefill(self, reqs, n)
+        return original_prefill(self, chunks)
 
     monkeypatch.setattr(_TextOutput, "add", add)
-    monkeypatch.setattr(Engine, "_prefill_chunk", prefill)
+    monkeypatch.setattr(Engine, "_prefill_chunks", prefill)
     engine = Engine(model, tok, kv_blocks=200)
     ok = engine.submit("abc", SamplingParams(max_tokens=8))
     bad1 = engine.submit("abc", SamplingParams(max_tokens=8, stop=("explode",)))
-    # chunks of one length share a forward, so a failing forward fails its group: another length, another group
+    # every chunk of a step shares one packed forward, so a failing forward fails that step's prefills: the bad
+    # prefill comes one step later, when the others already decode
+    engine.step()
     bad2 = engine.submit("abcdef", SamplingParams(max_tokens=8), request_id="bad-prefill")
     run_checked(engine)
     assert bad1.result().finish_reason == "error" and "stop handling" in bad1.result().error
@@ -553,3 +557,31 @@ def test_stats_expose_gauges_and_counters(model, tok):
     s = engine.stats
     assert s.tokens_generated == 10 and s.requests_finished == 2 and s.prefill_chunks == 4
     assert set(s.as_dict()) >= {"preemptions", "compressions", "tokens_generated", "pool_blocks_used"}
+
+
+# ------------------------------------------------------------------------------------------- static decode shapes
+def test_batch_bucket_sizes():
+    assert [engine_mod.batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 40]
+    with pytest.raises(InvalidParameterError, match="at least one"):
+        engine_mod.batch_bucket(0)
+
+
+def test_bucketed_decode_matches_running_alone_with_static_shapes(model, monkeypatch):
+    """Padded decode batches (1, 2, 4, 8, 16, ...) and power-of-two table widths: every output still equals the
+    request alone, through preemptions and cancellations, and the pool leaks nothing."""
+    real, shapes = engine_mod.PagedBatchCache, []
+
+    class Recording(real):
+        def _begin_forward(self, n, q):
+            super()._begin_forward(n, q)
+            if q == 1 and self.chunk_lengths is None:
+                shapes.append((n, len(self.sequences), tuple(self._step["widths"])))
+
+    monkeypatch.setattr(engine_mod, "PagedBatchCache", Recording)
+    engine, _ = _randomized(model, 200, seed=3, decode_buckets=True)
+    assert engine.pool.scratch_block == engine.pool.num_blocks  # the padding rows' block is outside the pool
+    assert {n for n, _, _ in shapes} <= {1, 2, 4, 8, 16, 24, 32}
+    assert any(n > k for n, k, _ in shapes)  # padding rows really ran
+    assert all(w & (w - 1) == 0 for _, _, widths in shapes for w in widths)
+    with pytest.raises(InvalidParameterError, match="decode_buckets"):
+        Engine(model, byte_tokenizer(), kv_blocks=10, decode_buckets="yes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidParameterError
+from .block_tables import BlockTables
 
 EMPTY = -1  # position of a slot that holds nothing
 
@@ -38,21 +39,37 @@ class BlockPool:
         metric: ``[num_blocks, block_size]`` float32, the KV-Compress eviction metric of each slot
     """
 
-    def __init__(self, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu", scratch: bool = False
+    ):
         _positive_int("num_blocks", num_blocks)
         _positive_int("block_size", block_size)
         _positive_int("head_dim", head_dim)
         self.num_blocks, self.block_size, self.head_dim = num_blocks, block_size, head_dim
-        self.keys = torch.zeros(num_blocks, block_size, head_dim, dtype=dtype, device=device)
+        # ``scratch``: one more block, never handed out, that the padding rows of a bucketed (static-shape) decode
+        # batch write into and read from (block id ``num_blocks``).
+        self.scratch_block = num_blocks if scratch else None
+        physical = num_blocks + int(scratch)
+        self.keys = torch.zeros(physical, block_size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        self.positions = torch.full((num_blocks, block_size), EMPTY, dtype=torch.long, device=device)
-        self.metric = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device)
+        self.positions = torch.full((physical, block_size), EMPTY, dtype=torch.long, device=device)
+        self.metric = torch.zeros(physical, block_size, dtype=torch.float32, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
-        self._allocated = bytearray(num_blocks)
+        self._allocated = torch.zeros(num_blocks, dtype=torch.bool, device="cpu")  # host bookkeeping
+        self._tables: dict[int, BlockTables] = {}
+
+    def block_tables(self, rows: int) -> BlockTables:
+        """The shared device-resident block tables of the sequences with ``rows`` tables on this pool."""
+        tables = self._tables.get(rows)
+        if tables is None:
+            tables = self._tables[rows] = BlockTables(rows, self.block_size, self.device)
+        return tables
 
     @classmethod
-    def for_bytes(cls, kv_bytes: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu") -> BlockPool:
-        """The largest pool whose keys and values fit in ``kv_bytes``."""
+    def for_bytes(
+        cls, kv_bytes: int, block_size: int, head_dim: int, dtype: torch.dtype, device="cpu", scratch: bool = False
+    ) -> BlockPool:
+        """The largest pool whose keys and values fit in ``kv_bytes`` (plus the scratch block, if asked for)."""
         _positive_int("block_size", block_size)
         _positive_int("head_dim", head_dim)
         per_block = 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -61,7 +78,7 @@ class BlockPool:
                 f"kv_bytes must be an integer of at least one block ({per_block} bytes for block_size={block_size}, "
                 f"head_dim={head_dim}, {dtype}), got {kv_bytes!r}"
             )
-        return cls(kv_bytes // per_block, block_size, head_dim, dtype, device)
+        return cls(kv_bytes // per_block, block_size, head_dim, dtype, device, scratch)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,34 +98,44 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (their slots are empty). Raises :class:`OutOfBlocks` if fewer are free."""
+        return self.allocate_tensor(n).tolist()
+
+    def allocate_tensor(self, n: int) -> torch.Tensor:
+        """:meth:`allocate` as a ``[n]`` host long tensor."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidParameterError(f"number of blocks to allocate must be an integer >= 0, got {n!r}")
         if n > len(self._free):
             raise OutOfBlocks(n, len(self._free))
         if n == 0:
-            return []
-        ids = self._free[-n:]
+            return torch.empty(0, dtype=torch.long)
+        ids = torch.tensor(self._free[-n:], dtype=torch.long)
         del self._free[-n:]
-        for i in ids:
-            self._allocated[i] = 1
+        self._allocated[ids] = True
         return ids
 
-    def free(self, block_ids: list[int]) -> None:
-        """Give blocks back. Freeing a block that is not allocated (or twice) raises; nothing changes then."""
-        ids = [int(i) for i in block_ids]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"block ids freed twice in one call: {sorted(i for i in set(ids) if ids.count(i) > 1)}")
-        for i in ids:
-            if not 0 <= i < self.num_blocks:
-                raise ValueError(f"block id {i} is outside the pool (0..{self.num_blocks - 1})")
-            if not self._allocated[i]:
-                raise ValueError(f"block {i} is not allocated (double free?)")
-        if not ids:
+    def free(self, block_ids: list[int] | torch.Tensor) -> None:
+        """Give blocks back. Freeing a block that is not allocated (or twice) raises; nothing changes then.
+
+        ``block_ids`` may be a tensor on the pool's device (one copy to the host for the free list)."""
+        if isinstance(block_ids, torch.Tensor):
+            host = block_ids.to("cpu", torch.long).reshape(-1)
+        else:
+            host = torch.tensor([int(i) for i in block_ids], dtype=torch.long)
+        if not host.numel():
             return
-        for i in ids:
-            self._allocated[i] = 0
-        self._free.extend(ids)
-        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if bool(((host < 0) | (host >= self.num_blocks)).any()):
+            bad = int(host[(host < 0) | (host >= self.num_blocks)][0])
+            raise ValueError(f"block id {bad} is outside the pool (0..{self.num_blocks - 1})")
+        uniq, counts = torch.unique(host, return_counts=True)
+        if bool((counts > 1).any()):
+            raise ValueError(f"block ids freed twice in one call: {uniq[counts > 1].tolist()}")
+        if not bool(self._allocated[host].all()):
+            bad = int(host[~self._allocated[host]][0])
+            raise ValueError(f"block {bad} is not allocated (double free?)")
+        self._allocated[host] = False
+        self._free.extend(host.tolist())
+        index = block_ids if isinstance(block_ids, torch.Tensor) and block_ids.device == self.device else None
+        index = host.to(self.device) if index is None else index
         self.positions[index] = EMPTY
         self.metric[index] = 0.0
 

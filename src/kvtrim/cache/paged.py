@@ -42,11 +42,12 @@ class PagedSequence:
     """Block tables of one sequence: one table and one length per (layer, KV head).
 
     Row ``r = layer * kv_heads + head`` indexes the tables. Entries of a row occupy logical slots ``0..length-1``;
-    logical slot ``i`` lives in block ``table[i // block_size]`` at offset ``i % block_size``.
+    logical slot ``i`` lives in block ``table[i // block_size]`` at offset ``i % block_size``. The tables are the
+    sequence's slot of the pool's shared device-resident :class:`~kvtrim.cache.block_tables.BlockTables`.
 
     Attributes:
         seen: tokens seen (the next token's logical position)
-        tables: per row, the block ids in logical order
+        store, slot: the shared tables and this sequence's index in them
     """
 
     def __init__(self, pool: BlockPool, num_layers: int, kv_heads: int):
@@ -55,11 +56,9 @@ class PagedSequence:
         self.pool = pool
         self.num_layers, self.kv_heads = num_layers, kv_heads
         self.seen = 0
-        self.tables: list[list[int]] = [[] for _ in range(num_layers * kv_heads)]
-        # host-side bookkeeping (block tables are Python lists); the device copy is made in table_tensor()
-        self._length = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
-        self._nblocks = torch.zeros(num_layers * kv_heads, dtype=torch.long, device="cpu")
-        self._table_tensor: torch.Tensor | None = None
+        self.store = pool.block_tables(num_layers * kv_heads)
+        self.slot = self.store.acquire()
+        weakref.finalize(self, self.store.release_slot, self.slot)
 
     @property
     def num_rows(self) -> int:
@@ -68,6 +67,21 @@ class PagedSequence:
     @property
     def block_size(self) -> int:
         return self.pool.block_size
+
+    @property
+    def _length(self) -> torch.Tensor:
+        """``[rows]`` host lengths (a view into the shared tables)."""
+        return self.store.host_length[self.slot]
+
+    @property
+    def _nblocks(self) -> torch.Tensor:
+        return self.store.host_nblocks[self.slot]
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Per row, the block ids in logical order (a host copy, for inspection)."""
+        table = self.store.table[self.slot].cpu()
+        return [table[r, :n].tolist() for r, n in enumerate(self._nblocks.tolist())]
 
     def lengths(self) -> torch.Tensor:
         """``[layers, kv_heads]`` stored entries."""
@@ -97,66 +111,45 @@ class PagedSequence:
         return self.blocks_held() * self.pool.block_nbytes()
 
     # ------------------------------------------------------------------ block management
+    def _slots(self) -> torch.Tensor:
+        return torch.tensor([self.slot], dtype=torch.long)
+
     def reserve(self, new_tokens: int) -> None:
-        """Allocate the blocks an append of ``new_tokens`` per row needs (all or nothing: :class:`OutOfBlocks`)."""
-        need = (_ceil_div(self._length + new_tokens, self.block_size) - self._nblocks).clamp(min=0)
-        total = int(need.sum())
-        if total == 0:
-            return
-        ids = self.pool.allocate(total)
-        at = 0
-        for r, n in enumerate(need.tolist()):
-            if n:
-                self.tables[r].extend(ids[at : at + n])
-                at += n
-        self._nblocks += need
-        self._table_tensor = None
+        """Allocate the blocks an append of ``new_tokens`` per row needs (all or nothing: :class:`OutOfBlocks`).
+        Lengths are unchanged."""
+        self.store.append(self._slots(), new_tokens, self.pool, grow_length=False)
 
     def release(self) -> None:
         """Free every block back to the pool (finish, preemption, cancellation); the sequence becomes empty."""
-        ids = [b for table in self.tables for b in table]
-        self.pool.free(ids)
-        self.tables = [[] for _ in range(self.num_rows)]
-        self._length.zero_()
-        self._nblocks.zero_()
-        self._table_tensor = None
+        slots = self._slots()
+        dropped = self.store.shrink(slots, torch.zeros(1, self.num_rows, dtype=torch.long, device=self.pool.device))
+        self.pool.free(dropped)
         self.seen = 0
 
-    def _set_row(self, row: int, length: int) -> list[int]:
-        """Shrink ``row`` to ``length`` entries; returns the now-unneeded trailing blocks (not yet freed)."""
-        keep = _ceil_div(length, self.block_size)
-        dropped = self.tables[row][keep:]
-        del self.tables[row][keep:]
-        self._length[row] = length
-        self._nblocks[row] = keep
-        if dropped:
-            self._table_tensor = None
-        return dropped
+    @torch.inference_mode()
+    def set_row(self, row: int, blocks: list[int], length: int) -> None:
+        """Make ``row`` hold ``length`` entries in ``blocks`` (already allocated to this sequence by the caller;
+        for tests and tools that lay out a sequence by hand)."""
+        if not 0 <= length <= len(blocks) * self.block_size:
+            raise InvalidParameterError(f"length must lie in [0, {len(blocks) * self.block_size}], got {length}")
+        self.store.ensure_width(len(blocks))
+        self.store.table[self.slot, row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.store.host_nblocks[self.slot, row] = len(blocks)
+        self.store.host_length[self.slot, row] = length
+        if not self.store._shared:
+            self.store.length[self.slot, row] = length
 
-    def _shrink_rows(self, new_lengths: torch.Tensor) -> list[int]:
+    def _shrink_rows(self, new_lengths: torch.Tensor) -> torch.Tensor:
         """Set every row's length to ``new_lengths`` (``[rows]``, each <= its length); returns the now-unneeded
-        trailing blocks of all rows (not yet freed). Lengths are set in one tensor op; only the tables of rows
-        that lose blocks are touched."""
-        new_lengths = new_lengths.to(self._length.device)
-        keep = _ceil_div(new_lengths, self.block_size)
-        shrunk = torch.nonzero(keep < self._nblocks).flatten().tolist()
-        dropped: list[int] = []
-        if shrunk:
-            for row, k in zip(shrunk, keep[shrunk].tolist(), strict=True):
-                dropped.extend(self.tables[row][k:])
-                del self.tables[row][k:]
-            self._table_tensor = None
-        self._length.copy_(new_lengths)
-        self._nblocks.copy_(keep)
-        return dropped
+        trailing blocks of all rows (a device tensor, not yet freed)."""
+        new_lengths = new_lengths.to(self.pool.device).view(1, -1)
+        return self.store.shrink(self._slots(), new_lengths)
 
     def table_tensor(self) -> torch.Tensor:
-        """``[layers * kv_heads, max_blocks]`` block ids, padded with 0 (padding is masked by the lengths)."""
-        if self._table_tensor is None:
-            width = max(1, max(len(t) for t in self.tables))
-            padded = [t + [0] * (width - len(t)) for t in self.tables]  # one tensor call, not one per row
-            self._table_tensor = torch.tensor(padded, dtype=torch.long, device=self.pool.device)
-        return self._table_tensor
+        """``[layers * kv_heads, max_blocks]`` block ids (a view of the shared tables; entries beyond a row's block
+        count are stale and masked by the lengths)."""
+        width = max(1, int(self._nblocks.max()))
+        return self.store.table[self.slot, :, :width]
 
     def slots(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat pool slot ids of every logical slot: ``([rows, max_blocks * block_size], valid mask)``.
@@ -165,7 +158,7 @@ class PagedSequence:
         ``pool.positions`` / ``pool.metric``.
         """
         table = self.table_tensor()
-        lengths = self._length.to(table.device)
+        lengths = self.store.length[self.slot]
         if rows is not None:
             table, lengths = table[rows], lengths[rows]
         bs = self.block_size
@@ -285,6 +278,13 @@ class PagedBatchCache(Cache):
         accumulate_decode_metric: each decode step adds every query head's squared attention, summed over the
             group, to ``pool.metric`` of each cached key (the paper's continual metric)
         buffer: keys within ``buffer`` positions of the query are left out of that accumulation
+        chunk_lengths: packed (varlen) prefill: the input is ONE row holding, back to back, ``chunk_lengths[i]``
+            new tokens of ``sequences[i]`` (``position_ids [1, sum]`` continue each sequence from its ``seen``).
+            Each token attends only to its own sequence's entries: chunks of different lengths share one forward.
+            Pass ``logits_to_keep=torch.tensor(cumsum(chunk_lengths) - 1)`` for each chunk's last logits.
+        bucketed: static decode shapes (for CUDA graphs): a decode input may have more rows than ``sequences``
+            (padding rows, position 0, that write and read only the pool's scratch block, so the pool needs
+            ``scratch=True``), and every layer's block-table width is rounded up to a power of two.
     """
 
     def __init__(
@@ -296,6 +296,8 @@ class PagedBatchCache(Cache):
         observe_window: int = 0,
         accumulate_decode_metric: bool = False,
         buffer: int = 0,
+        chunk_lengths: list[int] | None = None,
+        bucketed: bool = False,
     ):
         num_layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
@@ -316,6 +318,14 @@ class PagedBatchCache(Cache):
             raise InvalidParameterError(f"observe_window must be an integer >= 0, got {observe_window!r}")
         if buffer < 0:
             raise InvalidParameterError(f"buffer must be >= 0, got {buffer}")
+        if chunk_lengths is not None:
+            chunk_lengths = list(chunk_lengths)
+            if len(chunk_lengths) != len(sequences) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunk_lengths
+            ):
+                raise InvalidParameterError(
+                    f"chunk_lengths must hold one positive integer per sequence ({len(sequences)}), got {chunk_lengths}"
+                )
         super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
         self.pool = pool
         self.sequences = list(sequences)
@@ -323,6 +333,10 @@ class PagedBatchCache(Cache):
         self.observe_window = observe_window
         self.accumulate_decode_metric = accumulate_decode_metric
         self.buffer = buffer
+        self.chunk_lengths = chunk_lengths
+        if bucketed and (pool.scratch_block is None or chunk_lengths is not None):
+            raise InvalidParameterError("bucketed decode needs a BlockPool(scratch=True) and no chunk_lengths")
+        self.bucketed = bucketed
         # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill
         self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.scaling: float | None = None
@@ -341,38 +355,75 @@ class PagedBatchCache(Cache):
 
     # ------------------------------------------------------------------ forward
     def _begin_forward(self, n: int, q: int) -> None:
-        """Layer 0: allocate every block this forward needs (all sequences, all layers), or raise."""
-        if n != len(self.sequences):
+        """Layer 0: allocate every block this forward needs (all sequences, all layers) in one batch, or raise."""
+        packed = self.chunk_lengths is not None
+        if packed and (n != 1 or q != sum(self.chunk_lengths)):
+            raise InvalidParameterError(
+                f"a packed prefill takes one row of sum(chunk_lengths)={sum(self.chunk_lengths)} tokens, got [{n}, {q}]"
+            )
+        k = len(self.sequences)
+        pad = n - k if self.bucketed and q == 1 else 0
+        if not packed and n != k + pad:
             raise InvalidParameterError(f"the input has {n} rows but the PagedBatchCache holds {len(self.sequences)}")
-        need = sum(s.blocks_needed(q) for s in self.sequences)
+        store = self.sequences[0].store
+        slots = torch.tensor([s.slot for s in self.sequences], dtype=torch.long)  # host
+        new = torch.tensor(self.chunk_lengths, dtype=torch.long)[:, None] if packed else q  # per sequence
+        need = int(store.blocks_needed(slots, new).sum())
         if need > self.pool.num_free:
             raise OutOfBlocks(need, self.pool.num_free)
         before = [s.seen for s in self.sequences]
-        base = torch.stack([s._length.view(s.num_layers, s.kv_heads) for s in self.sequences])  # [n, L, H]
-        for s in self.sequences:
-            s.reserve(q)
-        tables = [s.table_tensor() for s in self.sequences]
-        width = max(t.shape[1] for t in tables)
-        if all(t.shape[1] == width for t in tables):
-            table = torch.stack(tables)
+        fresh = bool((store.host_length[slots] == 0).all())  # host copy: no device read
+        device = self.pool.device
+        dev_slots = slots.to(device)
+        store.append(slots, new, self.pool, grow_length=False)
+        # Per layer, the widest table of this batch after the append (host arithmetic, no device read).
+        blocks = store.host_nblocks[slots].view(k, self.num_layers, self.kv_heads)
+        widths = blocks.amax(dim=(0, 2)).clamp(min=1).tolist()
+        if self.bucketed:  # static shapes: padding rows on the padding slot, widths rounded up to powers of two
+            widths = [1 << (w - 1).bit_length() for w in widths]
+            store.ensure_width(max(widths))
+            row_slots = torch.cat([slots, torch.full((pad,), store.padding_slot(self.pool.scratch_block))])
+            row_dev_slots = row_slots.to(device)
+            before_rows = before + [0] * pad
         else:
-            table = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
-        for s in self.sequences:  # the lengths after this forward (attention reads ``base``, fixed at layer 0)
-            s._length += q
+            row_dev_slots, before_rows = dev_slots, before
+        rows = len(before_rows)
+        base = store.length[row_dev_slots].view(rows, self.num_layers, self.kv_heads)  # a copy: lengths before
+        store.add_length(slots, new, dev_slots)  # the lengths after this forward (attention reads ``base``)
         self._step = {
             "q": q,
             "seen_before": max(before),
-            "seen": torch.tensor(before, dtype=torch.long, device=self.pool.device),
-            "base": base.to(self.pool.device),
-            "table": table.view(n, self.num_layers, self.kv_heads, width),
-            "fresh": bool((base == 0).all()),
+            "seen": torch.tensor(before_rows, dtype=torch.long, device=device),
+            "base": base,
+            "slots": row_dev_slots,
+            "widths": widths,
+            "fresh": fresh,
         }
-        for s in self.sequences:
-            s.seen += q
+        if packed:
+            lens = torch.tensor(self.chunk_lengths, dtype=torch.long)
+            qmax = int(lens.max())
+            start = torch.cumsum(lens, 0) - lens
+            tok_seq = torch.repeat_interleave(torch.arange(k), lens)  # [q] sequence of each packed token
+            tok_j = torch.arange(q) - start[tok_seq]  # its index inside its chunk
+            t = torch.arange(qmax)[None, :] - (qmax - lens)[:, None]  # right-aligned padded layout [k, qmax]
+            self._step.update(
+                qmax=qmax,
+                tok_seq=tok_seq.to(device),
+                tok_j=tok_j.to(device),
+                tok_t=(tok_j + qmax - lens[tok_seq]).to(device),
+                pad_index=(start[:, None] + t).clamp(min=0).to(device),
+                pad_valid=(t >= 0).to(device),
+                lens=lens[:, None].to(device),
+            )
+        for s, m in zip(self.sequences, self.chunk_lengths or [q] * k, strict=True):
+            s.seen += m
 
     def _positions(self, position_ids: torch.Tensor | None, n: int, q: int) -> torch.Tensor:
         step = self._step
-        expected = step["seen"][:, None] + torch.arange(q, device=step["seen"].device)
+        if "tok_seq" in step:  # packed: [1, q], each token continues its own sequence
+            expected = (step["seen"][step["tok_seq"]] + step["tok_j"])[None]
+        else:
+            expected = step["seen"][:, None] + torch.arange(q, device=step["seen"].device)
         if position_ids is None:
             return expected
         pos = position_ids.to(expected.device).long().expand(n, q)
@@ -400,8 +451,12 @@ class PagedBatchCache(Cache):
         bs = pool.block_size
         self.scaling = scaling
         qpos = self._positions(position_ids, n, q)  # [n, q]
+        if "tok_seq" in step:
+            return self._attend_packed(layer_idx, query, keys, values, qpos[0], scaling)
         base = step["base"][:, layer_idx]  # [n, H] lengths before this forward
-        table = step["table"][:, layer_idx]  # [n, H, width]
+        nb = step["widths"][layer_idx]
+        rows = slice(layer_idx * h, (layer_idx + 1) * h)
+        table = self.sequences[0].store.table[step["slots"], rows, :nb]  # [n, H, nb]: one gather per layer
 
         # Write the new entries into their slots.
         logical = base[:, :, None] + torch.arange(q, device=base.device)  # [n, H, q]
@@ -422,8 +477,7 @@ class PagedBatchCache(Cache):
 
         # Gather every (sequence, head)'s entries through its block table: [n, H, S, d].
         length = base + q
-        nb = int(_ceil_div(length.max(), bs))
-        slots = (table[:, :, :nb, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, nb * bs)
+        slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, nb * bs)
         k = pool.keys.view(-1, d)[slots]
         v = pool.values.view(-1, d)[slots]
         kpos = pool.positions.view(-1)[slots]
@@ -444,9 +498,55 @@ class PagedBatchCache(Cache):
         out = torch.matmul(probs.view(n, h, group * q, -1), v.float()).view(n, hq, q, d)
         sq = probs.view(n, h, group, q, -1).square().sum(dim=(2, 3))  # [n, H, S]
         counted = stored & (kpos <= qpos[:, -1:, None] - self.buffer) if self.buffer else stored
-        flat = pool.metric.view(-1)
-        flat.index_add_(0, slots[counted], sq[counted])
+        # Slots beyond a row's length add exactly 0 (no boolean indexing: its size would need a host read).
+        pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
         return out.to(query.dtype).transpose(1, 2)
+
+    def _attend_packed(
+        self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scaling
+    ) -> torch.Tensor:
+        """Packed prefill: ``query [1, q_heads, T, d]``, ``keys/values [1, H, T, d]`` of ``k`` chunks back to back,
+        ``pos [T]``. Writes each token into its own sequence's blocks, then attends as a right-aligned padded batch
+        ``[k, q_heads, qmax, d]`` over each sequence's entries (one gather, one SDPA); returns ``[1, T, q_heads, d]``.
+        """
+        step, pool = self._step, self.pool
+        bs, d = pool.block_size, pool.head_dim
+        h, hq = keys.shape[1], query.shape[1]
+        k, qmax = len(self.sequences), step["qmax"]
+        tok_seq, tok_j = step["tok_seq"], step["tok_j"]
+        base = step["base"][:, layer_idx]  # [k, H]
+        nb = step["widths"][layer_idx]
+        rows = slice(layer_idx * h, (layer_idx + 1) * h)
+        table = self.sequences[0].store.table[step["slots"], rows, :nb]  # [k, H, nb]
+
+        logical = base[tok_seq] + tok_j[:, None]  # [T, H]
+        block = torch.gather(table[tok_seq], 2, (logical // bs)[..., None])[..., 0]
+        slot = (block * bs + logical % bs).T.reshape(-1)  # [H * T], head-major like keys[0]
+        pool.keys.view(-1, d)[slot] = keys[0].to(pool.dtype).reshape(-1, d)
+        pool.values.view(-1, d)[slot] = values[0].to(pool.dtype).reshape(-1, d)
+        pool.positions.view(-1)[slot] = pos.expand(h, -1).reshape(-1)
+        pool.metric.view(-1)[slot] = 0.0
+
+        pad_index, pad_valid = step["pad_index"], step["pad_valid"]  # [k, qmax]
+        qp = query[0][:, pad_index].transpose(0, 1)  # [k, hq, qmax, d]
+        qpos = pos[pad_index]  # [k, qmax]
+        if self.observe_window:
+            w = min(self.observe_window, qmax)
+            self.observations[layer_idx] = (qp[:, :, -w:].clone(), qpos.masked_fill(~pad_valid, EMPTY)[:, -w:].clone())
+
+        length = base + step["lens"]  # [k, H] after the writes
+        slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(k, h, nb * bs)
+        kk = pool.keys.view(-1, d)[slots].to(query.dtype)
+        vv = pool.values.view(-1, d)[slots].to(query.dtype)
+        kpos = pool.positions.view(-1)[slots]
+        stored = torch.arange(nb * bs, device=table.device)[None, None, :] < length[:, :, None]  # [k, H, S]
+        # Padding queries see every stored entry (no empty row, no NaN); their outputs are dropped.
+        see = qpos.masked_fill(~pad_valid, torch.iinfo(torch.long).max)
+        mask = stored[:, :, None, :] & (kpos[:, :, None, :] <= see[:, None, :, None])  # [k, H, qmax, S]
+        group = hq // h
+        m = mask[:, :, None].expand(k, h, group, qmax, mask.shape[-1]).reshape(k, h, group * qmax, -1)
+        out = sdpa(qp.reshape(k, h, group * qmax, d), kk, vv, attn_mask=m, scale=scaling).reshape(k, hq, qmax, d)
+        return out[tok_seq, :, step["tok_t"]][None]  # [1, T, hq, d]
 
     # ------------------------------------------------------------------ accounting
     def kv_nbytes(self) -> int:
@@ -486,30 +586,31 @@ def prefill_metric(
     pool = cache.pool
     scaling = cache.scaling if cache.scaling is not None else cache.head_dim**-0.5
     flat_pos = pool.positions.view(-1)
-    for i, seq in enumerate(cache.sequences):
-        slot, valid = seq.slots()
-        # Every row's entries in position order (empty slots last); the identity for a fresh, in-order sequence.
-        pos = flat_pos[slot].masked_fill(~valid, torch.iinfo(torch.long).max)
-        order = pos.argsort(dim=1, stable=True)
-        slot, valid = slot.gather(1, order), valid.gather(1, order)
-        for layer in range(seq.num_layers):
-            obs = cache.observations[layer]
-            if obs is None:
-                raise RuntimeError(f"layer {layer}: no prefill queries were recorded")
-            queries, qpos = obs
-            w = queries.shape[2] if window is None else min(window, queries.shape[2])
-            rows = slice(layer * seq.kv_heads, (layer + 1) * seq.kv_heads)
-            s, ok = slot[rows], valid[rows]  # [H, S]
-            kpos = flat_pos[s].masked_fill(~ok, EMPTY)
-            keys = pool.keys.view(-1, pool.head_dim)[s]
-            metric = squared_attention(
-                queries[i : i + 1, :, -w:],
-                qpos[i : i + 1, -w:],
-                keys[None],
-                kpos[None],
-                scaling,
-                buffer=buffer,
-                kernel=kernel,
-                chunk=chunk,
-            )[0]
-            pool.metric.view(-1).index_add_(0, s[ok], metric[ok])
+    seqs = cache.sequences
+    store, bs, device = seqs[0].store, pool.block_size, pool.device
+    k, layers, heads = len(seqs), cache.num_layers, cache.kv_heads
+    host_slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+    width = max(1, int(store.host_nblocks[host_slots].max()))
+    dev_slots = host_slots.to(device)
+    # Every (sequence, layer, head)'s entries through the shared tables, in position order (empty slots last):
+    # one gather and one sort for the whole batch; the identity order for fresh, in-order sequences.
+    table = store.table[dev_slots, :, :width]  # [k, rows, width]
+    slot = (table[..., None] * bs + torch.arange(bs, device=device)).reshape(k, layers * heads, width * bs)
+    valid = torch.arange(width * bs, device=device) < store.length[dev_slots][..., None]
+    order = flat_pos[slot].masked_fill(~valid, torch.iinfo(torch.long).max).argsort(dim=2, stable=True)
+    slot = slot.gather(2, order).view(k, layers, heads, -1)
+    valid = valid.gather(2, order).view(k, layers, heads, -1)
+    for layer in range(layers):  # one batched metric per layer, as the model runs its layers
+        obs = cache.observations[layer]
+        if obs is None:
+            raise RuntimeError(f"layer {layer}: no prefill queries were recorded")
+        queries, qpos = obs  # [k, q_heads, w, d], [k, w] (-1: a padding query of a packed prefill)
+        w = queries.shape[2] if window is None else min(window, queries.shape[2])
+        s, ok = slot[:, layer], valid[:, layer]  # [k, H, S]
+        kpos = flat_pos[s].masked_fill(~ok, EMPTY)
+        keys = pool.keys.view(-1, pool.head_dim)[s]
+        metric = squared_attention(
+            queries[:, :, -w:], qpos[:, -w:], keys, kpos, scaling, buffer=buffer, kernel=kernel, chunk=chunk
+        )
+        # Slots beyond a row's length add exactly 0 (no boolean indexing, so no host read of its size).
+        pool.metric.view(-1).index_add_(0, s.reshape(-1), torch.where(ok, metric, 0.0).reshape(-1))

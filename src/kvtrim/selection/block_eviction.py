@@ -47,38 +47,54 @@ def evicted_entries(blocks: torch.Tensor, lengths: torch.Tensor, block_size: int
 
 
 def block_eviction_counts(
-    sorted_metric: torch.Tensor, lengths: torch.Tensor, block_size: int, blocks_to_evict: int
+    sorted_metric: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    blocks_to_evict: int | torch.Tensor,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """How many blocks to evict from each row, ranking chunks of all rows together.
+    """How many blocks to evict from each row, ranking chunks of all rows of a group together.
 
     Args:
         sorted_metric: ``[rows, seq]`` each row's entry metrics sorted ascending (entries beyond the row's length
             and protected entries are +inf)
         lengths: ``[rows]`` entries per row
-        blocks_to_evict: the number of lowest-ranked chunks to evict over all rows (fewer if +inf is reached)
+        blocks_to_evict: the number of lowest-ranked chunks to evict over all rows of each group (fewer if +inf is
+            reached): an int for one group, or ``[groups]``
+        groups: ``[rows]`` group (sequence) of each row, ``0..G-1`` (None: every row in group 0). Groups are
+            ranked independently in the same few tensor ops, so a batch of sequences needs no Python loop.
     Returns:
         ``[rows]`` blocks evicted per row (a prefix of each row's chunks)
     """
     rows, seq = sorted_metric.shape
-    lengths = lengths.to(sorted_metric.device).long()
-    counts = torch.zeros(rows, dtype=torch.long, device=sorted_metric.device)
-    if blocks_to_evict <= 0 or rows == 0 or seq == 0:
+    device = sorted_metric.device
+    lengths = lengths.to(device).long()
+    counts = torch.zeros(rows, dtype=torch.long, device=device)
+    budget = torch.as_tensor(blocks_to_evict, dtype=torch.long, device=device).reshape(-1)
+    if rows == 0 or seq == 0 or not bool((budget > 0).any()):
         return counts
+    if groups is None:
+        groups = torch.zeros(rows, dtype=torch.long, device=device)
+    groups = groups.to(device).long()
     nblocks = -(-lengths // block_size)
     hanging = hanging_entries(lengths, block_size)
-    width = int(nblocks.max())
-    if width == 0:
-        return counts
-    k = torch.arange(width, device=sorted_metric.device)
+    width = -(-seq // block_size)  # static: no host read of the widest row
+    k = torch.arange(width, device=device)
     index = (k[None, :] * block_size + hanging[:, None] - 1).clamp(0, seq - 1)
     chunk = torch.gather(sorted_metric.float(), 1, index)
     chunk = chunk.masked_fill(k[None, :] >= nblocks[:, None], float("inf")).reshape(-1)
-    # Order by block metric, ties by chunk number, so a head's evicted chunks are always a prefix of its chunks.
-    by_k = torch.argsort(k.repeat(rows), stable=True)
-    order = by_k[torch.argsort(chunk[by_k], stable=True)]
-    take = order[:blocks_to_evict]
-    take = take[torch.isfinite(chunk[take])]
-    counts += torch.bincount(take // width, minlength=rows)
+    group = groups.repeat_interleave(width)
+    # Order by group, then block metric, then chunk number (so a head's evicted chunks are always a prefix of its
+    # chunks): stable sorts from the least to the most significant key.
+    order = torch.argsort(k.repeat(rows), stable=True)
+    order = order[torch.argsort(chunk[order], stable=True)]
+    order = order[torch.argsort(group[order], stable=True)]
+    sorted_group = group[order]
+    per_group = torch.bincount(group, minlength=budget.numel())
+    first = torch.cumsum(per_group, 0) - per_group
+    rank = torch.arange(order.numel(), device=device) - first[sorted_group]
+    take = (rank < budget[sorted_group]) & torch.isfinite(chunk[order])
+    counts.scatter_add_(0, order // width, take.long())
     return counts
 
 
@@ -157,7 +173,26 @@ def apply_evictions(sequence: PagedSequence, plan: EvictionPlan) -> int:
         gone[row_of, flat] = True
         if bool((gone.sum(1) != counts).any()):
             raise InvalidParameterError("evicted slots must be distinct within each row")
-    new_lengths = lengths - counts
+    new_lengths = move_cache(sequence.pool, slot, valid, lengths, gone)
+    dropped = sequence._shrink_rows(new_lengths)  # one length update; only the tables' tails are read
+    pool.free(dropped)
+    return len(dropped)
+
+
+def move_cache(
+    pool, slot: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, gone: torch.Tensor
+) -> torch.Tensor:
+    """MoveCache over any number of rows (of one or many sequences) at once; returns ``[rows]`` new lengths.
+
+    Args:
+        slot: ``[rows, width]`` flat pool slot of each logical slot; valid: ``[rows, width]`` within the length
+        lengths: ``[rows]``; gone: ``[rows, width]`` evicted logical slots (within the lengths)
+    Surviving entries beyond a row's new length move into its evicted slots below it (the last survivor into the
+    earliest hole), carrying key, value, position and metric; vacated slots are emptied. Block tables are not
+    touched (the caller shrinks them).
+    """
+    width = slot.shape[1]
+    new_lengths = lengths - gone.sum(1)
     idx = torch.arange(width, device=slot.device)[None, :]
     holes = gone & (idx < new_lengths[:, None])  # evicted slots inside the new length, filled in ascending order
     movers = ~gone & valid & (idx >= new_lengths[:, None])  # survivors beyond it, moved last one first
@@ -170,21 +205,16 @@ def apply_evictions(sequence: PagedSequence, plan: EvictionPlan) -> int:
     m_order = torch.argsort(m_row * width + mover_rank[m_row, m_col])
     d = slot[h_row, h_col][h_order]
     s_ = slot[m_row, m_col][m_order]
-    if len(d):
-        hd = pool.head_dim
-        for t in (pool.keys.view(-1, hd), pool.values.view(-1, hd)):
-            t[d] = t[s_]
-        for t in (pool.positions.view(-1), pool.metric.view(-1)):
-            t[d] = t[s_]
+    hd = pool.head_dim
+    for t in (pool.keys.view(-1, hd), pool.values.view(-1, hd), pool.positions.view(-1), pool.metric.view(-1)):
+        t[d] = t[s_]
     vacated = slot[valid & (idx >= new_lengths[:, None])]
     pool.positions.view(-1)[vacated] = EMPTY
     pool.metric.view(-1)[vacated] = 0.0
-    dropped = sequence._shrink_rows(new_lengths)  # one length update; only rows that lose blocks are touched
-    pool.free(dropped)
-    return len(dropped)
+    return new_lengths
 
 
-def budget_blocks(max_cache_tokens: int, num_rows: int, block_size: int) -> int:
+def budget_blocks(max_cache_tokens, num_rows: int, block_size: int):
     """Blocks a sequence may hold for a per-head average of ``max_cache_tokens``: ``⌈M·L·H / bs⌉``."""
     return -(-max_cache_tokens * num_rows // block_size)
 
@@ -204,8 +234,69 @@ def blocks_over_budget(sequence: PagedSequence, *, max_cache_tokens: int) -> int
 
 def compress_sequence(sequence: PagedSequence, *, max_cache_tokens: int, protected_window: int) -> int:
     """Evict down to the budget (as far as the protected window allows); returns the blocks freed."""
-    over = blocks_over_budget(sequence, max_cache_tokens=max_cache_tokens)
-    if over == 0:
-        return 0
-    plan = schedule_evictions(sequence, blocks_to_evict=over, protected_window=protected_window)
-    return apply_evictions(sequence, plan)
+    if isinstance(max_cache_tokens, bool) or not isinstance(max_cache_tokens, int) or max_cache_tokens <= 0:
+        raise InvalidParameterError(f"max_cache_tokens must be a positive integer, got {max_cache_tokens!r}")
+    return compress_sequences([sequence], max_cache_tokens=[max_cache_tokens], protected_window=protected_window)[0]
+
+
+def compress_sequences(
+    sequences: list[PagedSequence], *, max_cache_tokens: list[int], protected_window: int
+) -> list[int]:
+    """Evict every sequence down to its own budget in one batch; returns the blocks freed per sequence.
+
+    The same result as :func:`compress_sequence` on each sequence, computed for all of them together: one gather
+    of every (sequence, layer, KV head) row through the shared block tables, one sort, one grouped block ranking
+    (each sequence ranks its own chunks, :func:`block_eviction_counts` with ``groups``), one MoveCache and one
+    block-table shrink. No Python loop over sequences, rows or blocks.
+
+    Args:
+        sequences: paged sequences of one pool with the same number of rows
+        max_cache_tokens: per sequence, its per-head average budget ``M`` (positive)
+    """
+    _nonneg_int("protected_window", protected_window)
+    if len(max_cache_tokens) != len(sequences):
+        raise InvalidParameterError(
+            f"max_cache_tokens has {len(max_cache_tokens)} entries for {len(sequences)} sequences"
+        )
+    for m in max_cache_tokens:
+        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+            raise InvalidParameterError(f"max_cache_tokens must hold positive integers, got {m!r}")
+    if not sequences:
+        return []
+    store, pool = sequences[0].store, sequences[0].pool
+    if any(s.store is not store for s in sequences):
+        raise InvalidParameterError("sequences must share one pool and the same number of layers and KV heads")
+    rows, bs = store.rows, pool.block_size
+    slots = torch.tensor([s.slot for s in sequences], dtype=torch.long)
+    budget = torch.tensor(max_cache_tokens, dtype=torch.long)
+    # Host bookkeeping decides which sequences are over budget (no device read).
+    host_len, host_nb = store.host_length[slots], store.host_nblocks[slots]
+    over = (host_nb.sum(1) - budget_blocks(budget, rows, bs)).clamp(min=0)
+    over = over.masked_fill(host_len.amax(1) <= budget, 0)  # every head within M: block rounding never evicts
+    chosen = torch.nonzero(over > 0).flatten()
+    freed = [0] * len(sequences)
+    if chosen.numel() == 0:
+        return freed
+    slots, over, held = slots[chosen], over[chosen], host_nb[chosen].sum(1)
+    m, width = len(chosen), int(host_nb[chosen].max())
+    seen = torch.tensor([sequences[i].seen for i in chosen.tolist()], dtype=torch.long, device=pool.device)
+    dev_slots = slots.to(pool.device)
+    table = store.table[dev_slots, :, :width]  # [m, rows, width]
+    slot = (table[..., None] * bs + torch.arange(bs, device=pool.device)).reshape(m * rows, width * bs)
+    lengths = store.length[dev_slots].reshape(-1)
+    valid = torch.arange(width * bs, device=pool.device)[None, :] < lengths[:, None]
+    positions = pool.positions.view(-1)[slot]
+    shielded = ~valid | (positions > (seen - 1 - protected_window).repeat_interleave(rows)[:, None])
+    metric = pool.metric.view(-1)[slot].float().masked_fill(shielded, float("inf"))
+    sorted_metric, order = metric.sort(dim=1, stable=True)
+    groups = torch.arange(m, device=pool.device).repeat_interleave(rows)
+    blocks = block_eviction_counts(sorted_metric, lengths, bs, over.to(pool.device), groups)
+    n_evict = evicted_entries(blocks, lengths, bs)
+    ranked = torch.arange(order.shape[1], device=pool.device)[None, :] < n_evict[:, None]
+    gone = torch.zeros_like(ranked).scatter_(1, order, ranked)
+    new_lengths = move_cache(pool, slot, valid, lengths, gone)
+    dropped = store.shrink(slots, new_lengths.view(m, rows))
+    pool.free(dropped)
+    for i, n in zip(chosen.tolist(), (held - store.host_nblocks[slots].sum(1)).tolist(), strict=True):
+        freed[i] = n
+    return freed

@@ -6,10 +6,12 @@ Every :meth:`Engine.step` runs, in order: compression (forced after a completed 
 pressure, otherwise every step unless ``compress_once``), preemption by recompute if the next decode step still
 does not fit, **one batched decode forward over every decoding sequence**, then **chunked prefill**: the step's
 token budget left by the decodes goes to prefill chunks (running prefills first, then newly admitted requests,
-first come first served, admitted by their projected compressed size), chunks of equal length batched into one
-forward. With compression on, a sequence is compressed after each of its prefill chunks, so a long prompt never
-needs its uncompressed size in the pool. Scheduling decisions live in :mod:`kvtrim.serve.scheduler`; storage and
-eviction in :mod:`kvtrim.cache.paged` and :mod:`kvtrim.selection.block_eviction`.
+first come first served, admitted by their projected compressed size), all chunks of a step packed into one
+forward whatever their lengths. With compression on, a sequence is compressed after each of its prefill chunks, so
+a long prompt never needs its uncompressed size in the pool; every compression of a step is one batched eviction
+over all the sequences due (:func:`~kvtrim.selection.block_eviction.compress_sequences`). Scheduling decisions
+live in :mod:`kvtrim.serve.scheduler`; storage and eviction in :mod:`kvtrim.cache.paged` and
+:mod:`kvtrim.selection.block_eviction`.
 
 ``submit`` and ``cancel`` are thread-safe and take no lock the engine loop holds while it works: ``submit``
 tokenizes in the caller's thread with a tokenizer copy of that thread (fast tokenizers must not be shared across
@@ -36,7 +38,7 @@ from ..errors import InvalidParameterError
 from ..integration.attention import enable
 from ..methods.presets import KV_COMPRESS as PAGED_METHODS  # the KV-Compress presets, stated once
 from ..runtime import eos_ids
-from ..selection.block_eviction import compress_sequence
+from ..selection.block_eviction import compress_sequences
 from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
 from .types import RequestHandle, SamplingParams, TokenEvent
 
@@ -155,10 +157,14 @@ def _partial_suffix(text: str, stop: str) -> int:
     return 0
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from ``logits`` ``[vocab]``: argmax at temperature 0, else temperature + nucleus (top-p)."""
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, greedy: int | None = None
+) -> int:
+    """One token from ``logits`` ``[vocab]``: argmax at temperature 0, else temperature + nucleus (top-p).
+
+    ``greedy``: the argmax, when the caller computed it for a whole batch at once (one host read per step)."""
     if params.temperature == 0.0:
-        return int(logits.argmax())
+        return int(logits.argmax()) if greedy is None else greedy
     # Per-request generators live on the CPU (seeds reproduce across devices): sample where the generator is.
     probs = torch.softmax(logits.float().to(generator.device) / params.temperature, dim=-1)
     if params.top_p < 1.0:
@@ -249,6 +255,10 @@ class Engine:
             chunk when compression is on)
         max_num_batched_tokens: tokens one step feeds at most, decodes and prefill chunks together (vLLM's
             ``max_num_batched_tokens``; one chunk is always allowed)
+        decode_buckets: static decode shapes, as vLLM pads them for CUDA graphs: the decode batch is padded to a
+            bucket (1, 2, 4, 8, then multiples of 8; padding rows touch only a scratch block) and block-table
+            widths are rounded up to powers of two. Outputs are unchanged; eager execution (no CUDA graphs are
+            captured), so on a CPU it only adds padding work.
     """
 
     def __init__(
@@ -270,6 +280,7 @@ class Engine:
         compression_interval: int = 1,
         prefill_chunk: int = 512,
         max_num_batched_tokens: int = 2048,
+        decode_buckets: bool = False,
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
         enable(model)  # raises UnsupportedModelError for unsupported architectures
@@ -279,10 +290,13 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
+        if not isinstance(decode_buckets, bool):
+            raise InvalidParameterError(f"decode_buckets must be True or False, got {decode_buckets!r}")
+        self.decode_buckets = decode_buckets
         if kv_blocks is not None:
-            self.pool = BlockPool(kv_blocks, block_size, head_dim, dtype, device)
+            self.pool = BlockPool(kv_blocks, block_size, head_dim, dtype, device, scratch=decode_buckets)
         else:
-            self.pool = BlockPool.for_bytes(kv_memory_bytes, block_size, head_dim, dtype, device)
+            self.pool = BlockPool.for_bytes(kv_memory_bytes, block_size, head_dim, dtype, device, decode_buckets)
         self.geometry = BlockGeometry(cfg.num_hidden_layers, cfg.num_key_value_heads, block_size)
         self.compression_rate = float(compression_rate)
         self.compress = self.compression_rate > 1.0
@@ -548,23 +562,30 @@ class Engine:
         if plan is None:
             return
         t0 = time.perf_counter()
-        for req in plan.sequences:
-            try:
-                self._compress(req)
-            except Exception as exc:  # one request's failure must not stop the others
-                self._finish(req, events, None, "error", _describe(exc))
+        self._compress(list(plan.sequences), events)
         self._stats.compress_s += time.perf_counter() - t0
 
-    def _compress(self, req: _Request, mark: bool = True) -> None:
-        seq = req.paged
-        budget = max_cache_tokens(seq.seen, self.compression_rate, self.min_cache_tokens, self.pool.block_size)
-        freed = compress_sequence(seq, max_cache_tokens=budget, protected_window=self.protected_window)
-        if freed:
-            self._stats.compressions += 1
-            self._stats.blocks_evicted += freed
-            req.compressions += 1
-        if mark:
-            self.scheduler.mark_compressed(req)
+    def _compress(self, reqs: list[_Request], events: list[TokenEvent], mark: bool = True) -> None:
+        """Compress every sequence of ``reqs`` to its budget in one batched eviction (one ranking and one
+        MoveCache for all of them); a failure fails exactly these requests."""
+        if not reqs:
+            return
+        bs = self.pool.block_size
+        budgets = [max_cache_tokens(r.paged.seen, self.compression_rate, self.min_cache_tokens, bs) for r in reqs]
+        try:
+            freed = compress_sequences(
+                [r.paged for r in reqs], max_cache_tokens=budgets, protected_window=self.protected_window
+            )
+        except Exception as exc:
+            self._fail(reqs, events, exc)
+            return
+        for req, n in zip(reqs, freed, strict=True):
+            if n:
+                self._stats.compressions += 1
+                self._stats.blocks_evicted += n
+                req.compressions += 1
+            if mark:
+                self.scheduler.mark_compressed(req)
 
     def _preempt_phase(self, events: list[TokenEvent]) -> None:
         victims = self.scheduler.preempt(self.pool.num_free)
@@ -590,14 +611,16 @@ class Engine:
         self._stats.decode_steps += 1
         self._stats.decode_tokens += len(batch)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(batch))
+        greedy = logits.argmax(-1).tolist()  # one host read for the whole batch, not one per request
         for row, req in enumerate(batch):
-            self._next_token(req, logits[row], events)
+            self._next_token(req, logits[row], events, greedy[row])
         self.scheduler.tick()
         return len(batch)
 
     def _decode_forward(self, batch: list[_Request], events: list[TokenEvent]) -> torch.Tensor | None:
-        input_ids = torch.tensor([[r.generated[-1]] for r in batch], device=self.pool.device)
-        positions = torch.tensor([[r.paged.seen] for r in batch], device=self.pool.device)
+        pad = batch_bucket(len(batch)) - len(batch) if self.decode_buckets else 0
+        input_ids = torch.tensor([[r.generated[-1]] for r in batch] + [[0]] * pad, device=self.pool.device)
+        positions = torch.tensor([[r.paged.seen] for r in batch] + [[0]] * pad, device=self.pool.device)
         try:
             cache = PagedBatchCache(
                 self.model.config,
@@ -605,6 +628,7 @@ class Engine:
                 [r.paged for r in batch],
                 accumulate_decode_metric=self.compress and not self.compress_once,
                 buffer=self.metric_buffer,
+                bucketed=self.decode_buckets,
             )
             out = self.model(
                 input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
@@ -612,7 +636,7 @@ class Engine:
         except Exception as exc:  # a failed batch forward (OutOfBlocks would be a scheduler bug) fails the batch
             self._fail(batch, events, exc)
             return None
-        return out.logits[:, -1]
+        return out.logits[: len(batch), -1]
 
     def _prefill_phase(self, events: list[TokenEvent], decoded: int) -> None:
         plan = self.scheduler.schedule_prefill(self.pool.num_free, decoded)
@@ -622,33 +646,31 @@ class Engine:
             if not decoded and self.scheduler.running:
                 self._unstall(events)
             return
-        groups: dict[int, list[_Request]] = {}
-        for req, n in plan.chunks:  # chunks of one length share a forward (dicts keep the schedule's order)
-            groups.setdefault(n, []).append(req)
-        for n, reqs in groups.items():
+        # Every chunk of this step in ONE forward, packed back to back whatever their lengths (varlen prefill).
+        reqs = [req for req, _ in plan.chunks]
+        t0 = time.perf_counter()
+        try:
+            logits = self._prefill_chunks(plan.chunks)
+        except Exception as exc:
+            self._fail(reqs, events, exc)
+            return
+        finally:
+            self._stats.prefill_s += time.perf_counter() - t0
+        partial = []
+        for row, req in enumerate(reqs):
+            if req.prefill_remaining() == 0:
+                req.decoding = True
+                self._stats.prefills += 1
+                req.steps_since_compression = 0
+                req.compressed_since_prefill = False
+                self.scheduler.prefill_done()
+                self._next_token(req, logits[row], events)
+            else:
+                partial.append(req)
+        if self.compress and partial:  # compress as chunks arrive: the prompt never sits uncompressed
             t0 = time.perf_counter()
-            try:
-                logits = self._prefill_chunk(reqs, n)
-            except Exception as exc:
-                self._fail(reqs, events, exc)
-                continue
-            finally:
-                self._stats.prefill_s += time.perf_counter() - t0
-            for row, req in enumerate(reqs):
-                if req.prefill_remaining() == 0:
-                    req.decoding = True
-                    self._stats.prefills += 1
-                    req.steps_since_compression = 0
-                    req.compressed_since_prefill = False
-                    self.scheduler.prefill_done()
-                    self._next_token(req, logits[row], events)
-                elif self.compress:  # compress as chunks arrive: the prompt never sits uncompressed in the pool
-                    t0 = time.perf_counter()
-                    try:
-                        self._compress(req, mark=False)
-                    except Exception as exc:
-                        self._finish(req, events, None, "error", _describe(exc))
-                    self._stats.compress_s += time.perf_counter() - t0
+            self._compress(partial, events, mark=False)
+            self._stats.compress_s += time.perf_counter() - t0
 
     def _unstall(self, events: list[TokenEvent]) -> None:
         """Nothing could run this step (only prefilling sequences, none of whose chunks fit): preempt the newest
@@ -662,37 +684,43 @@ class Engine:
         for req in list(self.scheduler.running):
             self._finish(req, events, None, "error", "out of KV memory: the request alone outgrew the pool")
 
-    def _prefill_chunk(self, reqs: list[_Request], n: int) -> torch.Tensor:
-        """Feed the next ``n`` prefill tokens of each request in one forward; returns ``[len(reqs), vocab]``
-        logits of each chunk's last token. With compression, the chunk's metric is added to ``pool.metric``."""
-        rows, positions = [], []
-        for req in reqs:
+    def _prefill_chunks(self, chunks: list[tuple[_Request, int]]) -> torch.Tensor:
+        """Feed the next ``n`` prefill tokens of each ``(request, n)`` in one packed forward (chunks of any lengths
+        back to back in one row); returns ``[len(chunks), vocab]`` logits of each chunk's last token. With
+        compression, each chunk's metric is added to ``pool.metric``."""
+        reqs, lengths = [r for r, _ in chunks], [n for _, n in chunks]
+        tokens, positions = [], []
+        for req, n in chunks:
             if req.paged is None:
                 req.paged = PagedSequence(self.pool, self.geometry.layers, self.geometry.kv_heads)
-            tokens = req.prompt_ids + req.generated
-            rows.append(tokens[req.prefilled : req.prefilled + n])
-            positions.append(req.prefilled)
+            tokens.extend((req.prompt_ids + req.generated)[req.prefilled : req.prefilled + n])
+            positions.extend(range(req.prefilled, req.prefilled + n))
         window = 0
         if self.compress:
-            window = n if self.window is None else min(self.window, n)
-        cache = PagedBatchCache(self.model.config, self.pool, [r.paged for r in reqs], observe_window=window)
+            window = max(lengths) if self.window is None else min(self.window, max(lengths))
+        cache = PagedBatchCache(
+            self.model.config, self.pool, [r.paged for r in reqs], observe_window=window, chunk_lengths=lengths
+        )
         device = self.pool.device
-        ids = torch.tensor(rows, device=device)
-        pos = torch.tensor(positions, device=device)[:, None] + torch.arange(n, device=device)
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        ids = torch.tensor([tokens], device=device)
+        pos = torch.tensor([positions], device=device)
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=last)
         if self.compress:
             prefill_metric(cache, kernel=self.kernel, buffer=self.metric_buffer)
-        for req in reqs:
+        for req, n in chunks:
             req.prefilled += n
-        self._stats.prefill_chunks += len(reqs)
-        self._stats.prefill_tokens += n * len(reqs)
-        return out.logits[:, -1]
+        self._stats.prefill_chunks += len(chunks)
+        self._stats.prefill_tokens += sum(lengths)
+        return out.logits[0]
 
     # ------------------------------------------------------------------------------------ per request
-    def _next_token(self, req: _Request, logits: torch.Tensor, events: list[TokenEvent]) -> None:
+    def _next_token(
+        self, req: _Request, logits: torch.Tensor, events: list[TokenEvent], greedy: int | None = None
+    ) -> None:
         """Sample, detokenize and check the stop conditions of one request (its errors stay its own)."""
         try:
-            token = sample_token(logits, req.params, req.generator)
+            token = sample_token(logits, req.params, req.generator, greedy)
             if token in self.eos and not req.params.ignore_eos:
                 self._finish(req, events, None, "stop", text=req.text.flush())
                 return
@@ -748,6 +776,14 @@ class Engine:
                 traceback.print_exc()
                 with self._step_lock, torch.inference_mode():
                     self._fail(list(self.scheduler.running), [], exc)
+
+
+def batch_bucket(n: int) -> int:
+    """The padded decode batch size for ``n`` sequences: 1, 2, 4, 8, then the next multiple of 8 (as vLLM's
+    CUDA-graph capture sizes)."""
+    if n <= 0:
+        raise InvalidParameterError(f"a decode batch holds at least one sequence, got {n}")
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
 
 
 def _describe(exc: BaseException) -> str:
