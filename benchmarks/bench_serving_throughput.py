@@ -73,7 +73,7 @@ def load(shape: str | None, device: str, dtype: torch.dtype):
     return model, tok
 
 
-OUT_DIR = Path(__file__).parent / "results" / "serving_throughput"
+OUT_DIR = Path(__file__).parent / "results" / "bench_serving_throughput"
 
 
 def make_prompts(tokenizer, length: int, count: int, haystack: str = "jargon") -> list[list[int]]:
