@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import kvtrim
-from kvtrim.cache.paged import BlockPool, PagedBatchCache, PagedSequence, prefill_metric
+from kvtrim.cache.paged import BlockPool, PagedBatchCache, PagedSequence
 from kvtrim.eval.haystacks import get_haystack
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.selection import block_eviction as be
@@ -53,7 +53,7 @@ def prefill(model, tokenizer, n: int, tokens: int) -> list[PagedSequence]:
         seq = PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads)
         cache = PagedBatchCache(cfg, pool, [seq], observe_window=32)
         model(ids, past_key_values=cache, use_cache=True)
-        prefill_metric(cache)
+        be.prefill_metric(cache)
         seqs.append(seq)
     return seqs
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 import kvtrim
-from kvtrim.cache.paged import BlockPool, PagedBatchCache, PagedSequence, prefill_metric
+from kvtrim.cache.paged import BlockPool, PagedBatchCache, PagedSequence
 from kvtrim.eval.haystacks import get_haystack
 from kvtrim.integration.attention import kvtrim_attention_enabled
-from kvtrim.selection.block_eviction import compress_sequence
+from kvtrim.selection.block_eviction import compress_sequence, prefill_metric
 
 OUT = Path(__file__).parent / "results" / "bench_paged_bytes"
 

@@ -9,11 +9,11 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
-from kvtrim.cache.paged import BlockPool, OutOfBlocks, PagedBatchCache, PagedSequence, prefill_metric
+from kvtrim.cache.paged import BlockPool, OutOfBlocks, PagedBatchCache, PagedSequence
 from kvtrim.errors import InvalidParameterError
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.scoring.squared_attention import squared_attention
-from kvtrim.selection.block_eviction import apply_evictions, schedule_evictions
+from kvtrim.selection.block_eviction import apply_evictions, prefill_metric, schedule_evictions
 
 torch.set_num_threads(1)
 

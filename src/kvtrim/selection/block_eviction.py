@@ -24,9 +24,10 @@ import torch
 
 from ..cache.block_pool import EMPTY
 from ..errors import InvalidParameterError
+from ..scoring.squared_attention import squared_attention
 
 if TYPE_CHECKING:
-    from ..cache.paged import PagedSequence
+    from ..cache.paged import PagedBatchCache, PagedSequence
 
 
 def _nonneg_int(name: str, value) -> int:
@@ -300,3 +301,64 @@ def compress_sequences(
     for i, n in zip(chosen.tolist(), (held - store.host_nblocks[slots].sum(1)).tolist(), strict=True):
         freed[i] = n
     return freed
+
+def prefill_metric(
+    cache: PagedBatchCache,
+    *,
+    window: int | None = None,
+    kernel: int = 7,
+    buffer: int = 0,
+    chunk: int = 512,
+) -> None:
+    """Add to ``pool.metric`` of the sequences just prefilled through ``cache`` the metric of the recorded queries.
+
+    KVC-w: squared attention of the last ``window`` prompt queries, max-pooled per query head (``kernel`` 7),
+    summed over each query group. KVC-full: record every prompt query (``observe_window`` >= the prompt length),
+    ``buffer=10`` (keys within 10 positions of a query excluded), ``kernel=1`` (no pooling).
+
+    A whole prompt in one forward gets exactly the paper's prefill metric (fresh entries start at 0). A chunked
+    prefill calls this after every chunk: each chunk's window adds its squared attention over every entry then
+    stored, as decode queries do in the paper's continual metric. Pooling runs over each head's entries in position
+    order (after MoveCache the slots are not in order).
+
+    Args:
+        cache: the cache of the prefill forward, built with ``observe_window > 0``
+        window: queries to use (default: all recorded)
+    """
+    if cache.observe_window <= 0:
+        raise InvalidParameterError("prefill_metric needs a PagedBatchCache built with observe_window > 0")
+    if kernel < 1 or kernel % 2 == 0:
+        raise InvalidParameterError(f"kernel must be an odd integer >= 1, got {kernel}")
+    if window is not None and window <= 0:
+        raise InvalidParameterError(f"window must be positive or None, got {window}")
+    pool = cache.pool
+    scaling = cache.scaling if cache.scaling is not None else cache.head_dim**-0.5
+    flat_pos = pool.positions.view(-1)
+    seqs = cache.sequences
+    store, bs, device = seqs[0].store, pool.block_size, pool.device
+    k, layers, heads = len(seqs), cache.num_layers, cache.kv_heads
+    host_slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+    width = max(1, int(store.host_nblocks[host_slots].max()))
+    dev_slots = host_slots.to(device)
+    # Every (sequence, layer, head)'s entries through the shared tables, in position order (empty slots last):
+    # one gather and one sort for the whole batch; the identity order for fresh, in-order sequences.
+    table = store.table[dev_slots, :, :width]  # [k, rows, width]
+    slot = (table[..., None] * bs + torch.arange(bs, device=device)).reshape(k, layers * heads, width * bs)
+    valid = torch.arange(width * bs, device=device) < store.length[dev_slots][..., None]
+    order = flat_pos[slot].masked_fill(~valid, torch.iinfo(torch.long).max).argsort(dim=2, stable=True)
+    slot = slot.gather(2, order).view(k, layers, heads, -1)
+    valid = valid.gather(2, order).view(k, layers, heads, -1)
+    for layer in range(layers):  # one batched metric per layer, as the model runs its layers
+        obs = cache.observations[layer]
+        if obs is None:
+            raise RuntimeError(f"layer {layer}: no prefill queries were recorded")
+        queries, qpos = obs  # [k, q_heads, w, d], [k, w] (-1: a padding query of a packed prefill)
+        w = queries.shape[2] if window is None else min(window, queries.shape[2])
+        s, ok = slot[:, layer], valid[:, layer]  # [k, H, S]
+        kpos = flat_pos[s].masked_fill(~ok, EMPTY)
+        keys = pool.keys.view(-1, pool.head_dim)[s]
+        metric = squared_attention(
+            queries[:, :, -w:], qpos[:, -w:], keys, kpos, scaling, buffer=buffer, kernel=kernel, chunk=chunk
+        )
+        # Slots beyond a row's length add exactly 0 (no boolean indexing, so no host read of its size).
+        pool.metric.view(-1).index_add_(0, s.reshape(-1), torch.where(ok, metric, 0.0).reshape(-1))

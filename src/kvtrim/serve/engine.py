@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence, prefill_metric
+from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
 from ..methods.presets import KV_COMPRESS as PAGED_METHODS  # the KV-Compress presets, stated once
 from ..runtime import eos_ids
-from ..selection.block_eviction import compress_sequences
+from ..selection.block_eviction import compress_sequences, prefill_metric
 from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
 from .types import RequestHandle, SamplingParams, TokenEvent
 

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import InvalidParameterError
-from .openai_schema import RequestError
+from .request_error import RequestError
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 

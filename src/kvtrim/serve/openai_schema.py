@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .request_error import RequestError
 from .types import SamplingParams
 
 if TYPE_CHECKING:
@@ -21,25 +22,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Temperatures below this are greedy (as in vLLM): dividing logits by 1e-300 overflows to inf and NaN probabilities.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class RequestError(Exception):
-    """An invalid request; rendered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)

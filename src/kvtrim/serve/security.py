@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import InvalidParameterError
-from .openai_schema import RequestError
+from .request_error import RequestError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 PROTECTED_PREFIX = "/v1"
