@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from kvtrim.budgets.pyramid import pyramid_layer_budgets
 from kvtrim.errors import InvalidParameterError, UnsupportedModelError
 from kvtrim.methods import get_method
 from kvtrim.scoring.partitions import kept_length
@@ -24,10 +25,24 @@ def test_keep_count_follows_budget_ratio_and_lag_partitions():
     assert lag.keep_count(300) == kept_length(300, 4, 32, 16) == 172
 
 
+def test_pyramidkv_layer_counts_follow_kvtrims_schedule_and_blocks_follow_the_largest():
+    config = parse_config({"method": "pyramidkv", "budget": 128})  # window 8, beta 20 (kvtrim's preset)
+    keeps = config.layer_keeps(700, 4)
+    assert keeps == pyramid_layer_budgets(128, 700, 4, 8, 20.0) == [242, 166, 90, 14]
+    assert sum(keeps) == 4 * 128  # mean budget exactly 128, blocks sized by 242
+    assert config.keep_count(700, 4) == 242
+    assert config.layer_keeps(100, 4) == [100] * 4  # budget above the prompt: nothing compressed
+    assert parse_config({"method": "snapkv", "budget": 64}).layer_keeps(200, 3) == [64] * 3
+    with pytest.raises(InvalidParameterError, match="num_layers is required"):
+        config.keep_count(700)
+    with pytest.raises(InvalidParameterError, match="num_layers must be an integer >= 1"):
+        config.layer_keeps(700, 0)
+
+
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        ({"method": "pyramidkv", "budget": 8}, "not supported inside vLLM"),
+        ({"method": "adakv", "budget": 8}, "not supported inside vLLM"),
         ({"method": "nope", "budget": 8}, "not a kvtrim method"),
         ({"method": "snapkv"}, "exactly one of ratio"),
         ({"method": "snapkv", "ratio": 1.5}, "ratio must be in [0, 1)"),
@@ -132,3 +147,27 @@ def test_evict_layer_snapkv_matches_kvtrims_selector_on_the_same_entries():
 def _causal(p: int, w: int) -> torch.Tensor:
     qpos = torch.arange(p - w, p).view(-1, 1)
     return torch.where(torch.arange(p).view(1, -1) <= qpos, 0.0, float("-inf")).view(1, 1, w, p)
+
+
+def test_evict_layer_uses_the_layers_own_pyramid_count():
+    h, d, bs, p = 2, 8, 4, 15
+    impl = _TransposedImpl(h, d, bs)
+    cache = torch.zeros(8, h, bs, 2 * d)
+    layout = probe_layout(impl, None, cache)
+    torch.manual_seed(1)
+    keys, values = torch.randn(p, h, d), torch.randn(p, h, d)
+    blocks = torch.tensor([3, 0, 5, 2])
+    impl.do_kv_cache_update(None, keys, values, cache, (blocks.repeat_interleave(bs) * bs + torch.arange(16) % bs)[:p])
+    query = torch.randn(p, 2 * h, d)
+    pyramid = get_method("pyramidkv", window=4, kernel=3)
+    pending = PendingEviction("r", 0, p, p, 9, blocks, layer_keep=(9, 5))
+    evict_layer(pyramid, layout, cache, query, pending, 1, 2, d**-0.5, None)
+    # Layer 1 keeps 5 entries per head: the same ones SnapKV (same scorer and selector) keeps at budget 5.
+    got, _ = layout.read(cache, blocks, 5)
+    cache2 = torch.zeros(8, h, bs, 2 * d)
+    impl.do_kv_cache_update(None, keys, values, cache2, (blocks.repeat_interleave(bs) * bs + torch.arange(16) % bs)[:p])
+    snap = get_method("snapkv", window=4, kernel=3)
+    evict_layer(snap, layout, cache2, query, PendingEviction("r", 0, p, p, 5, blocks), 1, 2, d**-0.5, None)
+    want, _ = layout.read(cache2, blocks, 5)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, keys[:5])

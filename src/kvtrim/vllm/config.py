@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..budgets.partition import PartitionBudget, keep_per_partition
+from ..budgets.pyramid import PyramidBudget, pyramid_layer_budgets
 from ..budgets.uniform import UniformBudget
 from ..compression.compressor import BudgetSpec
 from ..compression.pipeline import Pipeline
@@ -27,9 +28,14 @@ from ..scoring.partitions import kept_length
 ENV_VAR = "KVTRIM_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvtrim"
 
-# Methods whose kept count is the same for every layer and KV head (one block table serves all of them).
-# pyramidkv, adakv, headkv… need per-layer or per-head lengths: see docs/vllm.md.
-SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm)
+# Methods whose kept count is the same for every layer and KV head (one block table serves all of them), plus
+# PyramidKV: its per-layer counts depend on the prompt length only, so the block list is sized by the largest
+# layer and every layer gets its own seq_lens / slot mapping (worker_patch). adakv, headkv… need per-head
+# lengths: see docs/vllm.md.
+PER_LAYER_METHODS = ("pyramidkv",)
+SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm) + tuple(
+    name for name in PER_LAYER_METHODS if name in method_names()
+)
 
 
 @dataclass(frozen=True)
@@ -63,26 +69,53 @@ class VLLMEvictionConfig:
                 "params.skip_layers is not supported inside vLLM: every layer must keep the same number of entries"
             )
 
+    @property
+    def per_layer(self) -> bool:
+        """Whether layers keep different counts (PyramidKV): the worker then gives each layer its own lengths."""
+        return self.method in PER_LAYER_METHODS
+
     def pipeline(self) -> Pipeline:
         """A fresh kvtrim pipeline for this configuration."""
         pipeline = get_method(self.method, **self.params)
-        if not isinstance(pipeline.budget, (UniformBudget, PartitionBudget)):
+        if not isinstance(pipeline.budget, (UniformBudget, PartitionBudget, PyramidBudget)):
             raise InvalidParameterError(f"method {self.method!r} does not keep a uniform count per layer")
         return pipeline
 
-    def keep_count(self, prompt_len: int) -> int:
-        """Entries kept per layer and KV head after a ``prompt_len``-token prefill (``prompt_len``: keep all).
+    def keep_count(self, prompt_len: int, num_layers: int | None = None) -> int:
+        """Slots a request keeps after a ``prompt_len``-token prefill (``prompt_len``: keep all).
 
-        The scheduler frees blocks from this number before the worker has scored anything, so it depends only
-        on the prompt length and the configuration.
+        For uniform methods every layer and KV head keeps this many entries; for per-layer methods (PyramidKV)
+        it is the largest layer's count, which sizes the request's block list. The scheduler frees blocks from
+        this number before the worker has scored anything, so it depends only on the prompt length, the
+        configuration and the model's layer count.
         """
+        return max(self.layer_keeps(prompt_len, num_layers))
+
+    def layer_keeps(self, prompt_len: int, num_layers: int | None = None) -> list[int]:
+        """Entries each layer keeps (per KV head) after a ``prompt_len``-token prefill, ``[num_layers]``.
+
+        PyramidKV: kvtrim's own schedule (``pyramid_layer_budgets``, capped at the prompt length, as
+        ``PyramidBudget.allocate`` does on the transformers path); other methods: the same count everywhere
+        (``num_layers`` None: one entry).
+        """
+        if num_layers is None:
+            if self.per_layer:
+                raise InvalidParameterError(f"num_layers is required for the per-layer method {self.method!r}")
+            num_layers = 1
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise InvalidParameterError(f"num_layers must be an integer >= 1, got {num_layers!r}")
         if prompt_len < max(self.min_prompt, 1):
-            return prompt_len
+            return [prompt_len] * num_layers
         pipeline = self.pipeline()
-        if isinstance(pipeline.budget, PartitionBudget):
-            b = pipeline.budget
-            return kept_length(prompt_len, b.sink, b.lag, keep_per_partition(float(self.spec.ratio), b.lag))
-        return self.spec.keep_count(prompt_len)
+        b = pipeline.budget
+        if isinstance(b, PartitionBudget):
+            keep = kept_length(prompt_len, b.sink, b.lag, keep_per_partition(float(self.spec.ratio), b.lag))
+            return [keep] * num_layers
+        keep = self.spec.keep_count(prompt_len)
+        if isinstance(b, PyramidBudget):
+            per_layer = pyramid_layer_budgets(keep, prompt_len, num_layers, b.window, b.beta)
+            return [min(k, prompt_len) for k in per_layer]
+        return [keep] * num_layers
 
     def describe(self) -> dict:
         return {

@@ -21,8 +21,10 @@ class PendingEviction:
         req_id: vLLM request id
         query_start, query_end: its rows in the step's flattened query tensor
         prompt_len: prompt tokens, all in the cache after this step (slots ``0 … prompt_len-1``)
-        keep: entries every layer and KV head keeps
+        keep: slots the request keeps (the largest layer's count: it sizes the block list)
         blocks: ``[num_blocks]`` the request's block ids (group 0), in order
+        layer_keep: ``[num_layers]`` entries each layer keeps per KV head (PyramidKV's schedule; None: every
+            layer keeps ``keep``)
     """
 
     req_id: str
@@ -31,6 +33,7 @@ class PendingEviction:
     prompt_len: int
     keep: int
     blocks: torch.Tensor
+    layer_keep: tuple[int, ...] | None = None
 
 
 def evict_layer(
@@ -44,7 +47,7 @@ def evict_layer(
     scaling: float,
     ratio: float | None,
 ) -> None:
-    """Keep ``pending.keep`` entries per KV head of this layer, compacted into the request's first slots.
+    """Keep ``pending.layer_keep[layer_idx]`` entries per KV head of this layer, compacted into its first slots.
 
     Args:
         query: ``[num_tokens, q_heads, head_dim]`` the step's post-rotary queries (the request's last prompt
@@ -52,7 +55,8 @@ def evict_layer(
     Each KV head may keep different tokens (the count is what the block table fixes); kept entries stay in
     position order, keys keep the rotation of their original position.
     """
-    p, keep = pending.prompt_len, pending.keep
+    p = pending.prompt_len
+    keep = pending.keep if pending.layer_keep is None else pending.layer_keep[layer_idx]
     keys, values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
     kv_heads = keys.shape[1]
     device = keys.device
@@ -86,13 +90,14 @@ def evict_layer(
         ratio=ratio,
         compressed_until=[None],
     )
+    # One layer at a time: PyramidBudget with num_layers=1 returns ``keep`` (this layer's pyramid count).
     budgets = pipeline.budget.allocate(request, [scores])[:, 0]  # [1, kv_heads]
     selection = pipeline.selector.select(view, scores, budgets)
     kept = selection.keep_mask.sum(-1)
     if not bool((kept == keep).all()):
         raise RuntimeError(
             f"kvtrim: {pipeline.name} kept {kept.tolist()} entries per head in layer {layer_idx}, the scheduler "
-            f"freed blocks for {keep}; refusing to continue with an inconsistent cache"
+            f"sized this layer for {keep}; refusing to continue with an inconsistent cache"
         )
     index = selection.indices[0][selection.keep_mask[0]].view(kv_heads, keep).transpose(0, 1)  # [keep, kv_heads]
     heads = torch.arange(kv_heads, device=device).view(1, -1)

@@ -22,9 +22,15 @@ from .config import VLLMEvictionConfig, load_config
 @dataclass
 class SchedulerState:
     config: VLLMEvictionConfig
+    num_layers: int = 1  # the model's decoder layers (PyramidKV's schedule depends on it)
     dropped: dict[str, int] = field(default_factory=dict)
     blocks_freed: int = 0
     requests_compressed: int = 0
+
+
+def model_num_layers(vllm_config) -> int:
+    """The model's decoder layer count, read the same way by the scheduler and every worker."""
+    return int(vllm_config.model_config.hf_text_config.num_hidden_layers)
 
 
 def _check_supported(scheduler) -> None:
@@ -51,7 +57,7 @@ def _patch_init(orig):
         self._kvtrim_state = None
         if config is not None:
             _check_supported(self)
-            state = SchedulerState(config)
+            state = SchedulerState(config, num_layers=model_num_layers(self.vllm_config))
             self._kvtrim_state = state
             # The coordinator consults the same dropped counts.
             self.kv_cache_manager.coordinator._kvtrim_dropped = state.dropped
@@ -70,7 +76,7 @@ def _patch_update_after_schedule(orig):
             req = self.requests[req_id]
             prompt = req.num_prompt_tokens
             if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
-                keep = state.config.keep_count(prompt)
+                keep = state.config.keep_count(prompt, state.num_layers)
                 if keep < prompt:
                     finishing.append((req_id, prompt, keep))
         orig(self, scheduler_output)

@@ -11,11 +11,19 @@ Patched methods of vLLM's V1 ``GPUModelRunner`` (the CPU runner inherits them):
   block list to the kept blocks (the scheduler already returned the rest to its pool).
 - each attention impl's ``forward``: after attention for the step, score/select/compact the pending requests'
   entries in that layer's cache.
+
+Per-layer budgets (PyramidKV): the block list holds ``keep_max`` (largest layer) slots; layer ``l`` keeps
+``keep_l`` entries in slots ``0 … keep_l−1`` and reads/writes with the extra offset ``e_l = keep_max − keep_l``.
+vLLM shares one metadata object and one slot mapping among a KV cache group's layers only by reference (one
+dict entry per layer name), so ``_get_slot_mappings`` and ``_build_attention_metadata`` are wrapped to put a
+shifted slot mapping and metadata built from shifted ``seq_lens`` (``AttentionGroup.build_metadata``) under the
+names of the layers whose offsets differ from 0: one build per distinct offset vector per step.
 """
 
 from __future__ import annotations
 
 import functools
+from copy import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +32,7 @@ import torch
 from .config import VLLMEvictionConfig, load_config
 from .evictor import PendingEviction, evict_layer
 from .kv_layout import BlockLayout, probe_layout
+from .scheduler_patch import model_num_layers
 
 
 @dataclass
@@ -31,8 +40,17 @@ class WorkerState:
     """Per model runner: the configuration and each compressed request's dropped count."""
 
     config: VLLMEvictionConfig
+    model_layers: int = 1  # the model's decoder layers (PyramidKV's schedule)
     dropped: dict[str, int] = field(default_factory=dict)
+    # per-layer methods: request -> ``[model_layers]`` extra offsets keep_max − keep_l
+    offsets: dict[str, np.ndarray] = field(default_factory=dict)
     pending: list[PendingEviction] = field(default_factory=list)
+    # this step's per-layer variants: layer name -> offset key; key -> [(query rows, slots)], per-request deltas
+    layer_variant: dict[str, tuple] = field(default_factory=dict)
+    variant_rows: dict[tuple, list] = field(default_factory=dict)
+    variant_delta: dict[tuple, np.ndarray] = field(default_factory=dict)
+    variant_slots: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    variant_meta: dict[tuple, object] = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
     num_layers: int = 0
     pipeline: object = None
@@ -46,7 +64,11 @@ _PATCHED_IMPLS: set[type] = set()
 def _state(runner) -> WorkerState | None:
     if not hasattr(runner, "_kvtrim_state"):
         config = load_config(runner.vllm_config.additional_config)
-        runner._kvtrim_state = None if config is None else WorkerState(config, pipeline=config.pipeline())
+        runner._kvtrim_state = (
+            None
+            if config is None
+            else WorkerState(config, model_layers=model_num_layers(runner.vllm_config), pipeline=config.pipeline())
+        )
     return runner._kvtrim_state
 
 
@@ -69,6 +91,7 @@ def _patch_update_states(orig):
             restarted.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
             for req_id in restarted:
                 state.dropped.pop(req_id, None)
+                state.offsets.pop(req_id, None)
         return orig(self, scheduler_output)
 
     return _update_states
@@ -88,10 +111,11 @@ def _patch_prepare_inputs(orig):
         table = _group0(self)
         bs = table.block_size
         state.pending = []
+        shifted = []  # per-layer methods: (batch index, query rows, physical positions, block row, offsets)
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
-            d = state.dropped.get(req_id, 0)
             qs, qe = int(starts[i]), int(starts[i + 1])
-            if d:
+            if req_id in state.dropped:
+                d = state.dropped[req_id]
                 # Physical slots: the request's entries are compacted, the rotary positions stay logical.
                 phys = computed[i] - d + np.arange(qe - qs)
                 row = table.block_table.np[i]
@@ -99,18 +123,107 @@ def _patch_prepare_inputs(orig):
                 table.slot_mapping.gpu[qs:qe].copy_(torch.from_numpy(slots), non_blocking=True)
                 self.seq_lens[i] -= d
                 self.optimistic_seq_lens_cpu[i] -= d
+                if req_id in state.offsets:
+                    shifted.append((i, qs, qe, phys, row, state.offsets[req_id]))
                 continue
             req = self.requests[req_id]
             prompt = int(batch.num_prompt_tokens[i])
             if req.output_token_ids or not computed[i] < prompt == computed[i] + (qe - qs):
                 continue
-            keep = state.config.keep_count(prompt)
-            if keep < prompt:
+            layer_keep = state.config.layer_keeps(prompt, state.model_layers)
+            if min(layer_keep) < prompt:
                 blocks = torch.tensor(req.block_ids[0], dtype=torch.long, device=self.device)
-                state.pending.append(PendingEviction(req_id, qs, qe, prompt, keep, blocks))
+                state.pending.append(
+                    PendingEviction(req_id, qs, qe, prompt, max(layer_keep), blocks, tuple(layer_keep))
+                )
+        _plan_layer_variants(self, state, shifted, num_reqs, bs)
         return result
 
     return _prepare_inputs
+
+
+def _plan_layer_variants(runner, state: WorkerState, shifted: list, num_reqs: int, bs: int) -> None:
+    """Group the layers by their offset vector over this step's shifted requests; plan each group's slots."""
+    state.layer_variant, state.variant_rows, state.variant_delta = {}, {}, {}
+    state.variant_slots, state.variant_meta = {}, {}
+    if not shifted:
+        return
+    for name in runner.kv_cache_config.kv_cache_groups[0].layer_names:
+        idx = _layer_index(name)
+        key = tuple(int(off[idx]) for *_, off in shifted)
+        if not any(key):
+            continue
+        state.layer_variant[name] = key
+        if key in state.variant_rows:
+            continue
+        rows, delta = [], np.zeros(num_reqs, dtype=np.int64)
+        for (i, qs, qe, phys, row, _), e in zip(shifted, key, strict=True):
+            p = phys - e  # layer l's new entries follow its own keep_l kept ones
+            rows.append((qs, qe, row[p // bs].astype(np.int64) * bs + p % bs))
+            delta[i] = e
+        state.variant_rows[key] = rows
+        state.variant_delta[key] = delta
+
+
+def _patch_get_slot_mappings(orig):
+    @functools.wraps(orig)
+    def _get_slot_mappings(self, *args, **kwargs):
+        by_gid, by_layer = orig(self, *args, **kwargs)
+        state = _ACTIVE
+        if state is None or not state.layer_variant:
+            return by_gid, by_layer
+        if not isinstance(by_layer, dict):
+            raise RuntimeError("kvtrim: per-layer budgets (pyramidkv) do not support micro-batching (DBO)")
+        base = by_gid[0]
+        for key, rows in state.variant_rows.items():
+            t = base.clone()
+            for qs, qe, slots in rows:
+                t[qs:qe] = torch.from_numpy(slots).to(device=t.device, dtype=t.dtype)
+            state.variant_slots[key] = t
+        for name, key in state.layer_variant.items():
+            by_layer[name] = state.variant_slots[key]
+        return by_gid, by_layer
+
+    return _get_slot_mappings
+
+
+def _patch_group_build_metadata(orig):
+    @functools.wraps(orig)
+    def build_metadata(self, common_attn_metadata, *args, **kwargs):
+        out = orig(self, common_attn_metadata, *args, **kwargs)
+        state = _ACTIVE
+        if state is None or not state.variant_slots or not set(self.layer_names) & set(state.layer_variant):
+            return out
+        cm = common_attn_metadata
+        for key, delta in state.variant_delta.items():
+            shifted = copy(cm)
+            d = torch.zeros(cm.seq_lens.shape[0], dtype=cm.seq_lens.dtype, device=cm.seq_lens.device)
+            d[: delta.shape[0]] = torch.from_numpy(delta).to(device=d.device, dtype=d.dtype)
+            shifted.seq_lens = cm.seq_lens - d
+            if cm.seq_lens_cpu_upper_bound is not None:
+                ub = cm.seq_lens_cpu_upper_bound
+                shifted.seq_lens_cpu_upper_bound = ub - d.to(device=ub.device, dtype=ub.dtype)
+            shifted.slot_mapping = state.variant_slots[key]
+            state.variant_meta[key] = orig(self, shifted, *args, **kwargs)
+        return out
+
+    return build_metadata
+
+
+def _patch_build_attention_metadata(orig):
+    @functools.wraps(orig)
+    def _build_attention_metadata(self, *args, **kwargs):
+        attn_metadata, spec = orig(self, *args, **kwargs)
+        state = _ACTIVE
+        if state is None or not state.layer_variant or kwargs.get("for_cudagraph_capture"):
+            return attn_metadata, spec
+        if not isinstance(attn_metadata, dict):
+            raise RuntimeError("kvtrim: per-layer budgets (pyramidkv) do not support micro-batching (DBO)")
+        for name, key in state.layer_variant.items():
+            attn_metadata[name] = state.variant_meta[key]
+        return attn_metadata, spec
+
+    return _build_attention_metadata
 
 
 def _patch_execute_model(orig):
@@ -122,6 +235,7 @@ def _patch_execute_model(orig):
             return orig(self, scheduler_output, *args, **kwargs)
         _install_impl_patches(self, state)
         state.pending = []
+        state.layer_variant = {}  # planned again by _prepare_inputs if this step runs the model
         _ACTIVE = state
         try:
             out = orig(self, scheduler_output, *args, **kwargs)
@@ -131,6 +245,8 @@ def _patch_execute_model(orig):
             table = _group0(self)
             for p in state.pending:
                 state.dropped[p.req_id] = p.prompt_len - p.keep
+                if state.config.per_layer:
+                    state.offsets[p.req_id] = p.keep - np.asarray(p.layer_keep, dtype=np.int64)
                 n = -(-p.keep // table.block_size)
                 del self.requests[p.req_id].block_ids[0][n:]
                 table.num_blocks_per_row[self.input_batch.req_id_to_index[p.req_id]] = n
@@ -186,10 +302,14 @@ def _patch_forward(orig):
 def install() -> None:
     """Patch vLLM's V1 model runner (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
 
     if getattr(GPUModelRunner, "_kvtrim_patched", False):
         return
     GPUModelRunner._update_states = _patch_update_states(GPUModelRunner._update_states)
     GPUModelRunner._prepare_inputs = _patch_prepare_inputs(GPUModelRunner._prepare_inputs)
     GPUModelRunner.execute_model = _patch_execute_model(GPUModelRunner.execute_model)
+    GPUModelRunner._get_slot_mappings = _patch_get_slot_mappings(GPUModelRunner._get_slot_mappings)
+    GPUModelRunner._build_attention_metadata = _patch_build_attention_metadata(GPUModelRunner._build_attention_metadata)
+    AttentionGroup.build_metadata = _patch_group_build_metadata(AttentionGroup.build_metadata)
     GPUModelRunner._kvtrim_patched = True
