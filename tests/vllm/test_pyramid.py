@@ -151,3 +151,28 @@ def test_pyramid_no_leaks_with_aborts(model):
         assert state.dropped == {} and worker.dropped == {} and worker.offsets == {}
     finally:
         close(llm)
+
+
+def test_pyramid_whose_largest_layer_keeps_the_prompt_frees_nothing_but_still_compresses(model):
+    # Budget 158 of 300: PyramidKV caps layer 0 at the whole prompt, the deeper layers keep fewer entries.
+    config = {"method": "pyramidkv", "budget": 158}
+    prompt = token_prompts([300], seed=6)[0]
+    keeps = parse_config(config).layer_keeps(len(prompt), LAYERS)
+    assert max(keeps) == len(prompt) > min(keeps)
+    llm = make_llm(config, model=str(model))
+    try:
+        out = _generate(llm, [prompt])[0]
+        state = scheduler(llm)._kvtrim_state
+        assert state.blocks_freed == 0 and used_blocks(llm) == 0
+        # The worker forgets finished requests with its next step: the offsets are still there to check.
+        assert [o.tolist() for o in _worker_state(llm).offsets.values()] == [[max(keeps) - k for k in keeps]]
+    finally:
+        close(llm)
+    from transformers import AutoModelForCausalLM
+
+    import kvtrim
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    x = torch.tensor([prompt])
+    cache = kvtrim.make_cache(hf, "pyramidkv", budget=158)
+    assert out == hf.generate(x, past_key_values=cache, max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
