@@ -4,7 +4,7 @@ Two sources, by vLLM's own means: ``--additional-config '{"kvtrim": {...}}'`` (`
 ``vllm.LLM``), which wins, or the ``KVTRIM_VLLM_CONFIG`` environment variable holding the same JSON object.
 Neither set: the plugin leaves vLLM unchanged.
 
-Keys: ``method`` (a kvtrim registry name, see :data:`SUPPORTED_METHODS`), exactly one of ``ratio`` (fraction of
+Keys: ``method`` (a kvtrim registry name, see :data:`ACCEPTED_METHODS`), exactly one of ``ratio`` (fraction of
 prompt entries removed, in [0, 1)) or ``budget`` (prompt entries kept per layer and KV head), optional
 ``params`` (the method's own parameters, e.g. ``{"window": 8}``) and ``min_prompt`` (prompts shorter than this
 are not compressed, default 0).
@@ -28,14 +28,15 @@ from ..scoring.partitions import kept_length
 ENV_VAR = "KVTRIM_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvtrim"
 
-# Methods whose kept count is the same for every layer and KV head (one block table serves all of them), plus
-# PyramidKV: its per-layer counts depend on the prompt length only, so the block list is sized by the largest
-# layer and every layer gets its own seq_lens / slot mapping (worker_patch). adakv, headkv… need per-head
-# lengths: see docs/vllm.md.
-PER_LAYER_METHODS = ("pyramidkv",)
-SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm) + tuple(
-    name for name in PER_LAYER_METHODS if name in method_names()
-)
+# Methods whose kept count is the same for every layer and KV head (one block table serves all of them): derived
+# from the parts' ``runs_in_vllm`` capability (docs/methods-registry.md).
+SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm)
+# Plus per-layer methods: PyramidKV's per-layer counts depend on the prompt length only, so the block list is
+# sized by the largest layer and every layer gets its own seq_lens / slot mapping (worker_patch). Not (yet)
+# declared through the registry's capability, whose label also feeds README's generated method table.
+# adakv, headkv… need per-head lengths: see docs/vllm.md.
+PER_LAYER_METHODS = tuple(name for name in ("pyramidkv",) if name in method_names())
+ACCEPTED_METHODS = tuple(dict.fromkeys(SUPPORTED_METHODS + PER_LAYER_METHODS))
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class VLLMEvictionConfig:
     """A validated plugin configuration.
 
     Attributes:
-        method: kvtrim method name (one of :data:`SUPPORTED_METHODS`)
+        method: kvtrim method name (one of :data:`ACCEPTED_METHODS`)
         spec: the ratio or budget
         params: keyword arguments of the method's factory
         min_prompt: prompts shorter than this keep every entry
@@ -55,10 +56,10 @@ class VLLMEvictionConfig:
     min_prompt: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in SUPPORTED_METHODS:
+        if self.method not in ACCEPTED_METHODS:
             known = "" if self.method in method_names() else " (not a kvtrim method)"
             raise InvalidParameterError(
-                f"method {self.method!r}{known} is not supported inside vLLM; supported: {', '.join(SUPPORTED_METHODS)}"
+                f"method {self.method!r}{known} is not supported inside vLLM; supported: {', '.join(ACCEPTED_METHODS)}"
             )
         if isinstance(self.min_prompt, bool) or not isinstance(self.min_prompt, int) or self.min_prompt < 0:
             raise InvalidParameterError(f"min_prompt must be an integer >= 0, got {self.min_prompt!r}")
