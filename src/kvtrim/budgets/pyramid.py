@@ -44,6 +44,7 @@ class PyramidBudget(BudgetAllocator):
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
     varies_by = "layer"
+    runs_in_vllm = True  # per-layer counts depend on the prompt length only (kvtrim.vllm: per-layer seq_lens)
 
     beta: float = 20.0
     window: int = 32

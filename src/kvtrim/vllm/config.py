@@ -23,20 +23,21 @@ from ..compression.compressor import BudgetSpec
 from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
 from ..methods import get_method, method_info, method_names
+from ..methods.registry import BUDGET_KINDS
 from ..scoring.partitions import kept_length
 
 ENV_VAR = "KVTRIM_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvtrim"
 
-# Methods whose kept count is the same for every layer and KV head (one block table serves all of them): derived
-# from the parts' ``runs_in_vllm`` capability (docs/methods-registry.md).
-SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm)
-# Plus per-layer methods: PyramidKV's per-layer counts depend on the prompt length only, so the block list is
-# sized by the largest layer and every layer gets its own seq_lens / slot mapping (worker_patch). Not (yet)
-# declared through the registry's capability, whose label also feeds README's generated method table.
+# Methods the plugin runs, from the parts' ``runs_in_vllm`` capability (docs/methods-registry.md): every layer and
+# KV head keeps the same count, or (PyramidKV) each layer keeps a count that depends on the prompt length only, so
+# the block list is sized by the largest layer and every layer gets its own seq_lens / slot mapping (worker_patch).
 # adakv, headkv… need per-head lengths: see docs/vllm.md.
-PER_LAYER_METHODS = tuple(name for name in ("pyramidkv",) if name in method_names())
-ACCEPTED_METHODS = tuple(dict.fromkeys(SUPPORTED_METHODS + PER_LAYER_METHODS))
+SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm)
+PER_LAYER_METHODS = tuple(
+    name for name in SUPPORTED_METHODS if method_info(name).capabilities.budgets == BUDGET_KINDS["layer"]
+)
+ACCEPTED_METHODS = SUPPORTED_METHODS
 
 
 @dataclass(frozen=True)
