@@ -12,33 +12,13 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_model
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.integration.cache import KVTrimCache
 from kvtrim.methods import get_method
-
-# Ops that only make a new view of existing memory (no kernel); their count may depend on shapes in model code.
-VIEW_OPS = {
-    "view", "_unsafe_view", "reshape", "expand", "slice", "select", "transpose", "t", "permute", "unsqueeze",
-    "squeeze", "alias", "as_strided", "detach", "split", "unbind",
-}  # fmt: skip
-# Ops that copy a device value to the host (or need its value to size their output).
-SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal", "masked_select", "unique", "_unique2"}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+from op_counting import SYNC_OPS, VIEW_OPS, OpCounter
 
 
 def decode_ops(method: str, batch: int, kv_heads: int, layout: str, steps: int = 3) -> list[Counter]:
