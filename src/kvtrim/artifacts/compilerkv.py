@@ -141,7 +141,8 @@ class TableSource:
         artifact; the scorer and the selector sharing this source both see them."""
         self.tables = tables
 
-    def _require(self) -> CompiledTables:
+    def require(self) -> CompiledTables:
+        """The tables in use; a clear error when neither an artifact nor :meth:`use` has supplied them."""
         if self.tables is None:
             raise InvalidParameterError(
                 "CompilerKV needs the model's compiled tables: resolve the method through kvtrim.generate, "
@@ -153,7 +154,7 @@ class TableSource:
         """``([batch] table index, compiled budget used per row)`` for per-row budgets ``[batch]``."""
         if self.neutral:
             return torch.zeros_like(budgets), [int(b) for b in budgets.tolist()]
-        tables = self._require()
+        tables = self.require()
         idx = [tables.budget_index(int(b), self.exact_budget) for b in budgets.tolist()]
         return torch.tensor(idx, dtype=torch.long, device=budgets.device), [tables.budgets[i] for i in idx]
 
@@ -162,7 +163,7 @@ class TableSource:
         if self.neutral:
             return torch.full((len(budget_idx), q_heads), NEUTRAL_WEIGHT, device=budget_idx.device)
         # the tables stay on the CPU (a few KB); the rows' entries move to the data's device
-        return self._require().head_weights[budget_idx.cpu(), layer].float().to(budget_idx.device)
+        return self.require().head_weights[budget_idx.cpu(), layer].float().to(budget_idx.device)
 
     def thresholds(
         self, layer: int, budget_idx: torch.Tensor, entropy_bin: torch.Tensor, ppl_bin: torch.Tensor
@@ -170,7 +171,7 @@ class TableSource:
         """``[batch]`` threshold τ of ``layer`` for each row's risk bins."""
         if self.neutral:
             return torch.full((len(budget_idx),), float(self.neutral_threshold), device=budget_idx.device)
-        table = self._require().thresholds
+        table = self.require().thresholds
         return table[budget_idx.cpu(), layer, entropy_bin.cpu(), ppl_bin.cpu()].float().to(budget_idx.device)
 
 

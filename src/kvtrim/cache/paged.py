@@ -137,7 +137,7 @@ class PagedSequence:
         if not self.store._shared:
             self.store.length[self.slot, row] = length
 
-    def _shrink_rows(self, new_lengths: torch.Tensor) -> torch.Tensor:
+    def shrink_rows(self, new_lengths: torch.Tensor) -> torch.Tensor:
         """Set every row's length to ``new_lengths`` (``[rows]``, each <= its length); returns the now-unneeded
         trailing blocks of all rows (a device tensor, not yet freed)."""
         new_lengths = new_lengths.to(self.pool.device).view(1, -1)

@@ -147,7 +147,7 @@ def compress_cache(
         scores.append(s.masked_fill(~view.valid, float("-inf")))
         # This layer's scoring intermediates (window attention, [batch, q_heads, window, seq] in fp32, larger than
         # the layer's K/V) go before the next layer is scored; a selector that needs them again recomputes them.
-        view._cache.clear()
+        view.release_intermediates()
     request = BudgetRequest(
         keep=keep,
         context_lengths=context,

@@ -54,6 +54,10 @@ class LayerView:
     replay: Callable[..., dict] | None = None
     _cache: dict = field(default_factory=dict)
 
+    def release_intermediates(self) -> None:
+        """Free what scoring this layer cached (window attention and the like) before the next layer is scored."""
+        self._cache.clear()
+
     @property
     def valid(self) -> torch.Tensor:
         """``[batch, kv_heads, seq]`` True where a slot holds a real token."""

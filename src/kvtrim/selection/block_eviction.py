@@ -175,7 +175,7 @@ def apply_evictions(sequence: PagedSequence, plan: EvictionPlan) -> int:
         if bool((gone.sum(1) != counts).any()):
             raise InvalidParameterError("evicted slots must be distinct within each row")
     new_lengths = move_cache(sequence.pool, slot, valid, lengths, gone)
-    dropped = sequence._shrink_rows(new_lengths)  # one length update; only the tables' tails are read
+    dropped = sequence.shrink_rows(new_lengths)  # one length update; only the tables' tails are read
     pool.free(dropped)
     return len(dropped)
 

@@ -68,7 +68,7 @@ class ThresholdGateSelector(Selector):
         if self.tables.neutral:
             return self.tables.thresholds(view.layer_idx, shared["budget_index"], none, none), none, none
         risk = shared["risk"]
-        tables = self.tables._require()
+        tables = self.tables.require()
         e_bin, p_bin = tables.risk_bins(risk.entropy, risk.perplexity.nan_to_num(nan=1.0))
         missing = torch.isnan(risk.perplexity)
         if bool(missing.any()):
