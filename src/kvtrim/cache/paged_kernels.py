@@ -165,6 +165,8 @@ def resolve_decode_kernel(
         raise InvalidParameterError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}; got {choice!r}")
     if choice == "gather":
         return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
     reason = _unusable_reason(torch.device(device), dtype, head_dim)
     if reason is None:
         kernels = available_kernels()
