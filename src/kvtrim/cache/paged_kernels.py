@@ -24,8 +24,8 @@ Kernels, looked up in this order (the first importable one that allows the pool'
    ``mha_varlen_fwd``: "Paged KV cache block size must be divisible by 16"; ``vllm_flash_attn/flash_attn_interface.py``
    at vllm-project/flash-attention@617264c1c7955c9e84817654ebeedff069f3c5f1). Its ``flash_attn_with_kvcache`` binding
    was removed in 58e0626a ("Remove bindings for flash_attn_with_kvcache (#107)"), so the varlen entry point is
-   the one current vLLM wheels carry. ``q [total_q, nheads, d]``, ``cu_seqlens_q [batch + 1]`` int32,
-   ``seqused_k [batch]`` int32, ``softmax_lse [nheads, total_q]``.
+   the one current vLLM wheels carry; it is called with its default ``fa_version=2``. ``q [total_q, nheads, d]``,
+   ``cu_seqlens_q [batch + 1]`` int32, ``seqused_k [batch]`` int32, ``softmax_lse [nheads, total_q]``.
 2. Upstream flash-attn 2, ``flash_attn.flash_attn_with_kvcache``: ``k_cache [num_blocks, page_block_size, nheads_k,
    headdim]``, ``cache_seqlens [batch]`` int32, ``block_table [batch, max_num_blocks_per_seq]`` int32,
    ``softmax_scale``, ``causal``, ``return_softmax_lse`` (lse ``[batch, nheads, seqlen]``); paged mode needs a block
