@@ -14,7 +14,9 @@ compressions and evicted blocks, and writes ``serving_throughput.json``, ``servi
 
 ``--shape`` swaps the embedded model for a random-weight model of a named shape (``llama-8b``, ``llama-1b``,
 ``tiny``; prompts are the same SmolLM2 token ids, wrapped into the shape's vocabulary) and ``--device`` picks where
-it runs, so one command judges CPU and GPU (``--dtype bfloat16`` for GPU runs).
+it runs, so one command judges CPU and GPU (``--dtype bfloat16`` for GPU runs). ``--decode-kernel`` picks the
+decode attention (``auto``: the block-table flash-attention kernel when it can run, else gather + SDPA); the one
+that ran is recorded per row (``decode_kernel``) and in the markdown.
 
 Usage::
 
@@ -114,6 +116,7 @@ def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: in
         min_cache_tokens=args.min_cache_tokens,
         prefill_chunk=args.prefill_chunk,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_kernel=args.decode_kernel,
     )
     gc.collect()
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
@@ -153,6 +156,7 @@ def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: in
         "prefill_s": s.prefill_s,
         "decode_s": s.decode_s,
         "compress_s": s.compress_s,
+        "decode_kernel": s.decode_kernel,
     }
 
 
@@ -167,7 +171,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"{meta['protected_window']}, min cache tokens {meta['min_cache_tokens']}, continual compression; "
         f"torch threads {meta['threads']}; prefill chunk {meta['prefill_chunk']}, "
         f"max_num_batched_tokens {meta['max_num_batched_tokens']}. Prompts per input length: "
-        f"{meta['prompts_per_length']}.",
+        f"{meta['prompts_per_length']}. Decode attention: "
+        f"{', '.join(sorted({r['decode_kernel'] for r in rows})) or '-'} (--decode-kernel {meta['decode_kernel']}).",
         "",
         "Throughput counts generated tokens over the whole run (prefills included); `decode tok/s` counts only "
         "the batched decode forwards.",
@@ -234,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--decode-kernel", choices=["auto", "gather", "flash"], default="auto",
+        help="decode attention: block-table flash-attention kernel (flash), gather + SDPA (gather), or auto",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     if args.quick:
@@ -258,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "prefill_chunk": args.prefill_chunk,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "decode_kernel": args.decode_kernel,
         "method": args.method,
         "block_size": args.block_size,
         "pool_blocks": blocks,
@@ -286,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"input {length:5d} cr {rate:4g}: {row['out_tok_per_s_wall']:6.1f} out tok/s wall "
                 f"({row['out_tok_per_s_cpu']:.1f} CPU), max batch {row['max_decode_batch']:2d}, "
-                f"preemptions {row['preemptions']}, {row['wall_s']:.0f} s",
+                f"preemptions {row['preemptions']}, decode attention {row['decode_kernel']}, {row['wall_s']:.0f} s",
                 flush=True,
             )
             meta["total_wall_s"] = time.perf_counter() - t0

@@ -21,6 +21,7 @@ from ..errors import InvalidParameterError
 from .attention import grouped_attention
 from .block_pool import EMPTY, BlockPool, OutOfBlocks
 from .layer import hand_over, raise_if_unconsumed
+from .paged_kernels import accumulate_metric_from_lse, paged_decode_attention, resolve_decode_kernel
 from .sdpa import sdpa
 
 __all__ = [
@@ -283,6 +284,10 @@ class PagedBatchCache(Cache):
         bucketed: static decode shapes (for CUDA graphs): a decode input may have more rows than ``sequences``
             (padding rows, position 0, that write and read only the pool's scratch block, so the pool needs
             ``scratch=True``), and every layer's block-table width is rounded up to a power of two.
+        decode_kernel: decode attention (one query per sequence): ``"gather"`` gathers each (sequence, head)'s
+            blocks and runs one masked SDPA per layer; ``"flash"`` runs one block-table kernel call per layer
+            (:mod:`kvtrim.cache.paged_kernels`; raises :class:`InvalidParameterError` saying why when it cannot);
+            ``"auto"`` the kernel when it can run, else the gather path. :attr:`decode_kernel_name` says which.
     """
 
     def __init__(
@@ -296,6 +301,7 @@ class PagedBatchCache(Cache):
         buffer: int = 0,
         chunk_lengths: list[int] | None = None,
         bucketed: bool = False,
+        decode_kernel: str = "gather",
     ):
         num_layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
@@ -335,6 +341,10 @@ class PagedBatchCache(Cache):
         if bucketed and (pool.scratch_block is None or chunk_lengths is not None):
             raise InvalidParameterError("bucketed decode needs a BlockPool(scratch=True) and no chunk_lengths")
         self.bucketed = bucketed
+        self._kernel = resolve_decode_kernel(
+            decode_kernel, device=pool.device, dtype=pool.dtype, block_size=pool.block_size, head_dim=head_dim
+        )
+        self.decode_kernel_name = "gather" if self._kernel is None else self._kernel.name
         # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill
         self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.scaling: float | None = None
@@ -469,6 +479,9 @@ class PagedBatchCache(Cache):
             w = min(self.observe_window, q)
             self.observations[layer_idx] = (query[:, :, -w:].detach().clone(), qpos[:, -w:].clone())
 
+        if q == 1 and self._kernel is not None:
+            return self._attend_kernel(query, table, base + 1, qpos, scaling)
+
         if step["fresh"] and not (self.accumulate_decode_metric and q == 1):
             # An empty sequence's prefill: the stored entries are exactly the new tokens, in order.
             return grouped_attention(query, keys, values, None, scaling, causal=True)
@@ -499,6 +512,13 @@ class PagedBatchCache(Cache):
         # Slots beyond a row's length add exactly 0 (no boolean indexing: its size would need a host read).
         pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
         return out.to(query.dtype).transpose(1, 2)
+
+    def _attend_kernel(self, query, table, length, qpos, scaling) -> torch.Tensor:
+        """Decode through the block-table kernel (one call for the layer); ``length [n, H]`` after the write."""
+        out, lse = paged_decode_attention(self._kernel, query, self.pool, table, length, scaling)
+        if self.accumulate_decode_metric:
+            accumulate_metric_from_lse(self.pool, query, lse, table, length, qpos, scaling, self.buffer)
+        return out
 
     def _attend_packed(
         self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scaling

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence
+from ..cache.paged_kernels import resolve_decode_kernel
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
 from ..methods.presets import KV_COMPRESS as PAGED_METHODS  # the KV-Compress presets, stated once
@@ -70,6 +71,8 @@ class EngineStats:
         pool_blocks_used, pool_blocks_free: blocks held by requests / free now (gauges)
         peak_blocks_used: the most blocks ever held at the end of a step
         prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards and compression
+        decode_kernel: the decode attention that runs: ``"gather"`` (gather + SDPA) or the block-table kernel's
+            name (``"vllm_flash_attn"``, ``"flash_attn"``)
     """
 
     steps: int = 0
@@ -94,6 +97,7 @@ class EngineStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     compress_s: float = 0.0
+    decode_kernel: str = "gather"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -259,6 +263,10 @@ class Engine:
             bucket (1, 2, 4, 8, then multiples of 8; padding rows touch only a scratch block) and block-table
             widths are rounded up to powers of two. Outputs are unchanged; eager execution (no CUDA graphs are
             captured), so on a CPU it only adds padding work.
+        decode_kernel: decode attention: ``"gather"`` (default; gather + SDPA), ``"flash"`` (one block-table
+            flash-attention call per layer, :mod:`kvtrim.cache.paged_kernels`; InvalidParameterError saying why
+            when it cannot run), ``"auto"`` (the kernel when it can run, else gather). ``stats.decode_kernel`` and
+            :attr:`decode_kernel` say which runs.
     """
 
     def __init__(
@@ -281,15 +289,22 @@ class Engine:
         prefill_chunk: int = 512,
         max_num_batched_tokens: int = 2048,
         decode_buckets: bool = False,
+        decode_kernel: str = "gather",
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
-        enable(model)  # raises UnsupportedModelError for unsupported architectures
-        self.model, self.tokenizer = model, tokenizer
         cfg = model.config
-        self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
+        kernel = resolve_decode_kernel(
+            decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim
+        )  # before anything changes
+        # The name of the decode attention that runs; the caches are built with the resolved choice.
+        self.decode_kernel = "gather" if kernel is None else kernel.name
+        self._decode_kernel_choice = "gather" if kernel is None else "flash"
+        enable(model)  # raises UnsupportedModelError for unsupported architectures
+        self.model, self.tokenizer = model, tokenizer
+        self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"
         if not isinstance(decode_buckets, bool):
             raise InvalidParameterError(f"decode_buckets must be True or False, got {decode_buckets!r}")
         self.decode_buckets = decode_buckets
@@ -313,7 +328,7 @@ class Engine:
             compression_interval=compression_interval, max_batch=max_batch, prefill_chunk=prefill_chunk,
             max_num_batched_tokens=max_num_batched_tokens,
         )  # fmt: skip
-        self._stats = EngineStats(pool_blocks_total=self.pool.num_blocks)
+        self._stats = EngineStats(pool_blocks_total=self.pool.num_blocks, decode_kernel=self.decode_kernel)
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -629,6 +644,7 @@ class Engine:
                 accumulate_decode_metric=self.compress and not self.compress_once,
                 buffer=self.metric_buffer,
                 bucketed=self.decode_buckets,
+                decode_kernel=self._decode_kernel_choice,
             )
             out = self.model(
                 input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1

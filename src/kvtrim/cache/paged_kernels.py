@@ -1,0 +1,255 @@
+"""Paged decode attention through a block-table attention kernel: one kernel call per layer for the whole batch.
+
+KV-Compress (Rehg, 2024, arXiv:2410.00161) gives every (sequence, layer, KV head) its own block table and length.
+A block-table attention kernel (flash-attention's paged mode) serves a batch of *sequences*, each with one block
+table and one length shared by its KV heads. The mapping used here makes every (sequence, KV head) one kernel
+sequence with a single KV head:
+
+* the pool ``keys/values [num_blocks, block_size, head_dim]`` is viewed as ``[num_blocks, block_size, 1, head_dim]``
+  (``nheads_k = 1``, no copy);
+* the queries ``[n, q_heads, 1, d]`` become ``n * kv_heads`` sequences of one token with ``G = q_heads / kv_heads``
+  query heads each (the kernel's GQA: all ``G`` heads read the one KV head);
+* ``block_table = table[slots, layer rows, :width]`` as ``[n * kv_heads, width]`` int32 and
+  ``cache_seqlens`` = the lengths after this step's write, ``[n * kv_heads]`` int32.
+
+One decode step (one query per sequence) needs no causal mask: the new token is the newest entry of every row and
+every entry a row keeps was written at a position at or before it (eviction only removes entries), so the visible
+keys are exactly the first ``length`` logical slots. Prefill (several queries, packed chunks) stays on the gather +
+SDPA path of :mod:`kvtrim.cache.paged`.
+
+Kernels, looked up in this order (the first importable one that allows the pool's block size is used):
+
+1. vLLM's fork of flash-attention, ``vllm.vllm_flash_attn.flash_attn_varlen_func`` (shipped in vLLM's CUDA wheels):
+   paged mode with ``block_table`` and ``seqused_k``, block size a multiple of 16 (``csrc/flash_attn/flash_api.cpp``,
+   ``mha_varlen_fwd``: "Paged KV cache block size must be divisible by 16"; ``vllm_flash_attn/flash_attn_interface.py``
+   at vllm-project/flash-attention@617264c1c7955c9e84817654ebeedff069f3c5f1). Its ``flash_attn_with_kvcache`` binding
+   was removed in 58e0626a ("Remove bindings for flash_attn_with_kvcache (#107)"), so the varlen entry point is
+   the one current vLLM wheels carry; it is called with its default ``fa_version=2``. ``q [total_q, nheads, d]``,
+   ``cu_seqlens_q [batch + 1]`` int32, ``seqused_k [batch]`` int32, ``softmax_lse [nheads, total_q]``.
+2. Upstream flash-attn 2, ``flash_attn.flash_attn_with_kvcache``: ``k_cache [num_blocks, page_block_size, nheads_k,
+   headdim]``, ``cache_seqlens [batch]`` int32, ``block_table [batch, max_num_blocks_per_seq]`` int32,
+   ``softmax_scale``, ``causal``, ``return_softmax_lse`` (lse ``[batch, nheads, seqlen]``); paged mode needs a block
+   size that is a multiple of 256 (``mha_fwd_kvcache`` in ``csrc/flash_attn/flash_api.cpp``: "Paged KV cache block
+   size must be divisible by 256"; Dao-AILab/flash-attention@0251105a2fb19d2957484b7f023cd8c115286ced, interface at
+   005300258a22e5fc6be621063c3d5704e82b89d9).
+
+Both need CUDA, fp16/bf16 and ``head_dim`` a multiple of 8 and at most 256.
+
+The continual metric (KV-Compress's decode-time squared attention): with the kernel, each cached key's probability
+is ``exp(q·k·scale − lse)`` from the kernel's log-sum-exp, so only the keys (not the values) are gathered and no
+softmax or ``P·V`` is recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidParameterError
+
+DECODE_KERNELS = ("auto", "gather", "flash")
+_DTYPES = (torch.float16, torch.bfloat16)
+
+# (out [B, G, d], lse [B, G] fp32) = call(q [B, G, d], k_cache, v_cache [N, bs, 1, d], seqlens [B] int32,
+#                                         block_table [B, W] int32, max_seqlen_k, softmax_scale)
+PagedCall = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PagedKernel:
+    """One importable block-table attention kernel.
+
+    Attributes:
+        name: ``"vllm_flash_attn"`` or ``"flash_attn"``
+        block_multiple: the block sizes it accepts are multiples of this
+        call: the kernel behind one calling convention (see ``PagedCall`` above)
+    """
+
+    name: str
+    block_multiple: int
+    call: PagedCall
+
+
+# ---------------------------------------------------------------------------------------------------- lookup
+@functools.lru_cache(maxsize=1)
+def _load_vllm_fork() -> Callable | None:
+    """``vllm.vllm_flash_attn.flash_attn_varlen_func`` or None."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, a CPU build, or built for another torch
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.lru_cache(maxsize=1)
+def _load_flash_attn() -> Callable | None:
+    """``flash_attn.flash_attn_with_kvcache`` or None."""
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except Exception:
+        return None
+    return flash_attn_with_kvcache
+
+
+def _varlen_call(fn: Callable) -> PagedCall:
+    def call(q, k_cache, v_cache, seqlens, block_table, max_seqlen_k: int, scale: float):
+        b = q.shape[0]
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)  # one query token per kernel sequence
+        out, lse = fn(
+            q, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_seqlen_k, seqused_k=seqlens,
+            softmax_scale=scale, causal=False, block_table=block_table, return_softmax_lse=True,
+        )  # fmt: skip
+        return out, lse.transpose(0, 1)  # lse [nheads, total_q] -> [B, G]
+
+    return call
+
+
+def _kvcache_call(fn: Callable) -> PagedCall:
+    def call(q, k_cache, v_cache, seqlens, block_table, max_seqlen_k: int, scale: float):
+        out, lse = fn(
+            q[:, None], k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table, softmax_scale=scale,
+            causal=False, return_softmax_lse=True,
+        )  # fmt: skip
+        return out[:, 0], lse[:, :, 0]  # out [B, 1, G, d], lse [B, G, 1]
+
+    return call
+
+
+def available_kernels() -> list[PagedKernel]:
+    """The importable kernels in lookup order (vLLM's fork first)."""
+    found = []
+    fork = _load_vllm_fork()
+    if fork is not None:
+        found.append(PagedKernel("vllm_flash_attn", 16, _varlen_call(fork)))
+    upstream = _load_flash_attn()
+    if upstream is not None:
+        found.append(PagedKernel("flash_attn", 256, _kvcache_call(upstream)))
+    return found
+
+
+def _device_supported(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _dtype_supported(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPES
+
+
+def _unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    if not _device_supported(device):
+        return f"it needs a CUDA device, the KV pool is on {device}"
+    if not _dtype_supported(dtype):
+        return f"it needs float16 or bfloat16 KV, the pool holds {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"it needs head_dim a multiple of 8 and at most 256, got {head_dim}"
+    return None
+
+
+def resolve_decode_kernel(
+    choice: str, *, device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int
+) -> PagedKernel | None:
+    """The kernel decode attention runs with, or None for the gather + SDPA path.
+
+    Args:
+        choice: ``"gather"`` (always None), ``"flash"`` (a kernel, or raise), ``"auto"`` (a kernel when every
+            condition holds, else None)
+        device, dtype, block_size, head_dim: the KV pool's
+    Raises:
+        InvalidParameterError: an unknown ``choice``; ``"flash"`` when no kernel can serve this pool (the message
+            says why)
+    """
+    if not isinstance(choice, str) or choice not in DECODE_KERNELS:
+        raise InvalidParameterError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}; got {choice!r}")
+    if choice == "gather":
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
+    reason = _unusable_reason(torch.device(device), dtype, head_dim)
+    if reason is None:
+        kernels = available_kernels()
+        for kernel in kernels:
+            if block_size % kernel.block_multiple == 0:
+                return kernel
+        if not kernels:
+            reason = (
+                "neither vLLM's flash-attention fork (vllm.vllm_flash_attn, block_size a multiple of 16) nor the "
+                "flash-attn package (block_size a multiple of 256) is importable"
+            )
+        else:
+            allowed = ", ".join(f"{k.name} needs a multiple of {k.block_multiple}" for k in kernels)
+            reason = f"block_size={block_size} is not allowed by the importable kernels ({allowed})"
+    if choice == "flash":
+        raise InvalidParameterError(f"decode_kernel='flash' cannot be used: {reason}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def paged_decode_attention(
+    kernel: PagedKernel,
+    query: torch.Tensor,
+    pool,
+    table: torch.Tensor,
+    length: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of every (sequence, KV head) of one layer in one kernel call.
+
+    Args:
+        query: ``[n, q_heads, 1, d]`` post-rotary
+        pool: the :class:`~kvtrim.cache.block_pool.BlockPool` (this step's K/V already written)
+        table: ``[n, kv_heads, width]`` long block ids of the layer's rows
+        length: ``[n, kv_heads]`` long entries per row after the write (at least 1)
+    Returns:
+        ``([n, 1, q_heads, d]`` output in ``query``'s dtype, ``[n, kv_heads, G]`` fp32 log-sum-exp of the scaled
+        logits)
+    """
+    n, hq, _, d = query.shape
+    h, width = table.shape[1], table.shape[2]
+    g = hq // h
+    q = query.to(pool.dtype).reshape(n * h, g, d)  # query head kv * G + j reads KV head kv
+    out, lse = kernel.call(
+        q,
+        pool.keys.unsqueeze(2),  # [num_blocks, block_size, 1, d]: a view
+        pool.values.unsqueeze(2),
+        length.reshape(n * h).to(torch.int32),
+        table.reshape(n * h, width).to(torch.int32),
+        width * pool.block_size,
+        scaling,
+    )
+    return out.reshape(n, 1, hq, d).to(query.dtype), lse.reshape(n, h, g).float()
+
+
+def accumulate_metric_from_lse(
+    pool,
+    query: torch.Tensor,
+    lse: torch.Tensor,
+    table: torch.Tensor,
+    length: torch.Tensor,
+    qpos: torch.Tensor,
+    scaling: float,
+    buffer: int,
+) -> None:
+    """Add every query head's squared attention, summed over its group, to ``pool.metric`` of each cached key
+    (KV-Compress's continual metric), with probabilities ``exp(q·k·scale − lse)`` from the kernel's log-sum-exp.
+
+    Args:
+        query: ``[n, q_heads, 1, d]``; lse: ``[n, kv_heads, G]`` fp32; table: ``[n, kv_heads, width]``;
+        length: ``[n, kv_heads]`` after the write; qpos: ``[n, 1]`` the query positions
+        buffer: keys within ``buffer`` positions of the query are left out
+    """
+    n, hq, _, d = query.shape
+    h, width = table.shape[1], table.shape[2]
+    bs = pool.block_size
+    slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, width * bs)
+    keys = pool.keys.view(-1, d)[slots]  # [n, H, S, d]: the keys only, no values
+    q = query.to(pool.dtype).reshape(n, h, hq // h, d).float() * scaling
+    logits = torch.matmul(q, keys.float().transpose(-1, -2))  # [n, H, G, S]
+    sq = torch.exp(logits - lse[..., None]).square().sum(dim=2)  # [n, H, S]
+    counted = torch.arange(width * bs, device=table.device)[None, None, :] < length[:, :, None]
+    if buffer:
+        counted = counted & (pool.positions.view(-1)[slots] <= qpos.view(n, 1, 1) - buffer)
+    # ``where``, not a product: a stale slot beyond a row's length may overflow exp() to inf (inf * 0 = NaN).
+    pool.metric.view(-1).index_add_(0, slots.reshape(-1), torch.where(counted, sq, 0.0).reshape(-1))

@@ -1,0 +1,67 @@
+"""The engine's decode_kernel option: the block-table kernel path (a pure-torch reference of vLLM's fork injected,
+as in tests/cache/test_paged_kernels.py) gives the same tokens as the gather path, with compression and the
+continual metric on; the choice is reported in the stats; "flash" on a CPU without a kernel is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_kernel_reference as ref
+from conftest import byte_tokenizer, random_text, tiny_model
+from kvtrim.cache import paged_kernels
+from kvtrim.errors import InvalidParameterError
+from kvtrim.serve.engine import Engine
+from kvtrim.serve.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def _run(model, tok, decode_kernel: str, decode_buckets: bool) -> tuple[list[list[int]], Engine]:
+    engine = Engine(
+        model, tok, kv_blocks=96, block_size=16, compression_rate=4.0, min_cache_tokens=16, protected_window=8,
+        decode_buckets=decode_buckets, decode_kernel=decode_kernel,
+    )  # fmt: skip
+    handles = [
+        engine.submit(random_text(90 + 7 * i, seed=i), SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(6)
+    ]
+    while engine.has_work():
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    return [h.result().token_ids for h in handles], engine
+
+
+@pytest.mark.parametrize("decode_buckets", [False, True])
+def test_engine_with_the_kernel_generates_the_gather_paths_tokens(monkeypatch, model, tok, decode_buckets):
+    want, gather = _run(model, tok, "gather", decode_buckets)
+    calls = []
+    monkeypatch.setattr(paged_kernels, "_load_vllm_fork", lambda: lambda *a, **k: calls.append(1) or
+                        ref.flash_attn_varlen_func(*a, **k))  # fmt: skip
+    monkeypatch.setattr(paged_kernels, "_load_flash_attn", lambda: None)
+    monkeypatch.setattr(paged_kernels, "_device_supported", lambda device: True)
+    monkeypatch.setattr(paged_kernels, "_dtype_supported", lambda dtype: True)
+    got, flash = _run(model, tok, "flash", decode_buckets)
+    assert got == want
+    assert flash.stats.compressions > 0 and flash.stats.decode_steps > 0
+    assert len(calls) == flash.stats.decode_steps * model.config.num_hidden_layers  # one call per layer and step
+    assert (gather.decode_kernel, gather.stats.decode_kernel) == ("gather", "gather")
+    assert (flash.decode_kernel, flash.stats.decode_kernel) == ("vllm_flash_attn", "vllm_flash_attn")
+    auto = Engine(model, tok, kv_blocks=8, block_size=16, decode_kernel="auto")
+    assert auto.stats.decode_kernel == "vllm_flash_attn"
+
+
+def test_engine_flash_on_cpu_is_refused_and_auto_gathers(model, tok):
+    with pytest.raises(InvalidParameterError, match=r"decode_kernel='flash' cannot be used: it needs a CUDA device"):
+        Engine(model, tok, kv_blocks=8, block_size=16, decode_kernel="flash")
+    with pytest.raises(InvalidParameterError, match="decode_kernel must be one of"):
+        Engine(model, tok, kv_blocks=8, block_size=16, decode_kernel="fast")
+    assert Engine(model, tok, kv_blocks=8, block_size=16, decode_kernel="auto").stats.decode_kernel == "gather"
