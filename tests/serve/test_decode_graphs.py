@@ -183,6 +183,39 @@ def test_unsplit_bucketed_forward_is_not_graph_safe(model):
         assert {"lift_fresh", "equal"} <= flagged, tracer.violations
 
 
+def _check_graph_safety(traced: TracedModel) -> None:
+    groups: dict[tuple, list[GraphTrace]] = {}
+    for key, _, tracer in traced.traces:
+        assert not tracer.violations, (key, tracer.violations)
+        groups.setdefault(key, []).append(tracer)
+    for key, members in groups.items():
+        for tracer in members[1:]:
+            assert tracer.ops == members[0].ops, (key, _first_difference(members[0], tracer))
+
+
+@pytest.mark.parametrize("broken", ["positions check", "fresh buffer", "per-step width"])
+def test_graph_safety_check_catches_a_broken_static_step(model, monkeypatch, broken):
+    """The recorder is not blind: put back the eager positions check, hand the forward a new lengths buffer each
+    step, or let the last layer's width follow the batch, and the graph-safety check fails."""
+    if broken == "positions check":
+        monkeypatch.setattr(StaticDecodeCache, "_positions", PagedBatchCache._positions)
+    else:
+        load = StaticDecodeCache.load
+
+        def broken_load(self, sequences, slots, tokens):
+            load(self, sequences, slots, tokens)
+            if broken == "fresh buffer":
+                self._static_step["base"] = self.base.clone()
+            else:
+                widest = int(self.store.host_nblocks[slots].view(len(sequences), self.num_layers, -1)[:, -1].max())
+                self._static_step["widths"] = [self.width] * (self.num_layers - 1) + [max(1, widest)]
+
+        monkeypatch.setattr(StaticDecodeCache, "load", broken_load)
+    _, traced = _traced_engine(model, static=True, cr=1.0)
+    with pytest.raises(AssertionError):
+        _check_graph_safety(traced)
+
+
 # ------------------------------------------------------------------------------------------- outputs
 def test_static_decode_matches_running_alone(model):
     """200 randomized requests through the static step (eager on CPU), with preemptions and cancellations: every
@@ -253,7 +286,7 @@ def test_padding_only_step_touches_nothing_real(model):
     before = [t[real].clone() for t in (pool.keys, pool.values, pool.positions, pool.metric)]
     lengths, seen = store.length.clone(), [r.paged.seen for r in engine.scheduler.decoding()]
     with torch.inference_mode():
-        entry.cache.load_padding()
+        entry.cache.load_padding([r.paged for r in engine.scheduler.decoding()])
         entry.forward()
     after = [t[real] for t in (pool.keys, pool.values, pool.positions, pool.metric)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -150,10 +150,15 @@ class StaticDecodeCache(PagedBatchCache):
         self.sequences = list(sequences)
         self._static_step["seen_before"] = max(seen)  # host only (transformers' mask sizes; kvtrim ignores them)
 
-    def load_padding(self) -> None:
+    def load_padding(self, sequences: list[PagedSequence]) -> None:
         """Fill the buffers with padding rows only (a step that writes and reads only the scratch block): for
-        warming up and capturing a graph without touching any sequence."""
+        warming up and capturing a graph without touching any sequence. ``sequences``: any sequences of this pool
+        (the forward reaches the shared tables through them; their entries are neither read nor written)."""
         store = self.store
+        if not sequences or any(s.store is not store for s in sequences):
+            raise InvalidParameterError("load_padding needs at least one sequence of this cache's pool and geometry")
+        self.sequences = list(sequences)
+        self._static_step["seen_before"] = 0
         self._host_ids.zero_()
         self._host_seen.zero_()
         self._host_slots.fill_(store.padding_slot(self.pool.scratch_block))

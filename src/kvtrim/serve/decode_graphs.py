@@ -96,15 +96,22 @@ class DecodeGraphRunner:
         if entry is None:
             entry = self._entries[key] = self._new_entry(sequences, *key)
         if self.capture and entry.graph is None:
-            self._capture(entry)
+            try:
+                self._capture(entry, sequences)
+            finally:
+                entry.cache.sequences = []
         entry.cache.load(sequences, slots, tokens)
-        if entry.graph is not None:
-            entry.graph.replay()
-            self.replays += 1
-            logits = entry.logits
-        else:
-            logits = entry.forward()
-            self.eager_steps += 1
+        try:
+            if entry.graph is not None:
+                entry.graph.replay()
+                self.replays += 1
+                logits = entry.logits
+            else:
+                logits = entry.forward()
+                self.eager_steps += 1
+        finally:
+            # Hold no sequence between steps: a finished sequence gives its table slot back when it is collected.
+            entry.cache.sequences = []
         return logits[:n]
 
     def _new_entry(self, sequences: list[PagedSequence], batch: int, width: int) -> _Entry:
@@ -124,9 +131,9 @@ class DecodeGraphRunner:
 
         return _Entry(cache, forward)
 
-    def _capture(self, entry: _Entry) -> None:
+    def _capture(self, entry: _Entry, sequences: list[PagedSequence]) -> None:
         """Warm up on a side stream, then capture, both on padding rows only (nothing real is written)."""
-        entry.cache.load_padding()
+        entry.cache.load_padding(sequences)
         stream = torch.cuda.Stream(device=self.pool.device)
         stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(stream):
