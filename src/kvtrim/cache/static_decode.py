@@ -44,17 +44,21 @@ def width_bucket(blocks: int) -> int:
 
 def reserve_decode_step(sequences: list[PagedSequence]) -> tuple[torch.Tensor, int]:
     """Allocate the blocks one more token of every row of ``sequences`` needs (all at once; on
-    :class:`~kvtrim.cache.block_pool.OutOfBlocks` nothing changes) and make the shared table at least as wide as
-    the step's width bucket. Lengths are unchanged. Returns ``(slots [n] host long, width W)``."""
+    :class:`~kvtrim.cache.block_pool.OutOfBlocks` nothing changes), make the shared table at least as wide as the
+    step's width bucket and make sure the padding slot exists: after this call the table does not move until the
+    step has run. Lengths are unchanged. Returns ``(slots [n] host long, width W)``."""
     if not sequences:
         raise InvalidParameterError("sequences must hold at least one PagedSequence")
     store, pool = sequences[0].store, sequences[0].pool
     if any(s.store is not store for s in sequences):
         raise InvalidParameterError("every sequence of a decode step must share one pool and one geometry")
     slots = torch.tensor([s.slot for s in sequences], dtype=torch.long)
+    if pool.scratch_block is None:
+        raise InvalidParameterError("a static decode step needs a BlockPool(scratch=True) for its padding rows")
     store.append(slots, 1, pool, grow_length=False)
     width = width_bucket(int(store.host_nblocks[slots].max()))  # host bookkeeping, no device read
     store.ensure_width(width)
+    store.padding_slot(pool.scratch_block)  # made now: taking a slot may reallocate the table a graph reads
     return slots, width
 
 

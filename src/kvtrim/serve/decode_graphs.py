@@ -101,6 +101,8 @@ class DecodeGraphRunner:
             finally:
                 entry.cache.sequences = []
         entry.cache.load(sequences, slots, tokens)
+        if store.table is not self._table:  # nothing between the check above and here may reallocate it
+            raise RuntimeError("the shared block table moved while a decode step was being prepared")
         try:
             if entry.graph is not None:
                 entry.graph.replay()
