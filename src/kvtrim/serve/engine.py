@@ -301,17 +301,17 @@ class Engine:
         cuda_graph_max_batch: int = 64,
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
+        device = next(model.parameters()).device
+        _check_graph_args(decode_buckets, cuda_graphs, static_decode, cuda_graph_max_batch, device)
         enable(model)  # raises UnsupportedModelError for unsupported architectures
         self.model, self.tokenizer = model, tokenizer
         cfg = model.config
         self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
         if not isinstance(decode_buckets, bool):
             raise InvalidParameterError(f"decode_buckets must be True or False, got {decode_buckets!r}")
         self.decode_buckets = decode_buckets
-        _check_graph_args(decode_buckets, cuda_graphs, static_decode, cuda_graph_max_batch, device)
         if kv_blocks is not None:
             self.pool = BlockPool(kv_blocks, block_size, head_dim, dtype, device, scratch=decode_buckets)
         else:
