@@ -70,13 +70,16 @@ def run_checked(engine: Engine, max_steps: int = 100_000) -> None:
 
 
 # ------------------------------------------------------------------------------------------- exactness
-def _randomized(model, n_requests: int, seed: int, decode_buckets: bool = False) -> tuple[Engine, float]:
+def _randomized(
+    model, n_requests: int, seed: int, decode_buckets: bool = False, **engine_kwargs
+) -> tuple[Engine, float]:
     rng = random.Random(seed)
     # 2 layers x 2 KV heads = 4 tables: 160 blocks hold ~40 tokens x 16 sequences; prompts and outputs
     # up to 40 + 24 tokens make the pool tight, so preemptions happen.
     engine = Engine(
-        model, byte_tokenizer(), kv_blocks=160, block_size=8, compression_rate=1.0, decode_buckets=decode_buckets
-    )
+        model, byte_tokenizer(), kv_blocks=160, block_size=8, compression_rate=1.0, decode_buckets=decode_buckets,
+        **engine_kwargs,
+    )  # fmt: skip
     specs = []
     for i in range(n_requests):
         prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 40))]

@@ -26,10 +26,10 @@ def tok():
     return byte_tokenizer()
 
 
-def _run(model, tok, decode_kernel: str, decode_buckets: bool) -> tuple[list[list[int]], Engine]:
+def _run(model, tok, decode_kernel: str, decode_buckets: bool, static: bool = False) -> tuple[list[list[int]], Engine]:
     engine = Engine(
         model, tok, kv_blocks=96, block_size=16, compression_rate=4.0, min_cache_tokens=16, protected_window=8,
-        decode_buckets=decode_buckets, decode_kernel=decode_kernel,
+        decode_buckets=decode_buckets, decode_kernel=decode_kernel, static_decode=static,
     )  # fmt: skip
     handles = [
         engine.submit(random_text(90 + 7 * i, seed=i), SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(6)
@@ -40,8 +40,9 @@ def _run(model, tok, decode_kernel: str, decode_buckets: bool) -> tuple[list[lis
     return [h.result().token_ids for h in handles], engine
 
 
-@pytest.mark.parametrize("decode_buckets", [False, True])
-def test_engine_with_the_kernel_generates_the_gather_paths_tokens(monkeypatch, model, tok, decode_buckets):
+@pytest.mark.parametrize(("decode_buckets", "static"), [(False, False), (True, False), (True, True)])
+def test_engine_with_the_kernel_generates_the_gather_paths_tokens(monkeypatch, model, tok, decode_buckets, static):
+    """``static``: the static decode step (what ``cuda_graphs`` captures) runs the kernel too."""
     want, gather = _run(model, tok, "gather", decode_buckets)
     calls = []
     monkeypatch.setattr(paged_kernels, "_load_vllm_fork", lambda: lambda *a, **k: calls.append(1) or
@@ -49,8 +50,9 @@ def test_engine_with_the_kernel_generates_the_gather_paths_tokens(monkeypatch, m
     monkeypatch.setattr(paged_kernels, "_load_flash_attn", lambda: None)
     monkeypatch.setattr(paged_kernels, "_device_supported", lambda device: True)
     monkeypatch.setattr(paged_kernels, "_dtype_supported", lambda dtype: True)
-    got, flash = _run(model, tok, "flash", decode_buckets)
+    got, flash = _run(model, tok, "flash", decode_buckets, static)
     assert got == want
+    assert flash.stats.static_decode_steps == (flash.stats.decode_steps if static else 0)
     assert flash.stats.compressions > 0 and flash.stats.decode_steps > 0
     assert len(calls) == flash.stats.decode_steps * model.config.num_hidden_layers  # one call per layer and step
     assert (gather.decode_kernel, gather.stats.decode_kernel) == ("gather", "gather")

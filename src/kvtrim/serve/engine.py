@@ -35,11 +35,13 @@ import torch
 
 from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence
 from ..cache.paged_kernels import resolve_decode_kernel
+from ..cache.static_decode import batch_bucket
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
 from ..methods.presets import KV_COMPRESS as PAGED_METHODS  # the KV-Compress presets, stated once
 from ..runtime import eos_ids
 from ..selection.block_eviction import compress_sequences, prefill_metric
+from .decode_graphs import DecodeGraphRunner
 from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
 from .types import RequestHandle, SamplingParams, TokenEvent
 
@@ -73,6 +75,9 @@ class EngineStats:
         prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards and compression
         decode_kernel: the decode attention that runs: ``"gather"`` (gather + SDPA) or the block-table kernel's
             name (``"vllm_flash_attn"``, ``"flash_attn"``)
+        graph_captures: CUDA graphs captured (``cuda_graphs=True``; recaptures after the block table grew included)
+        graph_replays: decode steps replayed from a CUDA graph
+        static_decode_steps: decode steps run eagerly through the static buffers (``static_decode=True``)
     """
 
     steps: int = 0
@@ -98,6 +103,9 @@ class EngineStats:
     decode_s: float = 0.0
     compress_s: float = 0.0
     decode_kernel: str = "gather"
+    graph_captures: int = 0
+    graph_replays: int = 0
+    static_decode_steps: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -261,8 +269,15 @@ class Engine:
             ``max_num_batched_tokens``; one chunk is always allowed)
         decode_buckets: static decode shapes, as vLLM pads them for CUDA graphs: the decode batch is padded to a
             bucket (1, 2, 4, 8, then multiples of 8; padding rows touch only a scratch block) and block-table
-            widths are rounded up to powers of two. Outputs are unchanged; eager execution (no CUDA graphs are
-            captured), so on a CPU it only adds padding work.
+            widths are rounded up to powers of two. Outputs are unchanged. Without ``cuda_graphs`` or
+            ``static_decode`` it runs eagerly, so on a CPU it only adds padding work.
+        cuda_graphs: replay decode steps from CUDA graphs, one per (batch bucket, table width), captured on first
+            use (needs ``decode_buckets=True`` and a model on a CUDA device; batches above ``cuda_graph_max_batch``
+            run eagerly). See :mod:`kvtrim.serve.decode_graphs`.
+        static_decode: run decode steps through the same static buffers and forward that ``cuda_graphs`` captures,
+            eagerly, on any device (needs ``decode_buckets=True``): checks the graph path where there is no CUDA
+        cuda_graph_max_batch: the largest decode batch bucket run through the static step (graphs or
+            ``static_decode``); larger batches run the eager bucketed forward
         decode_kernel: decode attention: ``"gather"`` (default; gather + SDPA), ``"flash"`` (one block-table
             flash-attention call per layer, :mod:`kvtrim.cache.paged_kernels`; InvalidParameterError saying why
             when it cannot run), ``"auto"`` (the kernel when it can run, else gather). ``stats.decode_kernel`` and
@@ -290,12 +305,16 @@ class Engine:
         max_num_batched_tokens: int = 2048,
         decode_buckets: bool = False,
         decode_kernel: str = "gather",
+        cuda_graphs: bool = False,
+        static_decode: bool = False,
+        cuda_graph_max_batch: int = 64,
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
+        device = next(model.parameters()).device
+        _check_graph_args(decode_buckets, cuda_graphs, static_decode, cuda_graph_max_batch, device)
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
         kernel = resolve_decode_kernel(
             decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim
         )  # before anything changes
@@ -321,6 +340,13 @@ class Engine:
         self.protected_window = preset.protected_window if protected_window is None else protected_window
         self.min_cache_tokens = min_cache_tokens
         self.compress_once = compress_once
+        self._graphs: DecodeGraphRunner | None = None
+        if cuda_graphs or static_decode:
+            self._graphs = DecodeGraphRunner(
+                model, self.pool, accumulate_decode_metric=self.compress and not compress_once,
+                buffer=self.metric_buffer, max_batch=cuda_graph_max_batch, capture=cuda_graphs,
+                decode_kernel=self._decode_kernel_choice,
+            )  # fmt: skip
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.eos = eos_ids(model, tokenizer)
         self.scheduler = Scheduler(
@@ -461,6 +487,9 @@ class Engine:
         s.requests_prefilling = sum(1 for r in running if r.prefill_remaining() > 0)
         with self._lock:
             s.requests_waiting += len(self._inbox)
+        if self._graphs is not None:
+            g = self._graphs
+            s.graph_captures, s.graph_replays, s.static_decode_steps = g.captures, g.replays, g.eager_steps
         return s
 
     def _decode_text(self, ids: list[int]) -> str:
@@ -633,6 +662,12 @@ class Engine:
         return len(batch)
 
     def _decode_forward(self, batch: list[_Request], events: list[TokenEvent]) -> torch.Tensor | None:
+        if self._graphs is not None and self._graphs.handles(len(batch)):
+            try:  # host preparation into static buffers, then a graph replay (or the same forward, eagerly)
+                return self._graphs.run([r.paged for r in batch], [r.generated[-1] for r in batch])
+            except Exception as exc:
+                self._fail(batch, events, exc)
+                return None
         pad = batch_bucket(len(batch)) - len(batch) if self.decode_buckets else 0
         input_ids = torch.tensor([[r.generated[-1]] for r in batch] + [[0]] * pad, device=self.pool.device)
         positions = torch.tensor([[r.paged.seen] for r in batch] + [[0]] * pad, device=self.pool.device)
@@ -794,20 +829,27 @@ class Engine:
                     self._fail(list(self.scheduler.running), [], exc)
 
 
-def batch_bucket(n: int) -> int:
-    """The padded decode batch size for ``n`` sequences: 1, 2, 4, 8, then the next multiple of 8 (as vLLM's
-    CUDA-graph capture sizes)."""
-    if n <= 0:
-        raise InvalidParameterError(f"a decode batch holds at least one sequence, got {n}")
-    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
-
-
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
 def _empty_prompt() -> list[int]:
     raise InvalidParameterError("the prompt tokenizes to no tokens")
+
+
+def _check_graph_args(decode_buckets, cuda_graphs, static_decode, max_batch, device) -> None:
+    for name, value in (("cuda_graphs", cuda_graphs), ("static_decode", static_decode)):
+        if not isinstance(value, bool):
+            raise InvalidParameterError(f"{name} must be True or False, got {value!r}")
+        if value and not decode_buckets:
+            raise InvalidParameterError(f"{name}=True needs decode_buckets=True (a graph replays static shapes)")
+    if cuda_graphs and torch.device(device).type != "cuda":
+        raise InvalidParameterError(
+            f"cuda_graphs=True needs the model on a CUDA device, it is on {device}; static_decode=True runs the "
+            "same static decode step eagerly on any device"
+        )
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise InvalidParameterError(f"cuda_graph_max_batch must be an integer >= 1, got {max_batch!r}")
 
 
 def _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens):
