@@ -117,6 +117,9 @@ def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: in
         prefill_chunk=args.prefill_chunk,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_kernel=args.decode_kernel,
+        decode_buckets=args.decode_buckets or args.cuda_graphs or args.static_decode,
+        cuda_graphs=args.cuda_graphs,
+        static_decode=args.static_decode,
     )
     gc.collect()
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
@@ -157,6 +160,8 @@ def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: in
         "decode_s": s.decode_s,
         "compress_s": s.compress_s,
         "decode_kernel": s.decode_kernel,
+        "graph_replays": s.graph_replays,
+        "static_decode_steps": s.static_decode_steps,
     }
 
 
@@ -172,7 +177,9 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"torch threads {meta['threads']}; prefill chunk {meta['prefill_chunk']}, "
         f"max_num_batched_tokens {meta['max_num_batched_tokens']}. Prompts per input length: "
         f"{meta['prompts_per_length']}. Decode attention: "
-        f"{', '.join(sorted({r['decode_kernel'] for r in rows})) or '-'} (--decode-kernel {meta['decode_kernel']}).",
+        f"{', '.join(sorted({r['decode_kernel'] for r in rows})) or '-'} (--decode-kernel {meta['decode_kernel']}); "
+        f"CUDA graphs {'on' if meta.get('cuda_graphs') else 'off'}, static decode "
+        f"{'on' if meta.get('static_decode') else 'off'}.",
         "",
         "Throughput counts generated tokens over the whole run (prefills included); `decode tok/s` counts only "
         "the batched decode forwards.",
@@ -243,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-kernel", choices=["auto", "gather", "flash"], default="auto",
         help="decode attention: block-table flash-attention kernel (flash), gather + SDPA (gather), or auto",
     )  # fmt: skip
+    ap.add_argument("--decode-buckets", action="store_true", help="pad decode batches to static buckets")
+    ap.add_argument("--static-decode", action="store_true", help="the CUDA-graph decode step, run eagerly")
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA only)")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     if args.quick:
@@ -268,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_chunk": args.prefill_chunk,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "decode_kernel": args.decode_kernel,
+        "cuda_graphs": args.cuda_graphs,
+        "static_decode": args.static_decode,
+        "decode_buckets": args.decode_buckets,
         "method": args.method,
         "block_size": args.block_size,
         "pool_blocks": blocks,

@@ -367,6 +367,15 @@ def serve(
         int | None, typer.Option(help="newest tokens per head never evicted (default: the method's preset)")
     ] = None,
     max_batch: Annotated[int | None, typer.Option(help="running sequences at most (default: memory decides)")] = None,
+    prefill_chunk: Annotated[int, typer.Option(help="prompt tokens per sequence per step (chunked prefill)")] = 512,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens one step feeds, decodes included")] = 2048,
+    decode_kernel: Annotated[
+        str, typer.Option(help="decode attention: gather (gather + SDPA), flash (block-table kernel, CUDA) or auto")
+    ] = "gather",
+    decode_buckets: Annotated[bool, typer.Option(help="pad decode batches to static shapes")] = False,
+    cuda_graphs: Annotated[
+        bool, typer.Option(help="replay decode steps from CUDA graphs (CUDA; implies --decode-buckets)")
+    ] = False,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     api_key: Annotated[
@@ -427,12 +436,18 @@ def serve(
             protected_window=protected_window,
             max_batch=max_batch,
             model_name=model,
+            prefill_chunk=prefill_chunk,
+            max_num_batched_tokens=max_num_batched_tokens,
+            decode_kernel=decode_kernel,
+            decode_buckets=decode_buckets or cuda_graphs,
+            cuda_graphs=cuda_graphs,
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
     typer.echo(
         f"kvtrim: serving {model} on http://{host}:{port}/v1 "
-        f"(KV pool {engine.pool.num_blocks} blocks of {block_size} tokens, compression rate {compression_rate:g})",
+        f"(KV pool {engine.pool.num_blocks} blocks of {block_size} tokens, compression rate {compression_rate:g}, "
+        f"decode attention {engine.decode_kernel}{', CUDA graphs' if cuda_graphs else ''})",
         err=True,
     )
     try:

@@ -505,3 +505,21 @@ def test_serve_command(tmp_path, monkeypatch):
     assert bad.exit_code == 2
     bad = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "64", "--method", "nope"])
     assert bad.exit_code == 2 and "method" in bad.output
+    # the engine's scheduling and decode options reach it; the help lists exactly the engine's methods
+    result = CliRunner().invoke(
+        app,
+        ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--prefill-chunk", "64",
+         "--max-num-batched-tokens", "256", "--decode-buckets", "--decode-kernel", "auto"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    engine = seen["engine"]
+    assert engine.decode_buckets and engine.decode_kernel == "gather"  # auto on a CPU: no kernel can run
+    assert (engine.scheduler.prefill_chunk, engine.scheduler.max_num_batched_tokens) == (64, 256)
+    bad = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "64", "--decode-kernel", "flash"])
+    assert bad.exit_code == 2 and "decode_kernel='flash' cannot be used: it needs a CUDA device" in bad.output
+    bad = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "64", "--cuda-graphs"])
+    assert bad.exit_code == 2 and "CUDA" in bad.output
+    from kvtrim.methods.presets import KV_COMPRESS
+
+    help_text = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    assert " | ".join(KV_COMPRESS) in help_text

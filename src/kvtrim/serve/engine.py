@@ -607,6 +607,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         self._compress(list(plan.sequences), events)
+        self._device_sync()
         self._stats.compress_s += time.perf_counter() - t0
 
     def _compress(self, reqs: list[_Request], events: list[TokenEvent], mark: bool = True) -> None:
@@ -642,6 +643,12 @@ class Engine:
             last = min(victims, key=lambda r: r.arrival)
             self._finish(last, events, None, "error", "out of KV memory: the request alone outgrew the pool")
 
+    def _device_sync(self) -> None:
+        """Wait for the accelerator's queued work, so each phase's seconds in the stats are its own (the decode
+        phase ends with its token read instead). Nothing to wait for on a CPU."""
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
+
     def _decode_phase(self, events: list[TokenEvent]) -> int:
         """One batched decode forward over the decoding sequences; returns how many were fed."""
         batch = self.scheduler.decoding()
@@ -649,13 +656,15 @@ class Engine:
             return 0
         t0 = time.perf_counter()
         logits = self._decode_forward(batch, events)
+        # One host read for the whole batch, not one per request; inside the timing because on an accelerator it is
+        # where the step's queued kernels finish (decode_s is the forward's device time, not its launch time).
+        greedy = None if logits is None else logits.argmax(-1).tolist()
         self._stats.decode_s += time.perf_counter() - t0
         if logits is None:
             return len(batch)
         self._stats.decode_steps += 1
         self._stats.decode_tokens += len(batch)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(batch))
-        greedy = logits.argmax(-1).tolist()  # one host read for the whole batch, not one per request
         for row, req in enumerate(batch):
             self._next_token(req, logits[row], events, greedy[row])
         self.scheduler.tick()
@@ -702,6 +711,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             logits = self._prefill_chunks(plan.chunks)
+            self._device_sync()
         except Exception as exc:
             self._fail(reqs, events, exc)
             return
@@ -721,6 +731,7 @@ class Engine:
         if self.compress and partial:  # compress as chunks arrive: the prompt never sits uncompressed
             t0 = time.perf_counter()
             self._compress(partial, events, mark=False)
+            self._device_sync()
             self._stats.compress_s += time.perf_counter() - t0
 
     def _unstall(self, events: list[TokenEvent]) -> None:

@@ -1,0 +1,49 @@
+"""Smoke test of benchmarks/bench_decode_step.py on the CPU with the tiny random-weight shape."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode_step", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_decode_step", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("extra", [[], ["--static-decode"]])
+def test_tiny_run_measures_each_batch_at_its_size(bench, tmp_path, extra):
+    result = bench.main(
+        ["--shape", "tiny", "--batches", "1", "3", "--context", "96", "--rate", "4", "--min-cache-tokens", "16",
+         "--protected-window", "8", "--steps", "3", "--warmup", "1", "--out-dir", str(tmp_path), *extra]
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "decode_step.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    rows = saved["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["step_ms_median"] > 0 and 0 < r["decode_ms"] <= r["step_ms_mean"] * 1.5
+        assert r["compress_ms"] > 0  # continual compression at rate 4 evicts during decoding
+        assert r["entries_per_head"] < 96  # compressed below the prompt
+        assert r["decode_kernel"] == "gather"
+        assert r["static_decode_steps"] == (3 if extra else 0)
+    md = (tmp_path / "decode_step.md").read_text()
+    assert "| 3 |" in md and "static decode " + ("on" if extra else "off") in md
+
+
+def test_cuda_graphs_on_a_cpu_is_refused(bench, tmp_path):
+    from kvtrim.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="CUDA"):
+        bench.main(["--shape", "tiny", "--batches", "1", "--context", "32", "--steps", "1", "--cuda-graphs",
+                    "--out-dir", str(tmp_path)])  # fmt: skip
