@@ -3,13 +3,16 @@ all built in memory, plus the real embedded SmolLM2 for the slow set."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 # kvtrim's Triton kernel (kvtrim.cache.triton_paged) is tested under Triton's interpreter, which runs kernels on CPU
 # tensors. Triton reads TRITON_INTERPRET when it is imported (its own library functions are wrapped then), and
 # torch._dynamo imports triton as soon as transformers loads a model class, so this comes before every import.
-# TRITON_INTERPRET=0 in the environment keeps it off (tests/cache/test_triton_paged.py then runs on CUDA).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET=0 in the environment keeps it off (tests/cache/test_triton_paged.py then runs on CUDA). Not in
+# a venv with vLLM (make vllm-test): vLLM's own Triton kernels are not to be interpreted there.
+if importlib.util.find_spec("vllm") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
