@@ -41,16 +41,22 @@ def _dense(q, keys, values, scale):
 
 # ---------------------------------------------------------------------------------------------------- the kernel
 @pytest.mark.parametrize(
-    ("block_size", "head_dim", "dtype"),
-    [(16, 64, torch.float32), (16, 24, torch.float32), (12, 16, torch.float32), (16, 64, torch.bfloat16)],
+    ("block_size", "head_dim", "dtype", "group"),
+    [
+        (16, 64, torch.float32, 3),
+        (16, 24, torch.float32, 3),
+        (12, 16, torch.float32, 3),
+        (16, 64, torch.bfloat16, 3),
+        (16, 32, torch.float16, 1),
+    ],
 )
-def test_kernel_equals_dense_reference(block_size, head_dim, dtype):
-    """G = 3 query heads per KV head (SmolLM2's 9/3), uneven lengths over several blocks, a non-power-of-two
-    head_dim (24) and block size (12), and a half-precision pool."""
+def test_kernel_equals_dense_reference(block_size, head_dim, dtype, group):
+    """G = 3 query heads per KV head (SmolLM2's 9/3) and G = 1 (no GQA), uneven lengths over several blocks, a
+    non-power-of-two head_dim (24) and block size (12), half-precision pools."""
     from kvtrim.cache.triton_paged import paged_decode
 
     g = torch.Generator().manual_seed(block_size + head_dim)
-    blocks, group = 14, 3
+    blocks = 14
     k_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
     lengths = [1, block_size, 3 * block_size + 5, 2 * block_size - 1, 7]

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import InvalidParameterError
 from .paged_kernels import FusedMetric
 
 
@@ -151,7 +152,7 @@ def paged_decode(
     keys = k_cache.reshape(num_blocks, block_size, d)
     values = v_cache.reshape(num_blocks, block_size, d)
     if not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("the KV pool must be contiguous [num_blocks, block_size, head_dim]")
+        raise InvalidParameterError("the KV pool must be contiguous [num_blocks, block_size, head_dim]")
     if q.stride(-1) != 1:
         q = q.contiguous()
     seqlens = seqlens.contiguous()
@@ -164,7 +165,7 @@ def paged_decode(
         metric_t, pos_t = metric.metric, metric.positions
         qpos_t, heads, buffer = metric.qpos.reshape(-1).contiguous(), metric.heads, metric.buffer
         if not (metric_t.is_contiguous() and pos_t.is_contiguous()):
-            raise ValueError("the pool's metric and positions must be contiguous")
+            raise InvalidParameterError("the pool's metric and positions must be contiguous")
     if rows == 0:
         return out, lse
     _jitted(interpreter_on())[(rows,)](
