@@ -60,18 +60,21 @@ SHAPES = {
 
 
 def load(shape: str | None, device: str, dtype: torch.dtype):
-    """The embedded SmolLM2 (``shape`` None) or a random-weight Llama of ``shape``; SmolLM2's tokenizer either way."""
-    model, tok = kvtrim.load_model(MODEL)
-    if shape is not None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+    """The embedded SmolLM2 (``shape`` None) or a random-weight Llama of ``shape``; SmolLM2's tokenizer either way
+    (with a shape only the tokenizer is read, so SmolLM2's weights need not be there, e.g. on a GPU machine)."""
+    if shape is None:
+        model, tok = kvtrim.load_model(MODEL)
+        return model.to(device=device, dtype=dtype), tok
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        torch.manual_seed(0)
-        cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg).to(dtype).eval()
-        model.generation_config.eos_token_id = None
-    else:
-        model = model.to(device=device, dtype=dtype)
+    from kvtrim.models import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None
     return model, tok
 
 
