@@ -54,6 +54,9 @@ SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                      tie_word_embeddings=True),
+    # llama-8b's layer and head counts at a small width: the same ops per decode step (for counting them on a CPU)
+    "llama-8b-narrow": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=8192, max_position_embeddings=131072),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192),
 }  # fmt: skip
