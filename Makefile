@@ -10,7 +10,7 @@ OLDEST := .venv-oldest
 OLDEST_PY := $(OLDEST)/bin/python
 OLDEST_STAMP := $(OLDEST)/.transformers-$(TRANSFORMERS_OLDEST)
 
-.PHONY: demo test test-oldest lint import-graph model install clean bench
+.PHONY: demo test test-oldest lint import-graph model install clean bench gpu-bundle
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,15 @@ import-graph: $(STAMP)
 
 bench: model
 	$(PY) benchmarks/bench_speed_memory.py
+
+# What benchmarks/gpu_issue14.sh needs on a GPU machine that only has torch and transformers: SmolLM2's tokenizer
+# and config (no weights) and the jargon haystack, in .gpu/kvtrim_home (git-ignored; carry `.gpu` with the device tool)
+gpu-bundle: model
+	rm -rf .gpu && mkdir -p .gpu/kvtrim_home/models/smollm2-135m .gpu/kvtrim_home/haystacks
+	cd $$($(PY) -c "import kvtrim.models as m; print(m.kvtrim_home())") && \
+		cp models/smollm2-135m/*.json models/smollm2-135m/*.jinja $(CURDIR)/.gpu/kvtrim_home/models/smollm2-135m/ && \
+		cp haystacks/* $(CURDIR)/.gpu/kvtrim_home/haystacks/
+	du -sh .gpu
 
 clean:
 	rm -rf $(VENV) $(OLDEST) build dist src/*.egg-info

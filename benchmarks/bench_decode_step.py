@@ -6,7 +6,10 @@ so nothing waits, nothing is preempted, and the decode batch stays ``b``. Once e
 ``--rate`` > 1, compressed), the engine takes ``--warmup`` steps, then ``--steps`` timed steps; each step is one
 batched decode forward plus, with continual compression, one batched eviction. Recorded per batch: step wall ms
 (the whole ``Engine.step``), decode ms (the decode forward up to its token read, from ``EngineStats.decode_s``),
-compression ms per step, KV entries held per sequence, and the decode attention / graph counters the engine reports.
+compression ms per step, KV entries held per sequence, the decode attention / graph counters the engine reports,
+and the aten ops of one more step (counted with a dispatch mode: on an accelerator each non-view op is a kernel
+launch of an eager step; ``--shape llama-8b-narrow`` has llama-8b's layers and heads at a width a CPU can run, so
+the same op count).
 
 Nothing here is specific to a device: ``--shape llama-8b --device cuda --dtype bfloat16 --cuda-graphs`` is the GPU
 run of the issue; the default (SmolLM2, CPU, fp32) is what this repository's CPU machine can run.
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving_throughput import SHAPES, load, make_prompts, to_vocab
@@ -39,6 +43,31 @@ from kvtrim.serve.engine import Engine
 from kvtrim.serve.types import SamplingParams
 
 OUT_DIR = Path(__file__).parent / "results" / "bench_decode_step"
+
+
+# Ops that only make a view of existing memory (no kernel launch on an accelerator).
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "expand", "slice", "select", "transpose", "t", "permute", "unsqueeze",
+    "squeeze", "alias", "as_strided", "detach", "split", "unbind",
+})  # fmt: skip
+HOST_READS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active: on an accelerator, each non-view op is (at least) one launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.views = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.views += name in VIEW_OPS
+        self.ops += name not in VIEW_OPS
+        self.host_reads += name in HOST_READS
+        return func(*args, **(kwargs or {}))
 
 
 def sync(device: str) -> None:
@@ -50,16 +79,20 @@ def measure(model, tok, prompts: list[list[int]], args) -> dict:
     """Steady decode steps of one engine whose batch is ``len(prompts)``."""
     cfg = model.config
     b = len(prompts)
-    total = args.context + args.warmup + args.steps + 2
+    # Enough tokens that no request finishes before the counted step, however long the staggered prefills take (at
+    # worst one chunk per step); the requests are cancelled once measured.
+    max_tokens = b * math.ceil(args.context / args.prefill_chunk) + args.warmup + args.steps + 3
+    total = args.context + max_tokens + 1
     blocks = b * cfg.num_hidden_layers * cfg.num_key_value_heads * math.ceil(total / args.block_size)
     engine = Engine(
         model, tok, kv_blocks=blocks, block_size=args.block_size, compression_rate=args.rate, method=args.method,
         protected_window=args.protected_window, min_cache_tokens=args.min_cache_tokens,
-        decode_kernel=args.decode_kernel, decode_buckets=args.decode_buckets or args.cuda_graphs or args.static_decode,
-        cuda_graphs=args.cuda_graphs, static_decode=args.static_decode, cuda_graph_max_batch=max(64, b),
+        prefill_chunk=args.prefill_chunk, decode_kernel=args.decode_kernel,
+        decode_buckets=args.decode_buckets or args.cuda_graphs or args.static_decode, cuda_graphs=args.cuda_graphs,
+        static_decode=args.static_decode, cuda_graph_max_batch=max(64, b),
     )  # fmt: skip
     gc.collect()
-    params = SamplingParams(max_tokens=args.warmup + args.steps + 2, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     handles = [engine.submit(p, params) for p in prompts]
     t0 = time.perf_counter()
     while True:  # every prompt prefilled (chunks) and decoding
@@ -81,15 +114,33 @@ def measure(model, tok, prompts: list[list[int]], args) -> dict:
         sync(args.device)
         step_ms.append(1e3 * (time.perf_counter() - t))
     after = engine.stats
-    if after.decode_steps - before.decode_steps != args.steps or after.max_decode_batch != b:
-        got = after.decode_steps - before.decode_steps
-        raise RuntimeError(f"expected {args.steps} decode steps at batch {b}, got {got} (max {after.max_decode_batch})")
+    held = [r.paged.entries() / (cfg.num_hidden_layers * cfg.num_key_value_heads) for r in engine.scheduler.running]
+    counter, forward = OpCounter(), OpCounter()
+    def enter(*_) -> None:  # a hook that returns something replaces the forward's inputs or outputs
+        forward.__enter__()
+
+    def leave(*_) -> None:
+        forward.__exit__(None, None, None)
+
+    # the model forward of the step alone (the part a CUDA graph captures), inside the step's count
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    try:
+        with counter:  # one more step, counted: the launches an eager step issues (a graph replay issues one)
+            engine.step()
+    finally:
+        for h in hooks:
+            h.remove()
+    steps, fed = after.decode_steps - before.decode_steps, after.decode_tokens - before.decode_tokens
+    if steps != args.steps or fed != b * args.steps:
+        raise RuntimeError(f"expected {args.steps} decode steps of batch {b}, got {steps} steps feeding {fed}")
     if after.preemptions:
         raise RuntimeError("a sequence was preempted: the pool is too small for the batch")
-    held = [r.paged.entries() / (cfg.num_hidden_layers * cfg.num_key_value_heads) for r in engine.scheduler.running]
+    for h in handles:
+        engine.cancel(h.request_id)
     engine.run_until_idle()
-    if any(h.result(timeout=0).finish_reason != "length" for h in handles):
-        raise RuntimeError("a request did not finish by length")
+    bad = [o for o in (h.result(timeout=0) for h in handles) if o.error]
+    if bad:
+        raise RuntimeError(f"a request failed: {bad[0].error}")
     step_ms.sort()
     return {
         "batch": b,
@@ -107,6 +158,10 @@ def measure(model, tok, prompts: list[list[int]], args) -> dict:
         "graph_replays": after.graph_replays - before.graph_replays,
         "graph_captures": after.graph_captures,
         "static_decode_steps": after.static_decode_steps - before.static_decode_steps,
+        "ops_per_step": counter.ops,
+        "forward_ops_per_step": forward.ops,
+        "view_ops_per_step": counter.views,
+        "host_reads_per_step": counter.host_reads,
     }
 
 
@@ -121,15 +176,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"torch threads {meta['threads']}; {meta['steps']} timed steps after {meta['warmup']} warm-up steps.",
         "",
         "| batch | step ms (median) | step ms (mean) | decode ms | compress ms | tok/s | entries per head "
-        "| vs first batch (median) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs first batch (median) | aten ops per step (+ views) | of which in the model forward "
+        "| host reads per step |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     first = rows[0]["step_ms_median"] if rows else float("nan")
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['step_ms_median']:.1f} | {r['step_ms_mean']:.1f} | {r['decode_ms']:.1f} "
             f"| {r['compress_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['entries_per_head']:.0f} "
-            f"| {r['step_ms_median'] / first:.2f}x |"
+            f"| {r['step_ms_median'] / first:.2f}x | {r['ops_per_step']} (+{r['view_ops_per_step']}) "
+            f"| {r['forward_ops_per_step']} | {r['host_reads_per_step']} |"
         )
     lines += ["", f"Command: `{meta['command']}` ({meta['date']}).", ""]
     return "\n".join(lines)
@@ -146,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--protected-window", type=int, default=32)
     ap.add_argument("--min-cache-tokens", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random-weight shape (default: SmolLM2)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -157,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    for name in ("steps", "context", "block_size"):
+    for name in ("steps", "context", "block_size", "prefill_chunk"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     torch.set_num_threads(args.threads)

@@ -55,24 +55,30 @@ SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                      tie_word_embeddings=True),
+    # llama-8b's layer and head counts at a small width: the same ops per decode step (for counting them on a CPU)
+    "llama-8b-narrow": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=8192, max_position_embeddings=131072),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192),
 }  # fmt: skip
 
 
 def load(shape: str | None, device: str, dtype: torch.dtype):
-    """The embedded SmolLM2 (``shape`` None) or a random-weight Llama of ``shape``; SmolLM2's tokenizer either way."""
-    model, tok = kvtrim.load_model(MODEL)
-    if shape is not None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+    """The embedded SmolLM2 (``shape`` None) or a random-weight Llama of ``shape``; SmolLM2's tokenizer either way
+    (with a shape only the tokenizer is read, so SmolLM2's weights need not be there, e.g. on a GPU machine)."""
+    if shape is None:
+        model, tok = kvtrim.load_model(MODEL)
+        return model.to(device=device, dtype=dtype), tok
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        torch.manual_seed(0)
-        cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg).to(dtype).eval()
-        model.generation_config.eos_token_id = None
-    else:
-        model = model.to(device=device, dtype=dtype)
+    from kvtrim.models import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None
     return model, tok
 
 

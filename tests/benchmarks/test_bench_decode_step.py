@@ -37,6 +37,11 @@ def test_tiny_run_measures_each_batch_at_its_size(bench, tmp_path, extra):
         assert r["entries_per_head"] < 96  # compressed below the prompt
         assert r["decode_kernel"] == "gather"
         assert r["static_decode_steps"] == (3 if extra else 0)
+        assert r["ops_per_step"] > 50 and r["view_ops_per_step"] > 0
+    # the model forward's ops do not grow with the batch (no loop over sequences); the rest of the step (compression)
+    # depends on which sequences are due, not on how many
+    assert rows[0]["forward_ops_per_step"] == rows[1]["forward_ops_per_step"] > 0
+    assert all(r["forward_ops_per_step"] < r["ops_per_step"] for r in rows)
     md = (tmp_path / "decode_step.md").read_text()
     assert "| 3 |" in md and "static decode " + ("on" if extra else "off") in md
 

@@ -4,7 +4,8 @@ log-sum-exp equal a dense float64 reference, and through ``PagedBatchCache(decod
 and the fused continual metric equal the gather path's on uneven paged batches. Selection: "triton" is refused
 with a reason where it cannot run; "auto" orders the kernels.
 
-With ``TRITON_INTERPRET=0`` in the environment and a CUDA device, the same tests run the compiled kernel on CUDA.
+With a CUDA device (tests/conftest.py then leaves the interpreter off), the same tests run the compiled kernel on
+CUDA (benchmarks/gpu_issue14.sh).
 The interpreter runs each program in Python, so the batches are small.
 """
 

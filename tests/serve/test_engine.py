@@ -588,3 +588,33 @@ def test_bucketed_decode_matches_running_alone_with_static_shapes(model, monkeyp
     assert all(w & (w - 1) == 0 for _, _, widths in shapes for w in widths)
     with pytest.raises(InvalidParameterError, match="decode_buckets"):
         Engine(model, byte_tokenizer(), kv_blocks=10, decode_buckets="yes")
+
+
+@pytest.mark.parametrize("rate", [1.0, 4.0])
+def test_batched_block_counts_equal_counting_each_request(model, tok, rate):
+    """The scheduler's batched counts (one call over the block tables) give what asking each request gives, at
+    every step of a run with chunked prefills, compression, preemptions, finishes and a cancellation."""
+    from kvtrim.serve.scheduler import PerSequenceCounts
+
+    engine = Engine(model, tok, kv_blocks=48, block_size=16, compression_rate=rate, min_cache_tokens=16,
+                    protected_window=8, prefill_chunk=48)  # fmt: skip
+    rng = random.Random(3)
+    handles = [
+        engine.submit(random_text(rng.randint(20, 100), seed=i), SamplingParams(max_tokens=rng.randint(20, 80),
+                                                                                ignore_eos=True))
+        for i in range(10)
+    ]  # fmt: skip
+    batched, each, checked = engine.scheduler.counts, PerSequenceCounts(), 0
+    while engine.has_work():
+        running = list(engine.scheduler.running)
+        decoding = engine.scheduler.decoding()
+        assert batched.decode_need(decoding) == each.decode_need(decoding)
+        assert batched.committed(running) == each.committed(running)
+        checked += bool(running)
+        engine.step()
+        if engine.stats.steps == 5:
+            engine.cancel(handles[0].request_id)
+    assert checked > 10 and engine.pool.num_free == engine.pool.num_blocks
+    if rate > 1:
+        assert engine.stats.compressions > 0
+    assert engine.stats.preemptions > 0 or rate > 1

@@ -188,6 +188,25 @@ def sample_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class _BatchedCounts:
+    """The scheduler's block counts of the engine's requests, read from the shared host copies of the block tables
+    in one vectorized call for all of them (instead of a few tensor ops per request, several times a step)."""
+
+    @staticmethod
+    def _paged(seqs: list[_Request]) -> tuple[list[PagedSequence], torch.Tensor]:
+        paged = [r.paged for r in seqs if r.paged is not None]
+        return paged, torch.tensor([p.slot for p in paged], dtype=torch.long)
+
+    def decode_need(self, seqs: list[_Request]) -> int:
+        paged, slots = self._paged([r for r in seqs if not r.prefill_remaining()])
+        return int(paged[0].store.blocks_needed(slots, 1).sum()) if paged else 0
+
+    def committed(self, seqs: list[_Request]) -> int:
+        paged, slots = self._paged(seqs)
+        held = iter(paged[0].store.host_nblocks[slots].sum(1).tolist() if paged else [])
+        return sum(max(0 if r.paged is None else next(held), r.projected_blocks()) for r in seqs)
+
+
 @dataclass(eq=False)
 class _Request:
     """One request inside the engine (implements :class:`~kvtrim.serve.scheduler.ScheduledSequence`)."""
@@ -227,9 +246,12 @@ class _Request:
             return self.engine.geometry.blocks_for(new)
         return self.paged.blocks_needed(new)
 
+    def projected_blocks(self) -> int:
+        """What admission projects it to hold (see :meth:`Engine.projected_blocks`)."""
+        return self.engine.projected_blocks(self.prefill_tokens(), len(self.prompt_ids) + self.params.max_tokens)
+
     def committed_blocks(self) -> int:
-        final = len(self.prompt_ids) + self.params.max_tokens
-        return max(self.blocks_held(), self.engine.projected_blocks(self.prefill_tokens(), final))
+        return max(self.blocks_held(), self.projected_blocks())
 
     def kv_entries(self) -> int:
         return 0 if self.paged is None else self.paged.entries()
@@ -354,7 +376,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.geometry, self.pool.num_blocks, compress=self.compress, compress_once=compress_once,
             compression_interval=compression_interval, max_batch=max_batch, prefill_chunk=prefill_chunk,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens, counts=_BatchedCounts(),
         )  # fmt: skip
         self._stats = EngineStats(pool_blocks_total=self.pool.num_blocks, decode_kernel=self.decode_kernel)
         self._generator = torch.Generator().manual_seed(seed)

@@ -65,6 +65,28 @@ class ScheduledSequence(Protocol):
         """Blocks admission counts it for: ``max(held now, projected after compression)``."""
 
 
+class BlockCounts(Protocol):
+    """Block counts of many sequences at once (an engine answers for all of them in one batched call)."""
+
+    def decode_need(self, seqs: list) -> int:
+        """Extra blocks the next decode step of the decoding sequences ``seqs`` allocates, summed."""
+
+    def committed(self, seqs: list) -> int:
+        """``committed_blocks()`` summed over ``seqs``."""
+
+
+class PerSequenceCounts:
+    """:class:`BlockCounts` asked of each sequence in turn, through the :class:`ScheduledSequence` protocol."""
+
+    @staticmethod
+    def decode_need(seqs: list) -> int:
+        return sum(s.decode_blocks_needed() for s in seqs)
+
+    @staticmethod
+    def committed(seqs: list) -> int:
+        return sum(s.committed_blocks() for s in seqs)
+
+
 @dataclass(frozen=True)
 class BlockGeometry:
     """Block arithmetic of a paged cache with one block table per (layer, KV head)."""
@@ -126,6 +148,8 @@ class Scheduler:
         prefill_chunk: tokens of one prefill chunk (every chunk of a prompt but the last has exactly this many)
         max_num_batched_tokens: tokens one step feeds at most, decodes and prefill chunks together (at least one
             chunk is scheduled when a sequence waits to prefill, whatever the decodes take)
+        counts: how block counts over many sequences are computed (default: sequence by sequence); the engine
+            passes one that answers for the whole batch in one vectorized call over its block tables
     """
 
     def __init__(
@@ -140,6 +164,7 @@ class Scheduler:
         max_batch: int | None = None,
         prefill_chunk: int = 512,
         max_num_batched_tokens: int = 2048,
+        counts: BlockCounts | None = None,
     ):
         for name, value in (("prefill_chunk", prefill_chunk), ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -157,6 +182,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.counts: BlockCounts = PerSequenceCounts() if counts is None else counts
         self.waiting: deque = deque()
         self.running: list = []
         self.uncompressed_prefill = False
@@ -191,7 +217,7 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------- memory
     def decode_need(self) -> int:
         """Blocks the decoding sequences' next decode step allocates."""
-        return sum(s.decode_blocks_needed() for s in self.running if s.prefill_remaining() == 0)
+        return self.counts.decode_need(self.decoding())
 
     def must_preempt(self, num_free: int) -> bool:
         return self.decode_need() > num_free
@@ -280,7 +306,7 @@ class Scheduler:
             free -= need
         if self.lock_prefill:
             return plan
-        committed = sum(s.committed_blocks() for s in self.running) + self.decode_need()
+        committed = self.counts.committed(self.running) + self.decode_need()
         while self.waiting and (self.max_batch is None or len(self.running) < self.max_batch):
             seq = self.waiting[0]
             if not self.can_ever_fit(seq.prefill_tokens()):
