@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--decode-kernel", choices=["auto", "gather", "flash"], default="auto")
+    ap.add_argument("--decode-kernel", choices=["auto", "gather", "flash", "triton"], default="auto")
     ap.add_argument("--decode-buckets", action="store_true", help="pad decode batches to static buckets")
     ap.add_argument("--static-decode", action="store_true", help="the CUDA-graph step, run eagerly (any device)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA only)")

@@ -15,7 +15,8 @@ compressions and evicted blocks, and writes ``serving_throughput.json``, ``servi
 ``--shape`` swaps the embedded model for a random-weight model of a named shape (``llama-8b``, ``llama-1b``,
 ``tiny``; prompts are the same SmolLM2 token ids, wrapped into the shape's vocabulary) and ``--device`` picks where
 it runs, so one command judges CPU and GPU (``--dtype bfloat16`` for GPU runs). ``--decode-kernel`` picks the
-decode attention (``auto``: the block-table flash-attention kernel when it can run, else gather + SDPA); the one
+decode attention (``auto``: vLLM's flash-attention fork, else kvtrim's Triton kernel on CUDA, else upstream
+flash-attn, when one can run, else gather + SDPA; ``triton`` names the Triton kernel); the one
 that ran is recorded per row (``decode_kernel``) and in the markdown.
 
 Usage::
@@ -253,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument(
-        "--decode-kernel", choices=["auto", "gather", "flash"], default="auto",
-        help="decode attention: block-table flash-attention kernel (flash), gather + SDPA (gather), or auto",
+        "--decode-kernel", choices=["auto", "gather", "flash", "triton"], default="auto",
+        help="decode attention: block-table flash-attention kernel (flash), kvtrim's Triton block-table kernel "
+        "(triton), gather + SDPA (gather), or auto",
     )  # fmt: skip
     ap.add_argument("--decode-buckets", action="store_true", help="pad decode batches to static buckets")
     ap.add_argument("--static-decode", action="store_true", help="the CUDA-graph decode step, run eagerly")

@@ -22,6 +22,7 @@ for stage in $STAGES; do
   case $stage in
     tests)
       $PY -m pytest -q -p no:cacheprovider -rs tests/serve/test_engine_cuda.py tests/cache/test_paged_kernels.py \
+        tests/cache/test_triton_paged.py \
         > "$OUT/cuda_tests.log" 2>&1 || rc=1 ;;
     step)
       for mode in "" "--cuda-graphs"; do

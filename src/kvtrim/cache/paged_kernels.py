@@ -35,9 +35,22 @@ Kernels, looked up in this order (the first importable one that allows the pool'
 
 Both need CUDA, fp16/bf16 and ``head_dim`` a multiple of 8 and at most 256.
 
-The continual metric (KV-Compress's decode-time squared attention): with the kernel, each cached key's probability
-is ``exp(q·k·scale − lse)`` from the kernel's log-sum-exp, so only the keys (not the values) are gathered and no
-softmax or ``P·V`` is recomputed.
+3. kvtrim's own Triton kernel, :mod:`kvtrim.cache.triton_paged` (``decode_kernel="triton"``; imported only when it
+   is chosen or ``"auto"`` meets a CUDA pool): any block size, fp16/bf16/fp32, ``head_dim`` at most 256, the
+   continual metric fused into the same launch. It needs the ``triton`` package and a CUDA device; on a CPU it
+   runs only under Triton's interpreter (``TRITON_INTERPRET=1``, Triton's debug mode, which the tests use), and
+   only when asked for by name.
+
+``"auto"`` tries vLLM's fork, then the Triton kernel, then upstream flash-attn. The fork is vLLM's own tuned decode
+kernel for 16-token pages. The Triton kernel comes before upstream flash-attn because it serves every block size
+(upstream needs multiples of 256, which KV-Compress's small blocks never are) and fuses the metric (with the
+flash-attention kernels the metric is a second pass in PyTorch that gathers every cached key of the layer).
+"flash" keeps meaning the flash-attention kernels only.
+
+The continual metric (KV-Compress's decode-time squared attention): with a flash-attention kernel, each cached key's
+probability is ``exp(q·k·scale − lse)`` from the kernel's log-sum-exp, so only the keys (not the values) are
+gathered and no softmax or ``P·V`` is recomputed (:func:`accumulate_metric_from_lse`); the Triton kernel does the
+same inside the kernel (:attr:`PagedKernel.fuses_metric`).
 """
 
 from __future__ import annotations
@@ -45,13 +58,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from ..errors import InvalidParameterError
 
-DECODE_KERNELS = ("auto", "gather", "flash")
+DECODE_KERNELS = ("auto", "gather", "flash", "triton")
 _DTYPES = (torch.float16, torch.bfloat16)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
 
 # (out [B, G, d], lse [B, G] fp32) = call(q [B, G, d], k_cache, v_cache [N, bs, 1, d], seqlens [B] int32,
 #                                         block_table [B, W] int32, max_seqlen_k, softmax_scale)
@@ -63,14 +79,35 @@ class PagedKernel:
     """One importable block-table attention kernel.
 
     Attributes:
-        name: ``"vllm_flash_attn"`` or ``"flash_attn"``
+        name: ``"vllm_flash_attn"``, ``"flash_attn"`` or ``"triton"``
         block_multiple: the block sizes it accepts are multiples of this
         call: the kernel behind one calling convention (see ``PagedCall`` above)
+        fuses_metric: ``call`` also takes ``metric=FusedMetric(...)`` and updates the continual metric itself
     """
 
     name: str
     block_multiple: int
     call: PagedCall
+    fuses_metric: bool = False
+
+
+@dataclass(frozen=True)
+class FusedMetric:
+    """The continual metric update a kernel with ``fuses_metric`` does in the same launch.
+
+    Attributes:
+        metric: ``[num_blocks, block_size]`` float32, updated in place (the pool's)
+        positions: ``[num_blocks, block_size]`` long, each slot's token position (the pool's)
+        qpos: ``[n]`` long, each sequence's query position (kernel row ``r`` belongs to sequence ``r // heads``)
+        heads: KV heads per sequence
+        buffer: keys with position ``> qpos − buffer`` are left out (0: every stored key counts)
+    """
+
+    metric: torch.Tensor
+    positions: torch.Tensor
+    qpos: torch.Tensor
+    heads: int
+    buffer: int
 
 
 # ---------------------------------------------------------------------------------------------------- lookup
@@ -92,6 +129,16 @@ def _load_flash_attn() -> Callable | None:
     except Exception:
         return None
     return flash_attn_with_kvcache
+
+
+@functools.lru_cache(maxsize=1)
+def _load_triton() -> ModuleType | None:
+    """:mod:`kvtrim.cache.triton_paged` (which imports ``triton``) or None."""
+    try:
+        from . import triton_paged
+    except Exception:  # triton not installed, or a build that does not import here
+        return None
+    return triton_paged
 
 
 def _varlen_call(fn: Callable) -> PagedCall:
@@ -119,7 +166,8 @@ def _kvcache_call(fn: Callable) -> PagedCall:
 
 
 def available_kernels() -> list[PagedKernel]:
-    """The importable kernels in lookup order (vLLM's fork first)."""
+    """The importable flash-attention kernels in lookup order (vLLM's fork first); the Triton kernel is
+    :func:`triton_kernel`."""
     found = []
     fork = _load_vllm_fork()
     if fork is not None:
@@ -128,6 +176,34 @@ def available_kernels() -> list[PagedKernel]:
     if upstream is not None:
         found.append(PagedKernel("flash_attn", 256, _kvcache_call(upstream)))
     return found
+
+
+def triton_kernel() -> PagedKernel | None:
+    """kvtrim's Triton kernel (any block size, metric fused), or None when ``triton`` is not importable."""
+    module = _load_triton()
+    return None if module is None else PagedKernel("triton", 1, module.paged_decode, fuses_metric=True)
+
+
+def _triton_on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _triton_unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, *, auto: bool) -> str | None:
+    """Why the Triton kernel cannot serve this pool, or None. A CPU pool is served only under Triton's interpreter
+    and only when the kernel is named (``auto`` never picks an interpreter)."""
+    module = _load_triton()
+    if module is None:
+        return "the triton package is not importable (pip install 'kvtrim[gpu]')"
+    if not _triton_on_cuda(device) and (auto or not module.interpreter_on()):
+        return (
+            f"it needs a CUDA device, the KV pool is on {device} (a CPU pool runs only under Triton's interpreter, "
+            "TRITON_INTERPRET=1, Triton's debug mode)"
+        )
+    if dtype not in _TRITON_DTYPES:
+        return f"it needs float16, bfloat16 or float32 KV, the pool holds {dtype}"
+    if head_dim > MAX_HEAD_DIM:
+        return f"it needs head_dim at most {MAX_HEAD_DIM}, got {head_dim}"
+    return None
 
 
 def _device_supported(device: torch.device) -> bool:
@@ -143,8 +219,8 @@ def _unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) ->
         return f"it needs a CUDA device, the KV pool is on {device}"
     if not _dtype_supported(dtype):
         return f"it needs float16 or bfloat16 KV, the pool holds {dtype}"
-    if head_dim % 8 or head_dim > 256:
-        return f"it needs head_dim a multiple of 8 and at most 256, got {head_dim}"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"it needs head_dim a multiple of 8 and at most {MAX_HEAD_DIM}, got {head_dim}"
     return None
 
 
@@ -154,12 +230,13 @@ def resolve_decode_kernel(
     """The kernel decode attention runs with, or None for the gather + SDPA path.
 
     Args:
-        choice: ``"gather"`` (always None), ``"flash"`` (a kernel, or raise), ``"auto"`` (a kernel when every
-            condition holds, else None)
+        choice: ``"gather"`` (always None), ``"flash"`` (a flash-attention kernel, or raise), ``"triton"`` (the
+            Triton kernel, or raise), ``"auto"`` (vLLM's fork, else the Triton kernel, else upstream flash-attn,
+            the first whose conditions all hold; else None)
         device, dtype, block_size, head_dim: the KV pool's
     Raises:
-        InvalidParameterError: an unknown ``choice``; ``"flash"`` when no kernel can serve this pool (the message
-            says why)
+        InvalidParameterError: an unknown ``choice``; ``"flash"`` or ``"triton"`` when that kernel cannot serve
+            this pool (the message says why)
     """
     if not isinstance(choice, str) or choice not in DECODE_KERNELS:
         raise InvalidParameterError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}; got {choice!r}")
@@ -167,23 +244,35 @@ def resolve_decode_kernel(
         return None
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
-    reason = _unusable_reason(torch.device(device), dtype, head_dim)
+    device = torch.device(device)
+    if choice == "triton":
+        reason = _triton_unusable_reason(device, dtype, head_dim, auto=False)
+        if reason is not None:
+            raise InvalidParameterError(f"decode_kernel='triton' cannot be used: {reason}")
+        return triton_kernel()
+    reason = _unusable_reason(device, dtype, head_dim)
+    fitting: list[PagedKernel] = []
     if reason is None:
         kernels = available_kernels()
-        for kernel in kernels:
-            if block_size % kernel.block_multiple == 0:
-                return kernel
+        fitting = [k for k in kernels if block_size % k.block_multiple == 0]
         if not kernels:
             reason = (
                 "neither vLLM's flash-attention fork (vllm.vllm_flash_attn, block_size a multiple of 16) nor the "
                 "flash-attn package (block_size a multiple of 256) is importable"
             )
-        else:
+        elif not fitting:
             allowed = ", ".join(f"{k.name} needs a multiple of {k.block_multiple}" for k in kernels)
             reason = f"block_size={block_size} is not allowed by the importable kernels ({allowed})"
     if choice == "flash":
-        raise InvalidParameterError(f"decode_kernel='flash' cannot be used: {reason}")
-    return None
+        if reason is not None:
+            raise InvalidParameterError(f"decode_kernel='flash' cannot be used: {reason}")
+        return fitting[0]
+    # auto: vLLM's fork, then the Triton kernel, then upstream flash-attn (module docstring)
+    if fitting and fitting[0].name == "vllm_flash_attn":
+        return fitting[0]
+    if _triton_unusable_reason(device, dtype, head_dim, auto=True) is None:
+        return triton_kernel()
+    return fitting[0] if fitting else None
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -194,6 +283,9 @@ def paged_decode_attention(
     table: torch.Tensor,
     length: torch.Tensor,
     scaling: float,
+    *,
+    metric_qpos: torch.Tensor | None = None,
+    buffer: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of every (sequence, KV head) of one layer in one kernel call.
 
@@ -202,6 +294,8 @@ def paged_decode_attention(
         pool: the :class:`~kvtrim.cache.block_pool.BlockPool` (this step's K/V already written)
         table: ``[n, kv_heads, width]`` long block ids of the layer's rows
         length: ``[n, kv_heads]`` long entries per row after the write (at least 1)
+        metric_qpos: ``[n, 1]`` query positions: a kernel with ``fuses_metric`` also adds the continual metric
+            (keys within ``buffer`` positions of the query left out) to ``pool.metric``; needs ``fuses_metric``
     Returns:
         ``([n, 1, q_heads, d]`` output in ``query``'s dtype, ``[n, kv_heads, G]`` fp32 log-sum-exp of the scaled
         logits)
@@ -210,6 +304,11 @@ def paged_decode_attention(
     h, width = table.shape[1], table.shape[2]
     g = hq // h
     q = query.to(pool.dtype).reshape(n * h, g, d)  # query head kv * G + j reads KV head kv
+    extra = {}
+    if metric_qpos is not None:
+        if not kernel.fuses_metric:
+            raise InvalidParameterError(f"the {kernel.name} kernel does not fuse the metric: pass no metric_qpos")
+        extra["metric"] = FusedMetric(pool.metric, pool.positions, metric_qpos.reshape(n), h, buffer)
     out, lse = kernel.call(
         q,
         pool.keys.unsqueeze(2),  # [num_blocks, block_size, 1, d]: a view
@@ -218,6 +317,7 @@ def paged_decode_attention(
         table.reshape(n * h, width).to(torch.int32),
         width * pool.block_size,
         scaling,
+        **extra,
     )
     return out.reshape(n, 1, hq, d).to(query.dtype), lse.reshape(n, h, g).float()
 

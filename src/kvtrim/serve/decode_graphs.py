@@ -44,7 +44,8 @@ class DecodeGraphRunner:
         accumulate_decode_metric, buffer: the continual KV-Compress metric, as :class:`PagedBatchCache`
         max_batch: the largest decode batch run here; a larger batch is the caller's (eager, bucketed) business
         capture: capture CUDA graphs (needs a CUDA pool)
-        decode_kernel: the decode attention of the static step, as :class:`PagedBatchCache` (``"gather"``/``"flash"``)
+        decode_kernel: the decode attention of the static step, as :class:`PagedBatchCache` (``"gather"``/``"flash"``/
+            ``"triton"``)
 
     Attributes:
         captures: graphs captured; replays: steps replayed from a graph; eager_steps: static steps run eagerly;

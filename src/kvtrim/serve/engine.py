@@ -74,7 +74,7 @@ class EngineStats:
         peak_blocks_used: the most blocks ever held at the end of a step
         prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards and compression
         decode_kernel: the decode attention that runs: ``"gather"`` (gather + SDPA) or the block-table kernel's
-            name (``"vllm_flash_attn"``, ``"flash_attn"``)
+            name (``"vllm_flash_attn"``, ``"flash_attn"``, ``"triton"``)
         graph_captures: CUDA graphs captured (``cuda_graphs=True``; recaptures after the block table grew included)
         graph_replays: decode steps replayed from a CUDA graph
         static_decode_steps: decode steps run eagerly through the static buffers (``static_decode=True``)
@@ -301,9 +301,11 @@ class Engine:
         cuda_graph_max_batch: the largest decode batch bucket run through the static step (graphs or
             ``static_decode``); larger batches run the eager bucketed forward
         decode_kernel: decode attention: ``"gather"`` (default; gather + SDPA), ``"flash"`` (one block-table
-            flash-attention call per layer, :mod:`kvtrim.cache.paged_kernels`; InvalidParameterError saying why
-            when it cannot run), ``"auto"`` (the kernel when it can run, else gather). ``stats.decode_kernel`` and
-            :attr:`decode_kernel` say which runs.
+            flash-attention call per layer, :mod:`kvtrim.cache.paged_kernels`), ``"triton"`` (kvtrim's Triton
+            block-table kernel, any block size, continual metric fused, :mod:`kvtrim.cache.triton_paged`; CUDA),
+            ``"auto"`` (vLLM's fork, else Triton, else upstream flash-attn, when one can run; else gather).
+            ``"flash"``/``"triton"`` raise InvalidParameterError saying why when they cannot run.
+            ``stats.decode_kernel`` and :attr:`decode_kernel` say which runs.
     """
 
     def __init__(
@@ -342,7 +344,7 @@ class Engine:
         )  # before anything changes
         # The name of the decode attention that runs; the caches are built with the resolved choice.
         self.decode_kernel = "gather" if kernel is None else kernel.name
-        self._decode_kernel_choice = "gather" if kernel is None else "flash"
+        self._decode_kernel_choice = "gather" if kernel is None else ("triton" if kernel.name == "triton" else "flash")
         enable(model)  # raises UnsupportedModelError for unsupported architectures
         self.model, self.tokenizer = model, tokenizer
         self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"

@@ -1,0 +1,205 @@
+"""kvtrim's Triton paged decode kernel (kvtrim.cache.triton_paged), run on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, Triton's debug mode, set by tests/conftest.py before triton is imported): outputs and
+log-sum-exp equal a dense float64 reference, and through ``PagedBatchCache(decode_kernel="triton")`` the outputs
+and the fused continual metric equal the gather path's on uneven paged batches. Selection: "triton" is refused
+with a reason where it cannot run; "auto" orders the kernels.
+
+With a CUDA device (tests/conftest.py then leaves the interpreter off), the same tests run the compiled kernel on
+CUDA (benchmarks/gpu_issue14.sh).
+The interpreter runs each program in Python, so the batches are small.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import paged_kernel_reference as ref
+from kvtrim.cache import paged_kernels
+from kvtrim.cache.paged import BlockPool, PagedBatchCache, PagedSequence
+from kvtrim.errors import InvalidParameterError
+from kvtrim.selection.block_eviction import apply_evictions, schedule_evictions
+
+torch.set_num_threads(1)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+DEVICE = "cpu" if INTERPRETED else "cuda"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
+
+
+def _dense(q, keys, values, scale):
+    """``q [G, d]`` over ``keys/values [L, d]`` in float64: (out [G, d], lse [G])."""
+    out, lse = ref._attend_one(q[None], keys[:, None], values[:, None], scale, causal=False)
+    return out[0], lse[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------------- the kernel
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "dtype", "group"),
+    [
+        (16, 64, torch.float32, 3),
+        (16, 24, torch.float32, 3),
+        (12, 16, torch.float32, 3),
+        (16, 64, torch.bfloat16, 3),
+        (16, 32, torch.float16, 1),
+    ],
+)
+def test_kernel_equals_dense_reference(block_size, head_dim, dtype, group):
+    """G = 3 query heads per KV head (SmolLM2's 9/3) and G = 1 (no GQA), uneven lengths over several blocks, a
+    non-power-of-two head_dim (24) and block size (12), half-precision pools."""
+    from kvtrim.cache.triton_paged import paged_decode
+
+    g = torch.Generator().manual_seed(block_size + head_dim)
+    blocks = 14
+    k_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
+    lengths = [1, block_size, 3 * block_size + 5, 2 * block_size - 1, 7]
+    table = torch.stack([torch.randperm(blocks, generator=g)[:4] for _ in lengths]).to(torch.int32)
+    q = torch.randn(len(lengths), group, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = paged_decode(*(t.to(DEVICE) for t in (q, k_cache, v_cache, seqlens, table)), 0, scale)
+    out, lse = out.cpu(), lse.cpu()
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32 and lse.shape == (5, group)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for r, n in enumerate(lengths):
+        keys = k_cache[table[r].long(), :, 0].flatten(0, 1)[:n]
+        values = v_cache[table[r].long(), :, 0].flatten(0, 1)[:n]
+        want_out, want_lse = _dense(q[r], keys, values, scale)
+        torch.testing.assert_close(out[r].double(), want_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse[r].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- the backend
+def _config(heads: int, kv_heads: int, head_dim: int, layers: int = 2):
+    return SimpleNamespace(
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        hidden_size=heads * head_dim,
+    )  # fmt: skip
+
+
+def _forward(cfg, cache: PagedBatchCache, rows: int, q_len: int, g: torch.Generator, positions=None):
+    """One 'forward' through every layer with random q/k/v; returns the per-layer outputs."""
+    outs = []
+    for layer in cache.layers:
+        q = torch.randn(rows, cfg.num_attention_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
+        k = torch.randn(rows, cfg.num_key_value_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
+        v = torch.randn(rows, cfg.num_key_value_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
+        cache.update(k, v, layer.layer_idx)
+        outs.append(layer.attend(None, q, positions, None, cfg.head_dim**-0.5))
+    return outs
+
+
+def _decode(kernel: str, cfg, lengths, *, accumulate: bool, buffer: int, pad: int, block_size: int = 16):
+    """Prefilled sequences with random evictions per (layer, head) and a random metric, then one decode step."""
+    g = torch.Generator().manual_seed(7)
+    blocks = sum(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (t // block_size + 2) for t in lengths)
+    pool = BlockPool(blocks, block_size, cfg.head_dim, torch.float32, DEVICE, scratch=True)
+    seqs = []
+    for t in lengths:
+        seq = PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads)
+        _forward(cfg, PagedBatchCache(cfg, pool, [seq]), 1, t, g)
+        plan = schedule_evictions(seq, blocks_to_evict=0, protected_window=0)
+        for r in range(seq.num_rows):
+            n = int(seq.row_lengths()[r])
+            k = int(torch.randint(0, n // 2, (1,), generator=g))
+            plan.evicted[r] = torch.randperm(n - 1, generator=g)[:k].sort().values
+        apply_evictions(seq, plan)
+        seqs.append(seq)
+    pool.metric.copy_(torch.rand(pool.metric.shape, generator=g))
+    lens = torch.stack([s.lengths() for s in seqs])
+    positions = torch.tensor([[s.seen] for s in seqs] + [[0]] * pad, device=DEVICE)
+    cache = PagedBatchCache(
+        cfg, pool, seqs, accumulate_decode_metric=accumulate, buffer=buffer, bucketed=pad > 0, decode_kernel=kernel
+    )
+    outs = _forward(cfg, cache, len(seqs) + pad, 1, g, positions)
+    return cache, [out[: len(seqs)] for out in outs], pool, lens
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "accumulate", "buffer", "pad"),
+    [(64, False, 0, 0), (64, True, 0, 0), (64, True, 3, 2), (24, True, 3, 0)],
+)
+def test_triton_decode_equals_gather_path(head_dim, accumulate, buffer, pad):
+    """GQA 6/2 (G = 3); ``pad``: padding rows of a bucketed batch (they read and write the scratch block only)."""
+    cfg = _config(heads=6, kv_heads=2, head_dim=head_dim)
+    lengths = (3 * 16 + 5, 16 + 9, 7)
+    gather_cache, want, gather_pool, lens = _decode("gather", cfg, lengths, accumulate=accumulate, buffer=buffer,
+                                                    pad=pad)  # fmt: skip
+    cache, got, pool, _ = _decode("triton", cfg, lengths, accumulate=accumulate, buffer=buffer, pad=pad)
+    assert gather_cache.decode_kernel_name == "gather" and cache.decode_kernel_name == "triton"
+    assert len(set(lens.flatten().tolist())) > 3  # heads and sequences really hold different counts
+    assert int(lens.max()) > 2 * 16  # some rows span three blocks
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # Every block but the scratch one, which all padding rows share (their updates may race on a GPU; nothing
+    # reads it).
+    real = slice(0, pool.num_blocks)
+    torch.testing.assert_close(pool.metric[real], gather_pool.metric[real], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(pool.keys, gather_pool.keys, atol=0, rtol=0)
+    if accumulate:
+        base = _decode("gather", cfg, lengths, accumulate=False, buffer=0, pad=pad)[2].metric
+        assert not torch.equal(pool.metric[real], base[real])  # the metric did move
+
+
+def test_fused_metric_skips_the_accumulate_from_lse_pass(monkeypatch):
+    calls = []
+    monkeypatch.setattr("kvtrim.cache.paged.accumulate_metric_from_lse", lambda *a, **k: calls.append(1))
+    cfg = _config(heads=6, kv_heads=2, head_dim=16, layers=1)
+    _decode("triton", cfg, (20, 9), accumulate=True, buffer=0, pad=0)
+    assert not calls
+    _decode("gather", cfg, (20, 9), accumulate=True, buffer=0, pad=0)
+    assert not calls  # the gather path computes the metric from its own softmax
+
+
+# ---------------------------------------------------------------------------------------------------- selection
+def test_triton_without_cuda_or_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    resolve = paged_kernels.resolve_decode_kernel
+    with pytest.raises(InvalidParameterError, match=r"decode_kernel='triton' cannot be used: it needs a CUDA device"):
+        resolve("triton", device="cpu", dtype=torch.float32, block_size=16, head_dim=64)
+    cfg = _config(heads=6, kv_heads=2, head_dim=16)
+    pool = BlockPool(8, 16, 16, torch.float32)
+    seq = PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads)
+    with pytest.raises(InvalidParameterError, match="TRITON_INTERPRET=1"):
+        PagedBatchCache(cfg, pool, [seq], decode_kernel="triton")
+    assert pool.num_free == 8 and seq.entries() == 0
+    monkeypatch.setattr(paged_kernels, "_load_triton", lambda: None)
+    with pytest.raises(InvalidParameterError, match="triton package is not importable"):
+        resolve("triton", device="cuda", dtype=torch.float16, block_size=16, head_dim=64)
+
+
+def test_triton_names_each_unmet_condition():
+    resolve = paged_kernels.resolve_decode_kernel
+    assert resolve("triton", device=DEVICE, dtype=torch.float32, block_size=16, head_dim=64).name == "triton"
+    assert resolve("triton", device=DEVICE, dtype=torch.bfloat16, block_size=5, head_dim=24).name == "triton"
+    with pytest.raises(InvalidParameterError, match=r"float16, bfloat16 or float32 KV, the pool holds torch.float64"):
+        resolve("triton", device=DEVICE, dtype=torch.float64, block_size=16, head_dim=64)
+    with pytest.raises(InvalidParameterError, match="head_dim at most 256, got 320"):
+        resolve("triton", device=DEVICE, dtype=torch.float16, block_size=16, head_dim=320)
+    # "auto" never picks the interpreter: a CPU pool stays on the gather path
+    assert resolve("auto", device="cpu", dtype=torch.float32, block_size=16, head_dim=64) is None
+
+
+def test_auto_order_is_fork_then_triton_then_upstream(monkeypatch):
+    resolve = paged_kernels.resolve_decode_kernel
+    for name in ("_device_supported", "_dtype_supported", "_triton_on_cuda"):
+        monkeypatch.setattr(paged_kernels, name, lambda *a: True)  # pretend the CPU pool is on CUDA
+    monkeypatch.setattr(paged_kernels, "_load_vllm_fork", lambda: ref.flash_attn_varlen_func)
+    monkeypatch.setattr(paged_kernels, "_load_flash_attn", lambda: ref.flash_attn_with_kvcache)
+    kw = dict(device="cpu", dtype=torch.float16, head_dim=64)
+    assert resolve("auto", block_size=256, **kw).name == "vllm_flash_attn"
+    assert resolve("auto", block_size=8, **kw).name == "triton"  # the fork needs multiples of 16
+    monkeypatch.setattr(paged_kernels, "_load_vllm_fork", lambda: None)
+    assert resolve("auto", block_size=256, **kw).name == "triton"  # before upstream flash-attn
+    assert resolve("flash", block_size=256, **kw).name == "flash_attn"  # "flash" is flash-attention only
+    monkeypatch.setattr(paged_kernels, "_load_triton", lambda: None)
+    assert resolve("auto", block_size=256, **kw).name == "flash_attn"
+    assert resolve("auto", block_size=16, **kw) is None
