@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import byte_tokenizer, random_text, tiny_model
+from compressed_engine_run import run_compressed
+from conftest import byte_tokenizer, tiny_model
 from kvtrim.cache.paged_kernels import resolve_decode_kernel
 from kvtrim.errors import InvalidParameterError
 from kvtrim.serve.engine import Engine
-from kvtrim.serve.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,17 +28,7 @@ def _model(dtype: torch.dtype):
 
 
 def _run(model, tok, **options) -> tuple[list[list[int]], Engine]:
-    engine = Engine(
-        model, tok, kv_blocks=160, block_size=16, compression_rate=4.0, min_cache_tokens=16, protected_window=8,
-        **options,
-    )  # fmt: skip
-    handles = [
-        engine.submit(random_text(90 + 13 * i, seed=i), SamplingParams(max_tokens=24, ignore_eos=True))
-        for i in range(6)
-    ]
-    engine.run_until_idle()
-    assert engine.pool.num_free == engine.pool.num_blocks
-    return [h.result(timeout=0).token_ids for h in handles], engine
+    return run_compressed(model, tok, requests=6, max_tokens=24, kv_blocks=160, length_step=13, **options)
 
 
 def _kernel_or_skip(name: str, dtype: torch.dtype) -> None:

@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import byte_tokenizer, random_text, tiny_model
+from compressed_engine_run import run_compressed
+from conftest import byte_tokenizer, tiny_model
 from kvtrim.cache import paged_kernels
 from kvtrim.errors import InvalidParameterError
 from kvtrim.serve.engine import Engine
-from kvtrim.serve.types import SamplingParams
 
 if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
     pytest.skip("the engine test runs the kernel under TRITON_INTERPRET=1 (tests/conftest.py)", allow_module_level=True)
@@ -34,17 +34,10 @@ def tok():
 
 
 def _run(model, tok, decode_kernel: str, decode_buckets: bool, static: bool = False) -> tuple[list[list[int]], Engine]:
-    engine = Engine(
-        model, tok, kv_blocks=96, block_size=16, compression_rate=4.0, min_cache_tokens=16, protected_window=8,
-        decode_buckets=decode_buckets, decode_kernel=decode_kernel, static_decode=static,
+    return run_compressed(
+        model, tok, requests=3, max_tokens=10, decode_buckets=decode_buckets, decode_kernel=decode_kernel,
+        static_decode=static,
     )  # fmt: skip
-    handles = [
-        engine.submit(random_text(90 + 7 * i, seed=i), SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(3)
-    ]
-    while engine.has_work():
-        engine.step()
-    assert engine.pool.num_free == engine.pool.num_blocks
-    return [h.result().token_ids for h in handles], engine
 
 
 @pytest.mark.parametrize(("decode_buckets", "static"), [(False, False), (True, False), (True, True)])
