@@ -21,7 +21,7 @@ from ..errors import InvalidParameterError
 from .attention import grouped_attention
 from .block_pool import EMPTY, BlockPool, OutOfBlocks
 from .layer import hand_over, raise_if_unconsumed
-from .paged_kernels import accumulate_metric_from_lse, paged_decode_attention, resolve_decode_kernel
+from .paged_kernels import PagedKernel, accumulate_metric_from_lse, paged_decode_attention, resolve_decode_kernel
 from .sdpa import sdpa
 
 __all__ = [
@@ -288,7 +288,8 @@ class PagedBatchCache(Cache):
             blocks and runs one masked SDPA per layer; ``"flash"`` runs one flash-attention block-table kernel call
             per layer, ``"triton"`` kvtrim's Triton kernel (metric fused) (:mod:`kvtrim.cache.paged_kernels`;
             both raise :class:`InvalidParameterError` saying why when they cannot); ``"auto"`` a kernel when one
-            can run, else the gather path. :attr:`decode_kernel_name` says which.
+            can run, else the gather path; or a :class:`~kvtrim.cache.paged_kernels.PagedKernel` the caller already
+            resolved for this pool (an engine resolves once, not per forward). :attr:`decode_kernel_name` says which.
     """
 
     def __init__(
@@ -302,7 +303,7 @@ class PagedBatchCache(Cache):
         buffer: int = 0,
         chunk_lengths: list[int] | None = None,
         bucketed: bool = False,
-        decode_kernel: str = "gather",
+        decode_kernel: str | PagedKernel = "gather",
     ):
         num_layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
@@ -342,9 +343,12 @@ class PagedBatchCache(Cache):
         if bucketed and (pool.scratch_block is None or chunk_lengths is not None):
             raise InvalidParameterError("bucketed decode needs a BlockPool(scratch=True) and no chunk_lengths")
         self.bucketed = bucketed
-        self._kernel = resolve_decode_kernel(
-            decode_kernel, device=pool.device, dtype=pool.dtype, block_size=pool.block_size, head_dim=head_dim
-        )
+        if isinstance(decode_kernel, PagedKernel):
+            self._kernel = decode_kernel
+        else:
+            self._kernel = resolve_decode_kernel(
+                decode_kernel, device=pool.device, dtype=pool.dtype, block_size=pool.block_size, head_dim=head_dim
+            )
         self.decode_kernel_name = "gather" if self._kernel is None else self._kernel.name
         # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill
         self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from .paged import PagedBatchCache, PagedSequence
+from .paged_kernels import PagedKernel
 
 
 def batch_bucket(n: int) -> int:
@@ -90,7 +91,7 @@ class StaticDecodeCache(PagedBatchCache):
         width: int,
         accumulate_decode_metric: bool = False,
         buffer: int = 0,
-        decode_kernel: str = "gather",
+        decode_kernel: str | PagedKernel = "gather",
     ):
         super().__init__(
             model_config, pool, sequences, accumulate_decode_metric=accumulate_decode_metric, buffer=buffer,

@@ -19,6 +19,7 @@ import torch
 
 from ..cache.block_pool import BlockPool
 from ..cache.paged import PagedSequence
+from ..cache.paged_kernels import PagedKernel
 from ..cache.static_decode import StaticDecodeCache, batch_bucket, reserve_decode_step
 from ..errors import InvalidParameterError
 
@@ -44,8 +45,8 @@ class DecodeGraphRunner:
         accumulate_decode_metric, buffer: the continual KV-Compress metric, as :class:`PagedBatchCache`
         max_batch: the largest decode batch run here; a larger batch is the caller's (eager, bucketed) business
         capture: capture CUDA graphs (needs a CUDA pool)
-        decode_kernel: the decode attention of the static step, as :class:`PagedBatchCache` (``"gather"``/``"flash"``/
-            ``"triton"``)
+        decode_kernel: the decode attention of the static step, as :class:`PagedBatchCache` (a choice such as
+            ``"gather"``, or a resolved :class:`~kvtrim.cache.paged_kernels.PagedKernel`)
 
     Attributes:
         captures: graphs captured; replays: steps replayed from a graph; eager_steps: static steps run eagerly;
@@ -61,7 +62,7 @@ class DecodeGraphRunner:
         buffer: int,
         max_batch: int,
         capture: bool,
-        decode_kernel: str = "gather",
+        decode_kernel: str | PagedKernel = "gather",
     ):
         if pool.scratch_block is None:
             raise InvalidParameterError("static decode steps need a BlockPool(scratch=True) for their padding rows")

@@ -342,9 +342,9 @@ class Engine:
         kernel = resolve_decode_kernel(
             decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim
         )  # before anything changes
-        # The name of the decode attention that runs; the caches are built with the resolved choice.
+        # The name of the decode attention that runs; the caches get the resolved kernel (no per-forward lookup).
         self.decode_kernel = "gather" if kernel is None else kernel.name
-        self._decode_kernel_choice = "gather" if kernel is None else ("triton" if kernel.name == "triton" else "flash")
+        self._attention_kernel = "gather" if kernel is None else kernel
         enable(model)  # raises UnsupportedModelError for unsupported architectures
         self.model, self.tokenizer = model, tokenizer
         self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"
@@ -369,7 +369,7 @@ class Engine:
             self._graphs = DecodeGraphRunner(
                 model, self.pool, accumulate_decode_metric=self.compress and not compress_once,
                 buffer=self.metric_buffer, max_batch=cuda_graph_max_batch, capture=cuda_graphs,
-                decode_kernel=self._decode_kernel_choice,
+                decode_kernel=self._attention_kernel,
             )  # fmt: skip
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.eos = eos_ids(model, tokenizer)
@@ -712,7 +712,7 @@ class Engine:
                 accumulate_decode_metric=self.compress and not self.compress_once,
                 buffer=self.metric_buffer,
                 bucketed=self.decode_buckets,
-                decode_kernel=self._decode_kernel_choice,
+                decode_kernel=self._attention_kernel,
             )
             out = self.model(
                 input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
