@@ -74,7 +74,8 @@ class EngineStats:
         pool_blocks_total: blocks in the pool
         pool_blocks_used, pool_blocks_free: blocks held by requests / free now (gauges)
         peak_blocks_used: the most blocks ever held at the end of a step
-        prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards and compression
+        prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards (with the step's token
+            read and sampling) and compression
         decode_kernel: the decode attention that runs: ``"gather"`` (gather + SDPA) or the block-table kernel's
             name (``"vllm_flash_attn"``, ``"flash_attn"``, ``"triton"``)
         graph_captures: CUDA graphs captured (``cuda_graphs=True``; recaptures after the block table grew included)
