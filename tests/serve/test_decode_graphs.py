@@ -100,7 +100,7 @@ class TracedModel:
         if not decode or kwargs["input_ids"].shape[1] != 1:
             return self.model(**kwargs)
         if isinstance(cache, StaticDecodeCache):
-            key = (cache.batch, cache.width, self.engine._graphs.invalidations)
+            key = (cache.batch, cache.width, self.engine.runner.graphs.invalidations)
             state = {
                 "rows": len(cache.sequences),
                 "positions": cache.position_ids.flatten().tolist(),
@@ -130,7 +130,7 @@ def _traced_engine(model, *, static: bool, cr: float) -> tuple[Engine, TracedMod
     traced = TracedModel(model, engine)
     engine.model = traced
     if static:
-        engine._graphs.model = traced
+        engine.runner.graphs.model = traced
     rng = random.Random(5)
     for step in range(40):  # requests arrive over time: batches of 3 and 4 (bucket 4), 5..8 (bucket 8), ...
         if step % 3 == 0 and step < 24:
@@ -223,7 +223,7 @@ def test_static_decode_matches_running_alone(model):
     engine, _ = _randomized(model, 200, seed=3, decode_buckets=True, static_decode=True)
     stats = engine.stats
     assert stats.static_decode_steps == stats.decode_steps > 0 and stats.graph_captures == stats.graph_replays == 0
-    assert engine._graphs.invalidations > 0  # the shared table grew during the run: graphs would be recaptured
+    assert engine.runner.graphs.invalidations > 0  # the shared table grew during the run: graphs would be recaptured
     store = engine.pool.block_tables(engine.geometry.tables)
     pad = store.padding_slot(engine.pool.scratch_block)
     assert int(store.host_nblocks[pad].sum()) == 0 and int(store.length[pad].sum()) == 0
@@ -279,7 +279,7 @@ def test_padding_only_step_touches_nothing_real(model):
         engine.submit([3 + (5 * i + j) % 250 for j in range(20 + i)], SamplingParams(max_tokens=30, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    runner, pool = engine._graphs, engine.pool
+    runner, pool = engine.runner.graphs, engine.pool
     (entry,) = runner._entries.values()
     store = engine.pool.block_tables(engine.geometry.tables)
     real = slice(0, pool.num_blocks)

@@ -13,8 +13,9 @@ from transformers import DynamicCache
 
 from conftest import byte_tokenizer, random_text, tiny_model
 from kvtrim.errors import InvalidParameterError
-from kvtrim.serve import engine as engine_mod
-from kvtrim.serve.engine import Engine, _TextOutput, sample_token
+from kvtrim.serve import model_runner as runner_mod
+from kvtrim.serve.engine import Engine, sample_token
+from kvtrim.serve.requests import TextOutput as _TextOutput
 from kvtrim.serve.types import SamplingParams
 
 EOS = {2}
@@ -191,7 +192,7 @@ def test_failing_sampler_finishes_only_its_request(model, tok, monkeypatch):
             raise RuntimeError("sampler exploded")
         return sample_token(logits, params, generator, greedy)
 
-    monkeypatch.setattr(engine_mod, "sample_token", flaky)
+    monkeypatch.setattr(runner_mod, "sample_token", flaky)
     engine = Engine(model, tok, kv_blocks=200)
     good = [engine.submit(random_text(20, seed=i), SamplingParams(max_tokens=10)) for i in range(3)]
     bad = engine.submit("boom", SamplingParams(max_tokens=10, seed=666))
@@ -230,7 +231,7 @@ def test_failing_stop_handling_and_prefill_finish_only_their_request(model, tok,
 
 
 def test_failed_decode_forward_fails_its_batch_and_serving_goes_on(model, tok, monkeypatch):
-    real, failed = engine_mod.PagedBatchCache, []
+    real, failed = runner_mod.PagedBatchCache, []
 
     def flaky(config, pool, sequences, **kw):
         if "accumulate_decode_metric" in kw and not failed:  # the first decode forward
@@ -238,7 +239,7 @@ def test_failed_decode_forward_fails_its_batch_and_serving_goes_on(model, tok, m
             raise RuntimeError("decode exploded")
         return real(config, pool, sequences, **kw)
 
-    monkeypatch.setattr(engine_mod, "PagedBatchCache", flaky)
+    monkeypatch.setattr(runner_mod, "PagedBatchCache", flaky)
     engine = Engine(model, tok, kv_blocks=200)
     first = [engine.submit("abc", SamplingParams(max_tokens=8)), engine.submit("abd", SamplingParams(max_tokens=8))]
     run_checked(engine)
@@ -564,15 +565,15 @@ def test_stats_expose_gauges_and_counters(model, tok):
 
 # ------------------------------------------------------------------------------------------- static decode shapes
 def test_batch_bucket_sizes():
-    assert [engine_mod.batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 40]
+    assert [runner_mod.batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 40]
     with pytest.raises(InvalidParameterError, match="at least one"):
-        engine_mod.batch_bucket(0)
+        runner_mod.batch_bucket(0)
 
 
 def test_bucketed_decode_matches_running_alone_with_static_shapes(model, monkeypatch):
     """Padded decode batches (1, 2, 4, 8, 16, ...) and power-of-two table widths: every output still equals the
     request alone, through preemptions and cancellations, and the pool leaks nothing."""
-    real, shapes = engine_mod.PagedBatchCache, []
+    real, shapes = runner_mod.PagedBatchCache, []
 
     class Recording(real):
         def _begin_forward(self, n, q):
@@ -580,7 +581,7 @@ def test_bucketed_decode_matches_running_alone_with_static_shapes(model, monkeyp
             if q == 1 and self.chunk_lengths is None:
                 shapes.append((n, len(self.sequences), tuple(self._step["widths"])))
 
-    monkeypatch.setattr(engine_mod, "PagedBatchCache", Recording)
+    monkeypatch.setattr(runner_mod, "PagedBatchCache", Recording)
     engine, _ = _randomized(model, 200, seed=3, decode_buckets=True)
     assert engine.pool.scratch_block == engine.pool.num_blocks  # the padding rows' block is outside the pool
     assert {n for n, _, _ in shapes} <= {1, 2, 4, 8, 16, 24, 32}

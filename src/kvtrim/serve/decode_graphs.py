@@ -13,6 +13,7 @@ reallocated when it grows (more sequences, wider tables), so every graph is drop
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -140,19 +141,33 @@ class DecodeGraphRunner:
         return _Entry(cache, forward)
 
     def _capture(self, entry: _Entry, sequences: list[PagedSequence]) -> None:
-        """Warm up on a side stream, then capture, both on padding rows only (nothing real is written)."""
+        """Warm up on a side stream, then capture on it, both on padding rows only (nothing real is written).
+
+        The capture is begun and ended here rather than with ``torch.cuda.graph``, whose entry empties the caching
+        allocator before every capture: each graph captured later (a new bucket key, or a recapture after the table
+        grew) would hand its memory back to the driver and allocate it again, with a device-wide synchronization.
+        Every graph here shares one memory pool, so there is nothing to free between captures."""
         entry.cache.load_padding(sequences)
-        stream = torch.cuda.Stream(device=self.pool.device)
-        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        device = self.pool.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_STEPS):
                 entry.forward()
-        torch.cuda.current_stream(self.pool.device).wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            entry.logits = entry.forward()
-        torch.cuda.synchronize(self.pool.device)
-        entry.graph = graph
+        with torch.cuda.stream(stream):  # a capture runs on a side stream, never the default one
+            graph.capture_begin(pool=self._mempool)
+            try:
+                logits = entry.forward()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # end the broken capture; the forward's error is reported
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.synchronize(device)
+        entry.graph, entry.logits = graph, logits
         self.captures += 1
 
     def _drop_graphs(self) -> None:

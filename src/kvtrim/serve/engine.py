@@ -9,9 +9,13 @@ token budget left by the decodes goes to prefill chunks (running prefills first,
 first come first served, admitted by their projected compressed size), all chunks of a step packed into one
 forward whatever their lengths. With compression on, a sequence is compressed after each of its prefill chunks, so
 a long prompt never needs its uncompressed size in the pool; every compression of a step is one batched eviction
-over all the sequences due (:func:`~kvtrim.selection.block_eviction.compress_sequences`). Scheduling decisions
-live in :mod:`kvtrim.serve.scheduler`; storage and eviction in :mod:`kvtrim.cache.paged` and
-:mod:`kvtrim.selection.block_eviction`.
+over all the sequences due.
+
+The engine only schedules: request lifecycle, admission (:mod:`kvtrim.serve.admission`), preemption, streaming and
+stats, with the decisions taken by :mod:`kvtrim.serve.scheduler`. The device work of each decision (packed prefill,
+the decode step with its kernel and CUDA graphs, eviction, the token read) is
+:class:`~kvtrim.serve.model_runner.ModelRunner`'s, which owns the block pool and sees sequences, never requests.
+Request state lives in :mod:`kvtrim.serve.requests`.
 
 ``submit`` and ``cancel`` are thread-safe and take no lock the engine loop holds while it works: ``submit``
 tokenizes in the caller's thread with a tokenizer copy of that thread (fast tokenizers must not be shared across
@@ -28,22 +32,20 @@ import itertools
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence
-from ..cache.paged_kernels import resolve_decode_kernel
-from ..cache.static_decode import batch_bucket
 from ..errors import InvalidParameterError
-from ..integration.attention import enable
 from ..methods.presets import KV_COMPRESS as PAGED_METHODS  # the KV-Compress presets, stated once
 from ..runtime import eos_ids
-from ..selection.block_eviction import compress_sequences, prefill_metric
-from .decode_graphs import DecodeGraphRunner
-from .scheduler import BlockGeometry, Scheduler, max_cache_tokens
+from .admission import KVBudget
+from .model_runner import ModelRunner, PrefillChunk, check_pool_size, sample_token
+from .requests import BatchedCounts, Request, TextOutput
+from .scheduler import Scheduler
 from .types import RequestHandle, SamplingParams, TokenEvent
+
+__all__ = ["Engine", "EngineStats", "sample_token"]  # sample_token: re-exported from the runner
 
 
 @dataclass
@@ -72,7 +74,8 @@ class EngineStats:
         pool_blocks_total: blocks in the pool
         pool_blocks_used, pool_blocks_free: blocks held by requests / free now (gauges)
         peak_blocks_used: the most blocks ever held at the end of a step
-        prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards and compression
+        prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards (with the step's token
+            read and sampling) and compression
         decode_kernel: the decode attention that runs: ``"gather"`` (gather + SDPA) or the block-table kernel's
             name (``"vllm_flash_attn"``, ``"flash_attn"``, ``"triton"``)
         graph_captures: CUDA graphs captured (``cuda_graphs=True``; recaptures after the block table grew included)
@@ -114,154 +117,6 @@ class EngineStats:
         """``engine.stats()`` and ``engine.stats`` both give the snapshot."""
         return self
 
-
-class _TextOutput:
-    """Incremental detokenization; text that could still become a stop string is held back."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
-        self._decode = decode  # ids -> text without special tokens
-        self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
-        self.text = ""  # all decoded text
-        self.emitted = 0  # characters of ``text`` handed out
-        self._prefix = 0  # ids[_prefix:_read] decode to the tail of ``text`` (context for the next token)
-        self._read = 0
-
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Append a token; returns ``(text to emit now, stopped)``. On a stop, the text ends before it."""
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
-        old_len = len(self.text)
-        if len(after) > len(before) and not after.endswith("\ufffd"):  # "\ufffd": an incomplete character
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-        if not self.stop:
-            return self._emit(len(self.text)), False
-        hits = [
-            i
-            for s in self.stop
-            if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0  # only matches touching new text
-        ]
-        if hits:
-            return self._emit(min(hits)), True
-        held = max(_partial_suffix(self.text, s) for s in self.stop)
-        return self._emit(len(self.text) - held), False
-
-    def flush(self) -> str:
-        """Everything not yet emitted (at the end of a request that did not hit a stop string)."""
-        tail = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
-        self.text += tail
-        self._prefix = self._read = len(self.ids)
-        return self._emit(len(self.text))
-
-    def _emit(self, upto: int) -> str:
-        out = self.text[self.emitted : upto] if upto > self.emitted else ""
-        self.emitted = max(self.emitted, upto)
-        return out
-
-
-def _partial_suffix(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
-
-
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, greedy: int | None = None
-) -> int:
-    """One token from ``logits`` ``[vocab]``: argmax at temperature 0, else temperature + nucleus (top-p).
-
-    ``greedy``: the argmax, when the caller computed it for a whole batch at once (one host read per step)."""
-    if params.temperature == 0.0:
-        return int(logits.argmax()) if greedy is None else greedy
-    # Per-request generators live on the CPU (seeds reproduce across devices): sample where the generator is.
-    probs = torch.softmax(logits.float().to(generator.device) / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # always keeps the most likely token
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class _BatchedCounts:
-    """The scheduler's block counts of the engine's requests, read from the shared host copies of the block tables
-    in one vectorized call for all of them (instead of a few tensor ops per request, several times a step)."""
-
-    @staticmethod
-    def _paged(seqs: list[_Request]) -> tuple[list[PagedSequence], torch.Tensor]:
-        paged = [r.paged for r in seqs if r.paged is not None]
-        return paged, torch.tensor([p.slot for p in paged], dtype=torch.long)
-
-    def decode_need(self, seqs: list[_Request]) -> int:
-        paged, slots = self._paged([r for r in seqs if not r.prefill_remaining()])
-        return int(paged[0].store.blocks_needed(slots, 1).sum()) if paged else 0
-
-    def committed(self, seqs: list[_Request]) -> int:
-        paged, slots = self._paged(seqs)
-        held = iter(paged[0].store.host_nblocks[slots].sum(1).tolist() if paged else [])
-        return sum(max(0 if r.paged is None else next(held), r.projected_blocks()) for r in seqs)
-
-
-@dataclass(eq=False)
-class _Request:
-    """One request inside the engine (implements :class:`~kvtrim.serve.scheduler.ScheduledSequence`)."""
-
-    request_id: str
-    arrival: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    handle: RequestHandle
-    generator: torch.Generator
-    text: _TextOutput
-    generated: list[int] = field(default_factory=list)  # emitted tokens (the last one is not fed yet)
-    paged: PagedSequence | None = None
-    prefilled: int = 0  # tokens of the current (re)prefill already fed
-    decoding: bool = False  # the current (re)prefill is complete
-    engine: Engine | None = None
-    steps_since_compression: int = 0
-    compressed_since_prefill: bool = False
-    preemptions: int = 0
-    compressions: int = 0
-
-    def prefill_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
-
-    def blocks_held(self) -> int:
-        return 0 if self.paged is None else self.paged.blocks_held()
-
-    def decode_blocks_needed(self) -> int:
-        return 0 if self.paged is None or self.prefill_remaining() else self.paged.blocks_needed(1)
-
-    def prefill_remaining(self) -> int:
-        return 0 if self.decoding else self.prefill_tokens() - self.prefilled
-
-    def chunk_blocks_needed(self, tokens: int, last: bool) -> int:
-        new = tokens + int(last)
-        if self.paged is None:
-            return self.engine.geometry.blocks_for(new)
-        return self.paged.blocks_needed(new)
-
-    def projected_blocks(self) -> int:
-        """What admission projects it to hold (see :meth:`Engine.projected_blocks`)."""
-        return self.engine.projected_blocks(self.prefill_tokens(), len(self.prompt_ids) + self.params.max_tokens)
-
-    def committed_blocks(self) -> int:
-        return max(self.blocks_held(), self.projected_blocks())
-
-    def kv_entries(self) -> int:
-        return 0 if self.paged is None else self.paged.entries()
-
-    def release(self) -> None:
-        self.prefilled = 0
-        self.decoding = False
-        if self.paged is not None:
-            self.paged.release()
-            self.paged = None
 
 
 class Engine:
@@ -334,57 +189,46 @@ class Engine:
         cuda_graph_max_batch: int = 64,
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
-        device = next(model.parameters()).device
-        _check_graph_args(decode_buckets, cuda_graphs, static_decode, cuda_graph_max_batch, device)
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(model.parameters()).dtype
-        kernel = resolve_decode_kernel(
-            decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim
-        )  # before anything changes
-        # The name of the decode attention that runs; the caches get the resolved kernel (no per-forward lookup).
-        self.decode_kernel = "gather" if kernel is None else kernel.name
-        self._attention_kernel = "gather" if kernel is None else kernel
-        enable(model)  # raises UnsupportedModelError for unsupported architectures
-        self.model, self.tokenizer = model, tokenizer
-        self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"
-        if not isinstance(decode_buckets, bool):
-            raise InvalidParameterError(f"decode_buckets must be True or False, got {decode_buckets!r}")
-        self.decode_buckets = decode_buckets
-        if kv_blocks is not None:
-            self.pool = BlockPool(kv_blocks, block_size, head_dim, dtype, device, scratch=decode_buckets)
-        else:
-            self.pool = BlockPool.for_bytes(kv_memory_bytes, block_size, head_dim, dtype, device, decode_buckets)
-        self.geometry = BlockGeometry(cfg.num_hidden_layers, cfg.num_key_value_heads, block_size)
-        self.compression_rate = float(compression_rate)
-        self.compress = self.compression_rate > 1.0
-        self.method = method
         preset = PAGED_METHODS[method]
+        if protected_window is not None:
+            preset = dataclasses.replace(preset, protected_window=protected_window)
+        compress = float(compression_rate) > 1.0
+        self.runner = ModelRunner(
+            model, kv_memory_bytes=kv_memory_bytes, kv_blocks=kv_blocks, block_size=block_size,
+            eviction=preset if compress else None, continual_metric=compress and not compress_once,
+            decode_buckets=decode_buckets, decode_kernel=decode_kernel, cuda_graphs=cuda_graphs,
+            static_decode=static_decode, cuda_graph_max_batch=cuda_graph_max_batch,
+        )  # fmt: skip
+        cfg = model.config
+        self.tokenizer = tokenizer
+        self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"
+        # The runner owns the device side; these name what it runs (the pool is the same object, never replaced).
+        self.decode_kernel, self.decode_buckets = self.runner.decode_kernel, decode_buckets
+        self.pool, self.geometry = self.runner.pool, self.runner.geometry
+        self.compression_rate = float(compression_rate)
+        self.compress = compress
+        self.method = method
         self.window, self.metric_buffer, self.kernel = preset.window, preset.buffer, preset.kernel
-        self.protected_window = preset.protected_window if protected_window is None else protected_window
+        self.protected_window = preset.protected_window
         self.min_cache_tokens = min_cache_tokens
         self.compress_once = compress_once
-        self._graphs: DecodeGraphRunner | None = None
-        if cuda_graphs or static_decode:
-            self._graphs = DecodeGraphRunner(
-                model, self.pool, accumulate_decode_metric=self.compress and not compress_once,
-                buffer=self.metric_buffer, max_batch=cuda_graph_max_batch, capture=cuda_graphs,
-                decode_kernel=self._attention_kernel,
-            )  # fmt: skip
+        self.budget = KVBudget(
+            self.geometry, self.compression_rate, min_cache_tokens, self.protected_window, compress_once
+        )
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.eos = eos_ids(model, tokenizer)
         self.scheduler = Scheduler(
             self.geometry, self.pool.num_blocks, compress=self.compress, compress_once=compress_once,
             compression_interval=compression_interval, max_batch=max_batch, prefill_chunk=prefill_chunk,
-            max_num_batched_tokens=max_num_batched_tokens, counts=_BatchedCounts(),
+            max_num_batched_tokens=max_num_batched_tokens, counts=BatchedCounts(),
         )  # fmt: skip
         self._stats = EngineStats(pool_blocks_total=self.pool.num_blocks, decode_kernel=self.decode_kernel)
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self._inbox: list[_Request] = []
+        self._inbox: list[Request] = []
         self._cancelled: list[str] = []
-        self._active: dict[str, _Request] = {}  # submitted and not finished
+        self._active: dict[str, Request] = {}  # submitted and not finished
         self._lock = threading.Lock()  # guards _inbox, _cancelled, _active and the seed generator (never held long)
         # Fast tokenizers are not safe for concurrent use: the engine thread detokenizes with its own copy and each
         # submitting thread tokenizes with a copy of its own, made once from a pristine copy nobody encodes with.
@@ -421,15 +265,15 @@ class Engine:
                 raise InvalidParameterError(f"request_id {rid!r} is already in use by an unfinished request")
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._generator))
             handle = RequestHandle(rid, len(ids))
-            req = _Request(
-                engine=self,
+            req = Request(
                 request_id=rid,
                 arrival=next(self._arrivals),
                 prompt_ids=ids,
                 params=params,
                 handle=handle,
                 generator=torch.Generator().manual_seed(seed),
-                text=_TextOutput(self._decode_text, params.stop),
+                text=TextOutput(self._decode_text, params.stop),
+                budget=self.budget,
             )
             self._active[rid] = req
             self._inbox.append(req)
@@ -511,10 +355,17 @@ class Engine:
         s.requests_prefilling = sum(1 for r in running if r.prefill_remaining() > 0)
         with self._lock:
             s.requests_waiting += len(self._inbox)
-        if self._graphs is not None:
-            g = self._graphs
-            s.graph_captures, s.graph_replays, s.static_decode_steps = g.captures, g.replays, g.eager_steps
+        s.graph_captures, s.graph_replays, s.static_decode_steps = self.runner.graph_counts()
         return s
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the runner runs (setting it swaps the runner's)."""
+        return self.runner.model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        self.runner.model = model
 
     def _decode_text(self, ids: list[int]) -> str:
         """Detokenize (engine thread only: the engine's own tokenizer copy)."""
@@ -530,17 +381,9 @@ class Engine:
         return tok
 
     def projected_blocks(self, prompt_tokens: int, final_tokens: int) -> int:
-        """Blocks admission counts a request for (its ``committed_blocks`` is at least this).
-
-        Without compression: its uncompressed prompt and first token, as vLLM admits (growth is left to preemption).
-        With compression the growth is small and bounded, so it is reserved: the compressed budget at
-        ``final_tokens`` (prompt + max_tokens) plus one partial block per table.
-        """
-        g = self.geometry
-        if not self.compress:
-            return g.blocks_for(prompt_tokens + 1)
-        m = max_cache_tokens(final_tokens, self.compression_rate, self.min_cache_tokens, g.block_size)
-        return min(g.blocks_for(final_tokens), g.budget_blocks(max(m, self.protected_window)) + g.tables)
+        """Blocks admission counts a request for (:meth:`KVBudget.projected_blocks
+        <kvtrim.serve.admission.KVBudget.projected_blocks>`)."""
+        return self.budget.projected_blocks(prompt_tokens, final_tokens)
 
     def held_blocks(self) -> int:
         """Blocks held by the running requests (equals the pool's used blocks: the engine leaks none)."""
@@ -591,27 +434,9 @@ class Engine:
             )
 
     def blocks_bound(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Most blocks a request alone ever needs: its prefill, and its growth (compressed or not) while decoding.
-
-        The last decode step feeds ``prompt_tokens + max_tokens − 1`` tokens. Compressed, a sequence is cut to its
-        budget M at the start of each step; it may then still hold up to one more block per table (no head is cut
-        below M entries, so block rounding can stay) and grows by at most one block per table before the next one.
-        """
-        g = self.geometry
-        prefill = g.blocks_for(prompt_tokens + 1)  # admission also reserves the first decoded token's blocks
-        full = g.blocks_for(prompt_tokens + max_tokens - 1)
-        if not self.compress:
-            return max(prefill, full)
-
-        def budget(tokens: int) -> int:
-            m = max_cache_tokens(tokens, self.compression_rate, self.min_cache_tokens, g.block_size)
-            return g.budget_blocks(max(m, self.protected_window))
-
-        if self.compress_once:
-            grown = budget(prompt_tokens) + g.tables * (-(-(max_tokens - 1) // g.block_size) + 2)
-        else:
-            grown = budget(prompt_tokens + max_tokens - 1) + 2 * g.tables
-        return max(prefill, min(full, grown))
+        """Most blocks a request alone ever needs (:meth:`KVBudget.blocks_bound
+        <kvtrim.serve.admission.KVBudget.blocks_bound>`)."""
+        return self.budget.blocks_bound(prompt_tokens, max_tokens)
 
     # ----------------------------------------------------------------------------------------- phases
     def _ingest(self, events: list[TokenEvent]) -> None:
@@ -631,20 +456,17 @@ class Engine:
             return
         t0 = time.perf_counter()
         self._compress(list(plan.sequences), events)
-        self._device_sync()
+        self.runner.synchronize()
         self._stats.compress_s += time.perf_counter() - t0
 
-    def _compress(self, reqs: list[_Request], events: list[TokenEvent], mark: bool = True) -> None:
+    def _compress(self, reqs: list[Request], events: list[TokenEvent], mark: bool = True) -> None:
         """Compress every sequence of ``reqs`` to its budget in one batched eviction (one ranking and one
         MoveCache for all of them); a failure fails exactly these requests."""
         if not reqs:
             return
-        bs = self.pool.block_size
-        budgets = [max_cache_tokens(r.paged.seen, self.compression_rate, self.min_cache_tokens, bs) for r in reqs]
+        budgets = [self.budget.max_cache_tokens(r.paged.seen) for r in reqs]
         try:
-            freed = compress_sequences(
-                [r.paged for r in reqs], max_cache_tokens=budgets, protected_window=self.protected_window
-            )
+            freed = self.runner.compress([r.paged for r in reqs], budgets)
         except Exception as exc:
             self._fail(reqs, events, exc)
             return
@@ -667,60 +489,34 @@ class Engine:
             last = min(victims, key=lambda r: r.arrival)
             self._finish(last, events, None, "error", "out of KV memory: the request alone outgrew the pool")
 
-    def _device_sync(self) -> None:
-        """Wait for the accelerator's queued work, so each phase's seconds in the stats are its own (the decode
-        phase ends with its token read instead). Nothing to wait for on a CPU."""
-        if self.pool.device.type == "cuda":
-            torch.cuda.synchronize(self.pool.device)
-
     def _decode_phase(self, events: list[TokenEvent]) -> int:
         """One batched decode forward over the decoding sequences; returns how many were fed."""
         batch = self.scheduler.decoding()
         if not batch:
             return 0
         t0 = time.perf_counter()
-        logits = self._decode_forward(batch, events)
-        # One host read for the whole batch, not one per request; inside the timing because on an accelerator it is
-        # where the step's queued kernels finish (decode_s is the forward's device time, not its launch time).
-        greedy = None if logits is None else logits.argmax(-1).tolist()
+        tokens = self._decode_forward(batch, events)
         self._stats.decode_s += time.perf_counter() - t0
-        if logits is None:
+        if tokens is None:
             return len(batch)
         self._stats.decode_steps += 1
         self._stats.decode_tokens += len(batch)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(batch))
-        for row, req in enumerate(batch):
-            self._next_token(req, logits[row], events, greedy[row])
+        for req, token in zip(batch, tokens, strict=True):
+            self._next_token(req, token, events)
         self.scheduler.tick()
         return len(batch)
 
-    def _decode_forward(self, batch: list[_Request], events: list[TokenEvent]) -> torch.Tensor | None:
-        if self._graphs is not None and self._graphs.handles(len(batch)):
-            try:  # host preparation into static buffers, then a graph replay (or the same forward, eagerly)
-                return self._graphs.run([r.paged for r in batch], [r.generated[-1] for r in batch])
-            except Exception as exc:
-                self._fail(batch, events, exc)
-                return None
-        pad = batch_bucket(len(batch)) - len(batch) if self.decode_buckets else 0
-        input_ids = torch.tensor([[r.generated[-1]] for r in batch] + [[0]] * pad, device=self.pool.device)
-        positions = torch.tensor([[r.paged.seen] for r in batch] + [[0]] * pad, device=self.pool.device)
+    def _decode_forward(self, batch: list[Request], events: list[TokenEvent]) -> list[int | Exception] | None:
+        """The batch's decode step on the runner and its tokens; None when the forward failed (the batch failed)."""
         try:
-            cache = PagedBatchCache(
-                self.model.config,
-                self.pool,
-                [r.paged for r in batch],
-                accumulate_decode_metric=self.compress and not self.compress_once,
-                buffer=self.metric_buffer,
-                bucketed=self.decode_buckets,
-                decode_kernel=self._attention_kernel,
-            )
-            out = self.model(
-                input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
+            logits = self.runner.decode([r.paged for r in batch], [r.generated[-1] for r in batch])
         except Exception as exc:  # a failed batch forward (OutOfBlocks would be a scheduler bug) fails the batch
             self._fail(batch, events, exc)
             return None
-        return out.logits[: len(batch), -1]
+        # One host read for the whole batch, not one per request; inside the timing because on an accelerator it is
+        # where the step's queued kernels finish (decode_s is the forward's device time, not its launch time).
+        return self.runner.sample(logits, [r.params for r in batch], [r.generator for r in batch])
 
     def _prefill_phase(self, events: list[TokenEvent], decoded: int) -> None:
         plan = self.scheduler.schedule_prefill(self.pool.num_free, decoded)
@@ -735,27 +531,27 @@ class Engine:
         t0 = time.perf_counter()
         try:
             logits = self._prefill_chunks(plan.chunks)
-            self._device_sync()
+            self.runner.synchronize()
         except Exception as exc:
             self._fail(reqs, events, exc)
             return
         finally:
             self._stats.prefill_s += time.perf_counter() - t0
-        partial = []
-        for row, req in enumerate(reqs):
-            if req.prefill_remaining() == 0:
-                req.decoding = True
-                self._stats.prefills += 1
-                req.steps_since_compression = 0
-                req.compressed_since_prefill = False
-                self.scheduler.prefill_done()
-                self._next_token(req, logits[row], events)
-            else:
-                partial.append(req)
+        rows = [row for row, req in enumerate(reqs) if req.prefill_remaining() == 0]
+        done = [reqs[row] for row in rows]
+        partial = [req for req in reqs if req.prefill_remaining() > 0]
+        tokens = self.runner.sample(logits, [r.params for r in done], [r.generator for r in done], rows) if rows else []
+        for req, token in zip(done, tokens, strict=True):
+            req.decoding = True
+            self._stats.prefills += 1
+            req.steps_since_compression = 0
+            req.compressed_since_prefill = False
+            self.scheduler.prefill_done()
+            self._next_token(req, token, events)
         if self.compress and partial:  # compress as chunks arrive: the prompt never sits uncompressed
             t0 = time.perf_counter()
             self._compress(partial, events, mark=False)
-            self._device_sync()
+            self.runner.synchronize()
             self._stats.compress_s += time.perf_counter() - t0
 
     def _unstall(self, events: list[TokenEvent]) -> None:
@@ -770,43 +566,27 @@ class Engine:
         for req in list(self.scheduler.running):
             self._finish(req, events, None, "error", "out of KV memory: the request alone outgrew the pool")
 
-    def _prefill_chunks(self, chunks: list[tuple[_Request, int]]) -> torch.Tensor:
-        """Feed the next ``n`` prefill tokens of each ``(request, n)`` in one packed forward (chunks of any lengths
-        back to back in one row); returns ``[len(chunks), vocab]`` logits of each chunk's last token. With
-        compression, each chunk's metric is added to ``pool.metric``."""
-        reqs, lengths = [r for r, _ in chunks], [n for _, n in chunks]
-        tokens, positions = [], []
-        for req, n in chunks:
+    def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> torch.Tensor:
+        """Feed the next ``n`` prefill tokens of each ``(request, n)`` in one packed forward on the runner; returns
+        ``[len(chunks), vocab]`` logits of each chunk's last token."""
+        for req, _ in chunks:
             if req.paged is None:
-                req.paged = PagedSequence(self.pool, self.geometry.layers, self.geometry.kv_heads)
-            tokens.extend((req.prompt_ids + req.generated)[req.prefilled : req.prefilled + n])
-            positions.extend(range(req.prefilled, req.prefilled + n))
-        window = 0
-        if self.compress:
-            window = max(lengths) if self.window is None else min(self.window, max(lengths))
-        cache = PagedBatchCache(
-            self.model.config, self.pool, [r.paged for r in reqs], observe_window=window, chunk_lengths=lengths
-        )
-        device = self.pool.device
-        ids = torch.tensor([tokens], device=device)
-        pos = torch.tensor([positions], device=device)
-        last = torch.tensor(lengths, device=device).cumsum(0) - 1
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=last)
-        if self.compress:
-            prefill_metric(cache, kernel=self.kernel, buffer=self.metric_buffer)
+                req.paged = self.runner.new_sequence()
+        logits = self.runner.prefill([PrefillChunk(req.paged, req.next_prefill_tokens(n)) for req, n in chunks])
         for req, n in chunks:
             req.prefilled += n
         self._stats.prefill_chunks += len(chunks)
-        self._stats.prefill_tokens += sum(lengths)
-        return out.logits[0]
+        self._stats.prefill_tokens += sum(n for _, n in chunks)
+        return logits
 
     # ------------------------------------------------------------------------------------ per request
-    def _next_token(
-        self, req: _Request, logits: torch.Tensor, events: list[TokenEvent], greedy: int | None = None
-    ) -> None:
-        """Sample, detokenize and check the stop conditions of one request (its errors stay its own)."""
+    def _next_token(self, req: Request, token: int | Exception, events: list[TokenEvent]) -> None:
+        """Emit the token sampled for one request (or fail it with its sampling error), detokenize and check its
+        stop conditions (its errors stay its own)."""
+        if isinstance(token, Exception):
+            self._finish(req, events, None, "error", _describe(token))
+            return
         try:
-            token = sample_token(logits, req.params, req.generator, greedy)
             if token in self.eos and not req.params.ignore_eos:
                 self._finish(req, events, None, "stop", text=req.text.flush())
                 return
@@ -825,7 +605,7 @@ class Engine:
 
     def _finish(
         self,
-        req: _Request,
+        req: Request,
         events: list[TokenEvent],
         token: int | None,
         reason: str,
@@ -841,12 +621,12 @@ class Engine:
             self._active.pop(req.request_id, None)
         self._stats.requests_finished += 1
 
-    def _fail(self, batch: list[_Request], events: list[TokenEvent], exc: BaseException) -> None:
+    def _fail(self, batch: list[Request], events: list[TokenEvent], exc: BaseException) -> None:
         for req in batch:
             self._finish(req, events, None, "error", _describe(exc))
 
     @staticmethod
-    def _push(req: _Request, events: list[TokenEvent], event: TokenEvent) -> None:
+    def _push(req: Request, events: list[TokenEvent], event: TokenEvent) -> None:
         req.handle.push(event)
         events.append(event)
 
@@ -872,26 +652,8 @@ def _empty_prompt() -> list[int]:
     raise InvalidParameterError("the prompt tokenizes to no tokens")
 
 
-def _check_graph_args(decode_buckets, cuda_graphs, static_decode, max_batch, device) -> None:
-    for name, value in (("cuda_graphs", cuda_graphs), ("static_decode", static_decode)):
-        if not isinstance(value, bool):
-            raise InvalidParameterError(f"{name} must be True or False, got {value!r}")
-        if value and not decode_buckets:
-            raise InvalidParameterError(f"{name}=True needs decode_buckets=True (a graph replays static shapes)")
-    if cuda_graphs and torch.device(device).type != "cuda":
-        raise InvalidParameterError(
-            f"cuda_graphs=True needs the model on a CUDA device, it is on {device}; static_decode=True runs the "
-            "same static decode step eagerly on any device"
-        )
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise InvalidParameterError(f"cuda_graph_max_batch must be an integer >= 1, got {max_batch!r}")
-
-
 def _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens):
-    if (kv_memory_bytes is None) == (kv_blocks is None):
-        raise InvalidParameterError("give exactly one of kv_memory_bytes and kv_blocks")
-    if kv_blocks is not None and (isinstance(kv_blocks, bool) or not isinstance(kv_blocks, int) or kv_blocks <= 0):
-        raise InvalidParameterError(f"kv_blocks must be a positive integer, got {kv_blocks!r}")
+    check_pool_size(kv_memory_bytes, kv_blocks)
     rate_ok = isinstance(compression_rate, (int, float)) and not isinstance(compression_rate, bool)
     if not rate_ok or not compression_rate >= 1:
         raise InvalidParameterError(f"compression_rate must be a number >= 1 (1 = keep all), got {compression_rate!r}")
