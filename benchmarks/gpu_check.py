@@ -86,7 +86,7 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "prefill_chunk": 4096, "ratio": 0.875},
         "step": {"shape": "tiny", "context": 96, "batches": [1, 3], "rate": 4.0, "steps": 3, "warmup": 1,
                  "min_cache_tokens": 16, "protected_window": 8, "prefill_chunk": 512},
-        "throughput": {"shape": "tiny", "lengths": [64], "prompts": [6], "output_tokens": 12, "fit": 1.0,
+        "throughput": {"shape": "tiny", "lengths": [128], "prompts": [8], "output_tokens": 16, "fit": 2.0,
                        "rates": [1.0, 4.0, 8.0], "min_cache_tokens": 16, "protected_window": 8},
     },
 }  # fmt: skip
@@ -287,6 +287,10 @@ def stage_tests(args, result: dict, out_dir: Path) -> None:
         path = [str(ROOT / "src"), str(BENCH), *([extra] if extra else []), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p),
                "KVTRIM_SYNC_DEBUG": args.sync_debug, "KVTRIM_SYNC_DEBUG_REPORT": str(sync_report)}  # fmt: skip
+        probe = [sys.executable, "-c", "import pytest; print(pytest.__version__, pytest.__file__)"]
+        result["settings"]["pytest"] = subprocess.run(
+            probe, env=env, capture_output=True, text=True, timeout=60
+        ).stdout.strip()
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "gpu_sync_debug",
                f"--junitxml={junit}", *files]  # fmt: skip
         with log.open("w") as fh:
