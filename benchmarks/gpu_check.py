@@ -368,6 +368,14 @@ def stage_kernels(args, result: dict, out_dir: Path) -> None:
                     result["targets"].append(target(t["name"], t["value"], t["limit"], t.get("op", ">=")))
 
 
+def _keep_json(bench_dir: Path, out_dir: Path) -> str:
+    """Copy the one JSON a benchmark wrote to ``bench_dir`` into ``out_dir`` (its markdown and plots stay behind:
+    the stage's markdown holds the rows, and a device run brings back only a few files); returns its name."""
+    (path,) = sorted(bench_dir.glob("*.json"))
+    (out_dir / path.name).write_text(path.read_text())
+    return path.name
+
+
 # ---------------------------------------------------------------------------------------------------- methods
 def method_targets(rows: list[dict], hf: str = "hf", full: str = "full", ragged: str = "adakv",
                    dense: str = "snapkv") -> list[dict]:  # fmt: skip
@@ -403,13 +411,14 @@ def stage_methods(args, result: dict, out_dir: Path) -> None:
     argv = ["--shape", p["shape"], "--device", args.device, "--dtype", PROFILES[args.device]["dtype"],
             "--contexts", ",".join(map(str, p["contexts"])), "--batches", ",".join(map(str, p["batches"])),
             "--steps", str(args.steps or p["steps"]), "--decode-warmup", str(p["warmup"]),
-            "--prefill-chunk", str(p["prefill_chunk"]), "--ratio", str(p["ratio"]), "--out", str(out_dir)]  # fmt: skip
+            "--prefill-chunk", str(p["prefill_chunk"]), "--ratio", str(p["ratio"])]  # fmt: skip
     if args.methods:
         argv += ["--methods", args.methods]
     result["settings"] = {"bench_gpu_args": argv}
     result["shapes"] = {p["shape"]: bench_gpu.SHAPES[p["shape"]]}
-    out = bench_gpu.main(argv)
-    result["files"] += [f"bench_gpu_{p['shape']}_{args.device}.json", f"bench_gpu_{p['shape']}_{args.device}.md"]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        out = bench_gpu.main([*argv, "--out", tmp])
+        result["files"].append(_keep_json(Path(tmp), out_dir))
     keep = ("method", "context", "batch", "status", "prefill_s", "compress_s", "decode_ms", "kv_bytes_prefill",
             "kv_bytes_compressed", "peak_decode_above_base_bytes", "error")  # fmt: skip
     result["rows"] = [{k: r.get(k) for k in keep if k in r} for r in out["rows"]]
@@ -507,13 +516,14 @@ def stage_throughput(args, result: dict, out_dir: Path) -> None:
             "--lengths", *map(str, p["lengths"]), "--prompts", *map(str, p["prompts"]),
             "--output-tokens", str(p["output_tokens"]), "--fit", str(p["fit"]), "--rates", *map(str, p["rates"]),
             "--min-cache-tokens", str(p["min_cache_tokens"]), "--protected-window", str(p["protected_window"]),
-            "--decode-kernel", "auto", "--out-dir", str(out_dir)]  # fmt: skip
+            "--decode-kernel", "auto"]  # fmt: skip
     argv.append("--cuda-graphs" if args.device == "cuda" else "--static-decode")
     result["settings"] = {"bench_args": argv}
     result["shapes"] = {p["shape"]: bench.SHAPES[p["shape"]]}
-    bench.main(argv)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        bench.main([*argv, "--out-dir", tmp])
+        result["files"].append(_keep_json(Path(tmp), out_dir))
     data = json.loads((out_dir / "serving_throughput.json").read_text())
-    result["files"] += [f.name for f in out_dir.glob("serving_throughput.*")]
     keep = ("input_len", "compression_rate", "prompts", "out_tok_per_s_wall", "decode_tok_per_s", "max_decode_batch",
             "mean_decode_batch", "preemptions", "decode_kernel", "graph_replays", "decode_steps", "wall_s")  # fmt: skip
     result["rows"] = [{k: r.get(k) for k in keep} for r in data["rows"]]
