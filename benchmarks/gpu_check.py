@@ -262,8 +262,8 @@ def parse_junit(path: Path) -> list[dict]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-                message = (child.get("message") or child.text or "").strip().splitlines()[0][:300] if (
-                    child.get("message") or child.text) else ""  # fmt: skip
+                lines = (child.get("message") or child.text or "").strip().splitlines()
+                message = lines[0][:300] if lines else ""
                 break
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         rows.append({"test": name, "outcome": outcome, "time_s": float(case.get("time") or 0.0), "message": message})
@@ -366,6 +366,11 @@ def stage_kernels(args, result: dict, out_dir: Path) -> None:
             for t in data.get("targets", []):
                 if isinstance(t, dict) and {"name", "value", "limit"} <= t.keys():
                     result["targets"].append(target(t["name"], t["value"], t["limit"], t.get("op", ">=")))
+    if produced and not result["targets"]:
+        # the bandwidth targets are the point of the stage: a JSON without them is a contract broken, not a pass
+        result["errors"].append(
+            f"{script.name}'s JSON has no 'targets' list of {{name, value, limit[, op]}} (the bandwidth targets)"
+        )
 
 
 def _keep_json(bench_dir: Path, out_dir: Path) -> str:

@@ -90,6 +90,11 @@ def test_kernels_stage_runs_the_script_and_collects_its_rows_and_targets(gc, tmp
     assert result["targets"] == [gc.target("bandwidth batch 32 x 2k", 0.51, 0.5, ">=")]
     assert {"kernels/paged.json", "kernels/paged.md", "gpu_check_kernels.log"} <= set(result["files"])
 
+    script.write_text(script.read_text().replace("'targets': targets", "'no_targets': targets"))
+    assert gc.main(["kernels", "--device", "cpu", "--out-dir", str(tmp_path / "bare")]) == 1  # no targets: loud
+    result, _ = _load(tmp_path / "bare", "kernels")
+    assert result["status"] == "failed" and "no 'targets' list" in result["errors"][0]
+
 
 def test_target_arithmetic(gc):
     rows = [
