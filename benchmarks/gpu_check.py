@@ -176,9 +176,10 @@ def markdown(result: dict) -> str:
         lines += ["Errors:", ""] + [f"* {e}" for e in result["errors"]] + [""]
     rows = result["rows"]
     if rows:
-        keys = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], dict | list)))[:12]
+        keys = [k for k in dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], dict | list))]
+        keys = [k for k in keys if k != "error"][:12] + (["error"] if "error" in keys else [])
         lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(_fmt(r.get(k)).replace("|", "/")[:80] for k in keys) + " |" for r in rows]
+        lines += ["| " + " | ".join(_fmt(r.get(k)).replace("|", "/")[:160] for k in keys) + " |" for r in rows]
         lines.append("")
     if result["files"]:
         lines += ["Files: " + ", ".join(f"`{f}`" for f in result["files"]), ""]
