@@ -271,6 +271,12 @@ def parse_junit(path: Path) -> list[dict]:
     return rows
 
 
+def _junit_name(nodeid: str) -> str:
+    """``tests/a/test_b.py::Class::test_c[x]`` as JUnit names it: ``tests.a.test_b.Class::test_c[x]``."""
+    path, *classes, name = nodeid.split("::")
+    return ".".join([path.removesuffix(".py").replace("/", "."), *classes]) + f"::{name}"
+
+
 def stage_tests(args, result: dict, out_dir: Path) -> None:
     files = args.test_files or cuda_test_files()
     missing = [f for f in files if not (ROOT / f).exists()]
@@ -313,8 +319,12 @@ def stage_tests(args, result: dict, out_dir: Path) -> None:
         result["errors"].append(f"pytest exited with code {rc}; see {log.name}")
     guarded = None
     if sync_report.exists():
-        guarded = json.loads(sync_report.read_text())["decode_forwards"]
+        report = json.loads(sync_report.read_text())
+        guarded = report["decode_forwards"]
         result["files"].append(sync_report.name)
+        per_test = {_junit_name(k): v for k, v in report["per_test"].items()}
+        for r in result["rows"]:
+            r["decode_forwards_guarded"] = per_test.get(r["test"], 0)
     result["targets"] = [
         target("CUDA tests failed or errored", counts["failed"] + counts["error"], 0),
         target("CUDA tests passed", counts["passed"], 1, ">="),

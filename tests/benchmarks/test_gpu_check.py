@@ -143,6 +143,8 @@ def test_junit_rows(gc, tmp_path):
         ("tests.a::t1", "passed", ""), ("tests.a::t2", "failed", "boom"),
         ("tests.b::t3", "skipped", "needs a CUDA device"),
     ]  # fmt: skip
+    assert gc._junit_name("tests/a/test_b.py::test_c[x-y]") == "tests.a.test_b::test_c[x-y]"
+    assert gc._junit_name("tests/a/test_b.py::TestD::test_e") == "tests.a.test_b.TestD::test_e"
 
 
 def test_sync_debug_scope_holds_the_mode_over_decode_forwards_only():
