@@ -17,10 +17,11 @@ llama-8b's linear layers (7 B non-embedding parameters; only the last position's
   tiny models; dominated by Triton compiles (~40 specialisations x ~2 s) and a few dozen tiny engine runs. The
   pytest run is stopped at 7.5 min.
 * ``kernels`` bounded by ``bench_paged_kernels.py``'s own defaults; stopped at 7.5 min.
-* ``methods`` ~3.5 min. 7 methods x contexts {4k, 32k} x batches {1, 8}: 332 k prompt tokens per method =
-  4.6 PFLOP linear (9 s) + 2.6 PFLOP causal attention (7.5 s), ~17 s of prefill; + compression and 4 x 19 decode
-  steps (<= 50 ms each at batch 8 x 32k: 34 GB of K/V + 16 GB of weights at 3 TB/s) -> ~25 s per method, 175 s;
-  + build and warm-up ~35 s. The K/V of batch 8 x 32k is 34 GB: with 16 GB of weights it fits 80 GB only because
+* ``methods`` ~3.5 min (4.5 at worst). 7 methods x contexts {4k, 32k} x batches {1, 8}: 332 k prompt tokens per
+  method = 4.6 PFLOP linear (9 s) + 2.6 PFLOP causal attention (7.5 s; ~15 s if a masked prefill piece falls back
+  from flash to the memory-efficient kernel), ~17-24 s of prefill; + compression and 4 x 19 decode steps (<= 50 ms
+  each at batch 8 x 32k: 34 GB of K/V + 16 GB of weights at 3 TB/s) -> ~25-32 s per method, 175-225 s; + build
+  and warm-up ~35 s. The K/V of batch 8 x 32k is 34 GB: with 16 GB of weights it fits 80 GB only because
   the prompt is fed in 4096-token pieces.
 * ``step``   ~2 min. 3 decode kernels x {eager, graphs} x batches {4, 32} = 12 engine runs at 2k context:
   442 k prompt tokens (6.2 PFLOP, ~13 s), 12 x ~27 steps at <= 100 ms, graph captures and compiles ~30 s, build.
