@@ -55,13 +55,18 @@ import-graph: $(STAMP)
 bench: model
 	$(PY) benchmarks/bench_speed_memory.py
 
-# What benchmarks/gpu_issue14.sh needs on a GPU machine that only has torch and transformers: SmolLM2's tokenizer
-# and config (no weights) and the jargon haystack, in .gpu/kvtrim_home (git-ignored; carry `.gpu` with the device tool)
+# What benchmarks/gpu_check.sh needs on a GPU machine that only has torch, transformers and triton: SmolLM2's
+# tokenizer and config (no weights) and the jargon haystack in .gpu/kvtrim_home, and pytest with its needs as
+# pure-Python wheels in .gpu/wheels, the versions the CPU suite runs (no CUDA test uses hypothesis; docs/gpu-check.md).
+# .gpu is git-ignored: copy it along to the GPU machine.
+GPU_WHEELS := pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0
 gpu-bundle: model
-	rm -rf .gpu && mkdir -p .gpu/kvtrim_home/models/smollm2-135m .gpu/kvtrim_home/haystacks
+	rm -rf .gpu && mkdir -p .gpu/kvtrim_home/models/smollm2-135m .gpu/kvtrim_home/haystacks .gpu/wheels
 	cd $$($(PY) -c "import kvtrim.models as m; print(m.kvtrim_home())") && \
 		cp models/smollm2-135m/*.json models/smollm2-135m/*.jinja $(CURDIR)/.gpu/kvtrim_home/models/smollm2-135m/ && \
 		cp haystacks/* $(CURDIR)/.gpu/kvtrim_home/haystacks/
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
+		--platform any -d .gpu/wheels $(GPU_WHEELS)
 	du -sh .gpu
 
 clean:

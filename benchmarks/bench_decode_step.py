@@ -192,7 +192,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[4, 32])
     ap.add_argument("--context", type=int, default=1000)
@@ -214,12 +214,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA only)")
     ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
     for name in ("steps", "context", "block_size", "prefill_chunk"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    return args
+
+
+def main(argv: list[str] | None = None, model=None, tok=None) -> dict:
+    """Run the measurement; ``model`` and ``tok`` (built by the caller, e.g. once for several runs) replace the
+    model that ``--shape`` would build."""
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = load(args.shape, args.device, getattr(torch, args.dtype))
+    if model is None:
+        model, tok = load(args.shape, args.device, getattr(torch, args.dtype))
     prompts = to_vocab(make_prompts(tok, args.context, max(args.batches)), model.config.vocab_size)
     meta = {
         "model": "smollm2-135m" if args.shape is None else f"random {args.shape}",
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "command": " ".join(["python", "benchmarks/bench_decode_step.py", *argv]),
+        "command": " ".join(["python", "benchmarks/bench_decode_step.py", *args.argv]),
     }  # fmt: skip
     rows = []
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ For every method, context length and batch size (random token ids, no padding) i
 * ``compress_s``: scoring + budget + selection + compaction (kvtrim only);
 * ``decode_ms``: one greedy step of the model forward alone (median of ``--steps`` timed steps after
   ``--decode-warmup`` untimed ones; the next token stays on the device, no host sync inside the loop);
-* ``generate_decode_ms``: a step inside ``model.generate`` (``(t(1 + N new tokens) - t(1 new token)) / N``, so
-  prefill and compression cancel out);
+* ``generate_decode_ms`` (with ``--generate``: two more prefills per configuration): a step inside
+  ``model.generate`` (``(t(1 + N new tokens) - t(1 new token)) / N``, so prefill and compression cancel out);
 * ``kv_bytes`` after prefill / after compression; ``peak_bytes``: on CUDA ``torch.cuda.max_memory_allocated``
   during prefill + compression and during decode, and those peaks above the memory held before the prefill
   (weights + inputs); on CPU, the largest K/V bytes held (kvtrim tracks it) and the process's max RSS.
@@ -22,12 +22,14 @@ For every method, context length and batch size (random token ids, no padding) i
 cuDNN); ``full`` is kvtrim's uncompressed cache with kvtrim attention (kvtrim's backend choice, see docs/gpu.md).
 A method that fails is recorded with its error (``OOM`` for out-of-memory) and the run goes on.
 
+The defaults (seven methods, contexts 4k and 32k, batches 1 and 8, prefill in 4096-token pieces, 16 timed steps,
+no ``generate`` timing) are sized for one bounded device run: 28 configurations, 2.3 M prompt tokens of prefill
+(docs/gpu-check.md gives the arithmetic). ``--methods all`` takes every method that needs no artifact.
+
 Usage::
 
-    python benchmarks/bench_gpu.py --shape llama-8b --device cuda --dtype bfloat16 --contexts 4096,32768 \\
-        --batches 1,8 --ratio 0.875
-    python benchmarks/bench_gpu.py --device cpu --shape tiny       # smoke run, about a minute
-    python benchmarks/bench_gpu.py --contexts 32768 --batches 8 --prefill-chunk 4096   # bounded prefill activations
+    python benchmarks/bench_gpu.py --shape llama-8b --device cuda --dtype bfloat16     # the defaults above
+    python benchmarks/bench_gpu.py --device cpu --shape tiny --batches 1       # smoke run, about a minute
 
 Writes ``<out>/bench_gpu_<shape>_<device>.json`` and ``.md`` (default ``benchmarks/results/bench_gpu/``).
 """
@@ -80,9 +82,18 @@ SHAPES = {
     ),
 }  # fmt: skip
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The default method set: HF's cache, kvtrim's uncompressed cache, and one method per store and schedule kind
+# (dense uniform, ragged per head, global across layers and heads, lag-relative, sink + recent window). Every
+# method costs one prefill per (context, batch), so this list bounds the run (docs/gpu-check.md: the budget).
+DEFAULT_METHODS = (HF, FULL, "snapkv", "adakv", "kvcompress", "lagkv", "streaming_llm")
 
 
 def default_methods() -> list[str]:
+    return list(DEFAULT_METHODS)
+
+
+def all_methods() -> list[str]:
+    """``hf``, ``full`` and every registry method that runs without a calibrated artifact."""
     return [HF, FULL, *[m for m in kvtrim.method_names() if m not in ARTIFACT_METHODS]]
 
 
@@ -238,7 +249,7 @@ def run_config(model, method: str, context: int, batch: int, args, device) -> di
         row["rss_max_bytes"] = rss_bytes()
     del cache, logits, token
     free(device)
-    if not args.no_generate:
+    if args.generate:
         with torch.inference_mode():
             row["generate_decode_ms"] = _generate_step_ms(model, method, args.ratio, ids, args.steps, device)
         free(device)
@@ -334,18 +345,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
-    p.add_argument("--methods", default=None, help=f"comma list (default: {HF}, {FULL} and every method without "
-                   "an artifact); 'hf' = transformers DynamicCache")  # fmt: skip
+    p.add_argument("--methods", default=None, help=f"comma list (default: {','.join(DEFAULT_METHODS)}; 'all': "
+                   "every method without an artifact); 'hf' = transformers DynamicCache")  # fmt: skip
     p.add_argument("--contexts", type=_ints, default=None, help="comma list (default 4096,32768; tiny: 512,1024)")
-    p.add_argument("--batches", type=_ints, default=[1])
+    p.add_argument("--batches", type=_ints, default=[1, 8])
     p.add_argument("--ratio", type=float, default=0.875)
-    p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 32; tiny 8)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16; tiny 8)")
     p.add_argument("--decode-warmup", type=int, default=3)
     p.add_argument("--attention-backend", default=None, help="kvtrim.set_attention_backend value (default: auto)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill this many tokens per forward pass (default: the whole prompt at once); kvtrim "
-                   "compresses after the last chunk")  # fmt: skip
-    p.add_argument("--no-generate", action="store_true", help="skip the model.generate timing")
+    p.add_argument("--prefill-chunk", type=int, default=4096,
+                   help="prefill this many tokens per forward pass (default 4096: at batch 8 x 32k one pass would "
+                   "hold the MLP activations of the whole prompt); kvtrim compresses after the last chunk")  # fmt: skip
+    p.add_argument("--generate", action="store_true",
+                   help="also time a step inside model.generate (two more prefills per configuration)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--note", default="", help="free text stored with the results (e.g. 'machine shared')")
     args = p.parse_args(argv)
@@ -353,13 +365,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--ratio must be in [0, 1), got {args.ratio}")
     tiny = args.shape == "tiny"
     args.contexts = args.contexts or ([512, 1024] if tiny else [4096, 32768])
-    args.steps = args.steps or (8 if tiny else 32)
+    args.steps = args.steps or (8 if tiny else 16)
     if args.steps <= 0 or args.decode_warmup < 0:
         p.error("--steps must be positive and --decode-warmup >= 0")
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
         p.error(f"--prefill-chunk must be positive, got {args.prefill_chunk}")
     known = set(kvtrim.method_names()) | {HF, FULL}
-    args.methods = [m.strip() for m in args.methods.split(",")] if args.methods else default_methods()
+    if args.methods == "all":
+        args.methods = all_methods()
+    else:
+        args.methods = [m.strip() for m in args.methods.split(",")] if args.methods else default_methods()
     unknown = [m for m in args.methods if m not in known]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {sorted(known)}")
@@ -399,7 +414,7 @@ def main(argv=None) -> dict:
     warm = min(256, min(args.contexts))
     for method in args.methods:
         guarded(model, method, warm, 1, argparse.Namespace(**{**vars(args), "steps": 1, "decode_warmup": 1,
-                                                               "no_generate": True}), device)  # fmt: skip
+                                                               "generate": False}), device)  # fmt: skip
     rows = []
     for batch in args.batches:
         for context in args.contexts:

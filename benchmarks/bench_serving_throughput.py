@@ -76,8 +76,9 @@ def load(shape: str | None, device: str, dtype: torch.dtype):
     tok = load_tokenizer(MODEL)
     torch.manual_seed(0)
     cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    # Built where it runs, in its dtype: no float32 copy first (32 GB for llama-8b) and no cast afterwards.
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     return model, tok
 

@@ -23,8 +23,8 @@ def bench():
 def test_tiny_cpu_run_writes_json_and_markdown_and_records_failures(bench, tmp_path):
     methods = "hf,full,snapkv,lagkv,adakv,headkv"  # headkv needs an artifact the random model lacks: an error row
     result = bench.main(
-        ["--device", "cpu", "--shape", "tiny", "--methods", methods, "--contexts", "256", "--steps", "2",
-         "--decode-warmup", "1", "--out", str(tmp_path)]
+        ["--device", "cpu", "--shape", "tiny", "--methods", methods, "--contexts", "256", "--batches", "1",
+         "--steps", "2", "--decode-warmup", "1", "--generate", "--out", str(tmp_path)]
     )  # fmt: skip
     saved = json.loads((tmp_path / "bench_gpu_tiny_cpu.json").read_text())
     assert saved == json.loads(json.dumps(result))
@@ -66,10 +66,18 @@ def test_shapes_match_the_named_models(bench):
         bench.parse_args(["--ratio", "1.5"])
 
 
+def test_defaults_bound_the_run(bench):
+    """The default run is sized for one device call: a bounded method set, one prefill per configuration."""
+    args = bench.parse_args([])
+    assert args.methods == list(bench.DEFAULT_METHODS) and len(args.methods) <= 8
+    assert (args.contexts, args.batches, args.generate, args.prefill_chunk) == ([4096, 32768], [1, 8], False, 4096)
+    assert set(bench.parse_args(["--methods", "all"]).methods) > set(args.methods)
+
+
 def test_chunked_prefill_holds_the_whole_prompt_then_compresses(bench, tmp_path):
     result = bench.main(
-        ["--device", "cpu", "--shape", "tiny", "--methods", "hf,full,h2o", "--contexts", "200", "--steps", "1",
-         "--decode-warmup", "0", "--prefill-chunk", "64", "--no-generate", "--out", str(tmp_path)]
+        ["--device", "cpu", "--shape", "tiny", "--methods", "hf,full,h2o", "--contexts", "200", "--batches", "1",
+         "--steps", "1", "--decode-warmup", "0", "--prefill-chunk", "64", "--out", str(tmp_path)]
     )  # fmt: skip
     rows = {r["method"]: r for r in result["rows"]}
     assert all(r["status"] == "ok" for r in rows.values()), rows

@@ -5,7 +5,7 @@ and the fused continual metric equal the gather path's on uneven paged batches. 
 with a reason where it cannot run; "auto" orders the kernels.
 
 With a CUDA device (tests/conftest.py then leaves the interpreter off), the same tests run the compiled kernel on
-CUDA (benchmarks/gpu_issue14.sh).
+CUDA (the ``tests`` stage of benchmarks/gpu_check.sh).
 The interpreter runs each program in Python, so the batches are small.
 """
 
