@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence
-from ..cache.paged_kernels import resolve_decode_kernel
+from ..cache.paged_kernels import choose_decode_kernel
 from ..cache.static_decode import batch_bucket
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
@@ -75,6 +75,8 @@ class EngineStats:
         prefill_s, decode_s, compress_s: wall seconds in prefill forwards, decode forwards and compression
         decode_kernel: the decode attention that runs: ``"gather"`` (gather + SDPA) or the block-table kernel's
             name (``"vllm_flash_attn"``, ``"flash_attn"``, ``"triton"``)
+        decode_kernel_refused: each block-table kernel looked at and not chosen -> why (not importable, a
+            condition unmet, or its test call failed); empty for ``decode_kernel="gather"``
         graph_captures: CUDA graphs captured (``cuda_graphs=True``; recaptures after the block table grew included)
         graph_replays: decode steps replayed from a CUDA graph
         static_decode_steps: decode steps run eagerly through the static buffers (``static_decode=True``)
@@ -103,6 +105,7 @@ class EngineStats:
     decode_s: float = 0.0
     compress_s: float = 0.0
     decode_kernel: str = "gather"
+    decode_kernel_refused: dict[str, str] = field(default_factory=dict)
     graph_captures: int = 0
     graph_replays: int = 0
     static_decode_steps: int = 0
@@ -339,9 +342,10 @@ class Engine:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
-        kernel = resolve_decode_kernel(
+        choice = choose_decode_kernel(
             decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim
         )  # before anything changes
+        kernel = choice.kernel
         # The name of the decode attention that runs; the caches get the resolved kernel (no per-forward lookup).
         self.decode_kernel = "gather" if kernel is None else kernel.name
         self._attention_kernel = "gather" if kernel is None else kernel
@@ -378,7 +382,10 @@ class Engine:
             compression_interval=compression_interval, max_batch=max_batch, prefill_chunk=prefill_chunk,
             max_num_batched_tokens=max_num_batched_tokens, counts=_BatchedCounts(),
         )  # fmt: skip
-        self._stats = EngineStats(pool_blocks_total=self.pool.num_blocks, decode_kernel=self.decode_kernel)
+        self._stats = EngineStats(
+            pool_blocks_total=self.pool.num_blocks, decode_kernel=self.decode_kernel,
+            decode_kernel_refused=dict(choice.refused),
+        )  # fmt: skip
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
