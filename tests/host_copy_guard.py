@@ -14,20 +14,21 @@ itself: this guard sees the ops that would make it.
   ``copy_`` / ``fill_.Tensor`` / ``index_fill_.int_Tensor`` / ``masked_fill_.Tensor`` / ``index_copy_`` /
   ``_to_copy``: on CUDA the value is on the host, so the write copies it to the device;
 * any op reading a tensor registered as host data (:meth:`HostCopyGuard.host`, e.g. a static step's pinned staging
-  buffer or the block tables' host block counts) together with other tensors, and ``_to_copy`` / ``copy_`` of one:
-  on CUDA the host tensor would have to be copied to the device.
+  buffer or the block tables' host block counts) together with other tensors (``copy_`` into a device tensor and
+  indexing a device tensor with a host index included): on CUDA the host tensor would be copied to the device.
 
 Not rejected: ``scalar_tensor`` feeding an elementwise op (``torch.where(mask, x, 0.0)``, ``x + 1``). PyTorch makes
 that operand on the other operand's device (a fill kernel) or passes it to the kernel as an argument; nothing is
 copied. Results of ops whose tensor inputs are all host data are host data too.
 
 Blind spot: ``t.to(device)`` of a host tensor dispatches nothing on a CPU (the tensor is already there), so an upload
-spelled that way is only seen if ``t`` itself came from a lift (rejected at the lift). GPU runs close it with
-``torch.cuda.set_sync_debug_mode("error")``.
+spelled that way is invisible here unless ``t`` is registered host data used afterwards with device tensors. GPU
+runs close it with ``torch.cuda.set_sync_debug_mode("error")`` (a blocking upload synchronizes the stream).
 
 The region's boundary: a step's host preparation (allocating blocks, writing block tables and step inputs from the
 host, which happens before the forward a CUDA graph replays) is outside it. :meth:`HostCopyGuard.exempt` marks such a
-function: while it runs the guard only watches (its results are not host data: they are the step's device inputs).
+function: while it runs the guard ignores its ops (so its results are not host data: they are the step's device
+inputs).
 """
 
 from __future__ import annotations
