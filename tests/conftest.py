@@ -49,13 +49,18 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 VOCAB = len(SPECIALS) + 256
 
 
-def tiny_model(family: str = "llama", layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0):
-    """A random-weight causal LM small enough for unit tests (hidden 64, head_dim 16)."""
+def tiny_model(
+    family: str = "llama", layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0, hidden: int = 64
+):
+    """A random-weight causal LM small enough for unit tests (by default hidden 64, head_dim 16; head_dim is
+    ``hidden / heads``, which transformers requires to be a whole number)."""
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads}), and heads of kv_heads ({kv_heads})")
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from host_copy_guard import HostCopyGuard
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.integration.cache import KVTrimCache
@@ -24,6 +25,12 @@ from op_counting import SYNC_OPS, VIEW_OPS, OpCounter
 def decode_ops(method: str, batch: int, kv_heads: int, layout: str, steps: int = 3) -> list[Counter]:
     """Prefill ``batch`` rows of 48 tokens (the first row left-padded by 5), compress at ratio 0.5, then count the
     ops of ``steps`` decoding forwards after a first step (which may grow the append slack)."""
+    return [mode.ops for mode in decode_modes(method, batch, kv_heads, layout, steps, OpCounter)[1:]]
+
+
+def decode_modes(method: str, batch: int, kv_heads: int, layout: str, steps: int, make) -> list:
+    """:func:`decode_ops`'s run with a fresh dispatch mode ``make()`` around each of its ``steps + 1`` decoding
+    forwards (the first included); returns the modes."""
     model = tiny_model("llama", layers=2, heads=2 * kv_heads, kv_heads=kv_heads)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 200, (batch, 48), generator=g)
@@ -40,33 +47,41 @@ def decode_ops(method: str, batch: int, kv_heads: int, layout: str, steps: int =
         assert {layer.store.layout for layer in cache.layers} == {layout}
         token = out.logits[:, -1:].argmax(-1)
         last = positions[:, -1:]
-        for step in range(steps + 1):
+        for _ in range(steps + 1):
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
             last = last + 1
-            counter = OpCounter()
-            with counter:
+            mode = make()
+            with mode:
                 out = model(input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache)
             token = out.logits[:, -1:].argmax(-1)
-            if step:
-                counts.append(counter.ops)
+            counts.append(mode)
     return counts
 
 
-@pytest.mark.parametrize(
-    ("method", "layout"),
-    [
-        ("snapkv", "dense"),
-        ("adakv", "ragged"),
-        ("pyramidkv", "dense"),
-        # Continuous schedules read the device only when a compression may be due (not within these steps).
-        ("snapkv@over:64", "dense"),
-        ("adakv@over:64", "ragged"),
-        ("lagkv", "dense"),
-    ],
-)
+DECODE_CASES = [
+    ("snapkv", "dense"),
+    ("adakv", "ragged"),
+    ("pyramidkv", "dense"),
+    # Continuous schedules read the device only when a compression may be due (not within the counted steps).
+    ("snapkv@over:64", "dense"),
+    ("adakv@over:64", "ragged"),
+    ("lagkv", "dense"),
+]
+
+
+@pytest.mark.parametrize(("method", "layout"), DECODE_CASES)
 def test_decode_step_has_no_host_sync(method, layout):
     for ops in decode_ops(method, batch=2, kv_heads=2, layout=layout):
         assert not (set(ops) & SYNC_OPS), {op: ops[op] for op in set(ops) & SYNC_OPS}
+
+
+@pytest.mark.parametrize(("method", "layout"), DECODE_CASES)
+def test_decode_step_copies_nothing_from_the_host(method, layout):
+    """Every decoding forward, the first one included (a continuous schedule checks whether a compression is due
+    there), makes no tensor from Python data and writes no Python number into a device tensor
+    (tests/host_copy_guard.py)."""
+    for guard in decode_modes(method, 2, 2, layout, 3, HostCopyGuard):
+        assert guard.ops > 100 and not guard.violations, sorted(set(guard.violations))
 
 
 def test_ragged_op_count_is_flat_in_batch_and_heads_and_close_to_dense():

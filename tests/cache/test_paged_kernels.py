@@ -161,9 +161,12 @@ def test_kernel_is_called_once_per_layer_and_prefill_stays_on_gather(monkeypatch
     use_fake_kernels(monkeypatch, "vllm_flash_attn")
     calls = []
     fake = ref.flash_attn_varlen_func
-    monkeypatch.setattr(paged_kernels, "_load_vllm_fork", lambda: lambda *a, **kw: calls.append(1) or fake(*a, **kw))
+    counted = lambda *a, **kw: calls.append(1) or fake(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(paged_kernels, "_load_vllm_fork", lambda: counted)
     cfg, pool, seqs, g = _uneven_batch(5, 16, (20, 33))
     prefill = PagedBatchCache(cfg, pool, seqs, decode_kernel="flash")
+    assert calls == [1]  # the one test call that chose the kernel (cached: not repeated below)
+    calls.clear()
     _forward(prefill, 2, 3, g, torch.tensor([[s.seen + i for i in range(3)] for s in seqs]))
     assert not calls  # several queries per sequence: gather path
     positions = torch.tensor([[s.seen] for s in seqs])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_dense import reference_attention
 
+import paged_kernel_reference as ref
 from kvtrim.cache.dense import DenseStore
 from kvtrim.cache.ragged import RaggedStore
 
@@ -119,39 +121,45 @@ def test_to_dense_round_trip_and_select_batch():
     assert torch.equal(swapped.entries_per_head(), ragged.entries_per_head().flip(0))
 
 
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
-    """flash_attn_varlen_func's contract, one sequence at a time (non-causal): q ``[total_q, heads, d]``, k/v
-    ``[total_k, heads_k, d]``; sequence ``i`` is rows ``cu[i]:cu[i+1]`` of each."""
-    assert not causal and cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k)
-    out = torch.zeros_like(q)
-    group = q.shape[1] // k.shape[1]
-    for i in range(len(cu_q) - 1):
-        qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        assert qb - qa <= max_q and kb - ka <= max_k
-        if qb == qa or kb == ka:
-            continue
-        keys = k[ka:kb].repeat_interleave(group, 1).transpose(0, 1)  # [heads, n, d]
-        vals = v[ka:kb].repeat_interleave(group, 1).transpose(0, 1)
-        w = torch.softmax(q[qa:qb].transpose(0, 1) @ keys.transpose(1, 2) * softmax_scale, -1)
-        out[qa:qb] = (w @ vals).transpose(0, 1)
-    return out
-
-
-def test_flash_varlen_arguments_describe_every_row_and_skip_the_slack():
-    """The flash-attn decode path (CUDA only) is checked here against the kernel's contract: each row is one
-    sequence, its slack a query-less one, and the result equals the batched padded path."""
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(3, 3), (6, 3), (8, 2), (8, 1)])
+def test_flash_varlen_layout_is_legal_for_flash_attn_and_equals_the_padded_path(q_heads, kv_heads):
+    """The flash-attn decode path (CUDA only) is checked here against flash-attn 2's varlen contract, its shape rules
+    included (tests/paged_kernel_reference.py): each row is one sequence and its slack another, every sequence has one
+    query (GQA with one query per sequence views q as [sequences, kv_heads, group, d]), and the result equals the
+    batched padded path on the same kept entries."""
     from kvtrim.cache.packed_attention import flash_varlen_attention
 
-    dense = dense_store(2, 3, 12, 8, 5)
-    indices, keep = random_selection(2, 3, 12, 5)
+    d = 16
+    dense = dense_store(2, kv_heads, 12, d, 5)
+    indices, keep = random_selection(2, kv_heads, 12, 5)
     ragged = RaggedStore.from_selection(dense, indices, keep)
     for step in range(3):  # appends give rows slack between them
-        x = torch.randn(2, 3, 1, 8)
+        x = torch.randn(2, kv_heads, 1, d)
         ragged.append(x, x * 2, torch.full((2, 1), 12 + step))
     assert bool((ragged.capacity > ragged.length).any())
-    q = torch.randn(2, 6, 1, 8)
+    q = torch.randn(2, q_heads, 1, d)
     qpos = torch.full((2, 1), 20)
     got = flash_varlen_attention(
-        q, ragged._k, ragged._v, ragged.start, ragged.length, ragged._width, 0.3, varlen_fn=reference_varlen
+        q, ragged._k, ragged._v, ragged.start, ragged.length, ragged._width, 0.3, varlen_fn=ref.reference_varlen
     )
     assert torch.allclose(got, ragged.attend(q, qpos, 0.3), atol=1e-5)
+
+
+def test_reference_varlen_enforces_the_one_query_gqa_view():
+    """flash-attn 2 with max_seqlen_q == 1 and more query heads than KV heads reads sequence b's query from row b: a
+    sequence without a query (a slack sequence with cu_seqlens_q repeating an offset) cannot be described."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(10, 1, 8, generator=g), torch.randn(10, 1, 8, generator=g)
+    cu_k = torch.tensor([0, 4, 6, 10], dtype=torch.int32)
+    q = torch.randn(2, 2, 8, generator=g)  # two queries with two heads each over one KV head
+    with pytest.raises(RuntimeError, match=r"shape '\[3, 1, 2, 8\]' is invalid"):
+        ref.reference_varlen(q, k, v, torch.tensor([0, 1, 1, 2], dtype=torch.int32), cu_k, 1, 4)
+    q3 = torch.cat([q[:1], q[:1], q[1:]])  # one query per sequence: legal
+    out = ref.reference_varlen(q3, k, v, torch.arange(4, dtype=torch.int32), cu_k, 1, 4, softmax_scale=0.5)
+    for row, (a, b) in zip((0, 2), ((0, 4), (6, 10)), strict=True):
+        w = torch.softmax(q3[row] @ k[a:b, 0].T * 0.5, -1)
+        torch.testing.assert_close(out[row], w @ v[a:b, 0])
+    mha = ref.reference_varlen(q[:, :1], k, v, torch.tensor([0, 1, 1, 2], dtype=torch.int32), cu_k, 1, 4)
+    assert mha.shape == (2, 1, 8)  # one query head per KV head: no view, a query-less sequence is fine
+    with pytest.raises(RuntimeError, match="head_size that is a multiple of 8"):
+        ref.reference_varlen(q[..., :6], k[..., :6], v[..., :6], torch.arange(4, dtype=torch.int32), cu_k, 1, 4)

@@ -31,7 +31,6 @@ FORBIDDEN = frozenset({
     "_unique2", "unique_dim", "unique_consecutive", "lift_fresh", "lift_fresh_copy", "repeat_interleave",
     "bincount", "histc", "masked_scatter",
 })  # fmt: skip
-LIFTS = frozenset({"lift_fresh", "lift_fresh_copy"})
 INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 
 
@@ -62,13 +61,6 @@ class GraphTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in LIFTS and args[0].dim() == 0:
-            # ``x[index] = 0.0`` lifts a Python constant: a graph bakes it in, so its value joins the record (a value
-            # that changed between steps would make the records differ); a lifted list is flagged below.
-            self.ops.append((str(func), ("constant", args[0].tolist())))
-            out = func(*args, **kwargs)
-            self._made.add(out.untyped_storage().data_ptr())
-            return out
         if name in FORBIDDEN:
             self.violations.append(str(func))
         if name in INDEXING:

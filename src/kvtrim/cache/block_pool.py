@@ -110,7 +110,7 @@ class BlockPool:
             return torch.empty(0, dtype=torch.long)
         ids = torch.tensor(self._free[-n:], dtype=torch.long)
         del self._free[-n:]
-        self._allocated[ids] = True
+        self._allocated.index_fill_(0, ids, True)
         return ids
 
     def free(self, block_ids: list[int] | torch.Tensor) -> None:
@@ -132,12 +132,12 @@ class BlockPool:
         if not bool(self._allocated[host].all()):
             bad = int(host[~self._allocated[host]][0])
             raise ValueError(f"block {bad} is not allocated (double free?)")
-        self._allocated[host] = False
+        self._allocated.index_fill_(0, host, False)
         self._free.extend(host.tolist())
         index = block_ids if isinstance(block_ids, torch.Tensor) and block_ids.device == self.device else None
         index = host.to(self.device) if index is None else index
-        self.positions[index] = EMPTY
-        self.metric[index] = 0.0
+        self.positions.index_fill_(0, index, EMPTY)  # no Python number through an index (a host→device copy)
+        self.metric.index_fill_(0, index, 0.0)
 
     def is_allocated(self, block_id: int) -> bool:
         return bool(self._allocated[block_id])

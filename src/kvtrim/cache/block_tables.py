@@ -71,16 +71,16 @@ class BlockTables:
         scratch block, never given blocks (so a padding row writes and reads only the scratch block)."""
         if self._padding_slot is None:
             self._padding_slot = self.acquire()
-            self.table[self._padding_slot, :, 0] = scratch_block
+            self.table[self._padding_slot, :, 0].fill_(scratch_block)
         return self._padding_slot
 
     @torch.inference_mode()
     def release_slot(self, slot: int) -> None:
         """Give a slot back (its blocks must already be freed)."""
-        self.host_length[slot] = 0
-        self.host_nblocks[slot] = 0
+        self.host_length[slot].zero_()
+        self.host_nblocks[slot].zero_()
         if not self._shared:
-            self.length[slot] = 0
+            self.length[slot].zero_()  # a fill kernel: no Python number copied to the device
         self._free_slots.append(slot)
 
     @torch.inference_mode()
@@ -147,9 +147,20 @@ class BlockTables:
             self.length[dev] += tokens.to(self.device) if isinstance(tokens, torch.Tensor) else tokens
 
     @torch.inference_mode()
-    def shrink(self, slots: torch.Tensor, new_length: torch.Tensor) -> torch.Tensor:
+    def shrink(
+        self,
+        slots: torch.Tensor,
+        new_length: torch.Tensor,
+        *,
+        device_slots: torch.Tensor | None = None,
+        device_nblocks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Set the lengths of ``slots``' rows to ``new_length`` (``[n, rows]``, on the device, each <= the
-        current length) and return the block ids no longer needed (``[k]`` on the device; not yet freed)."""
+        current length) and return the block ids no longer needed (``[k]`` on the device; not yet freed).
+
+        ``device_slots`` (``[n]``) and ``device_nblocks`` (``[n, rows]``, the block counts before): device copies
+        of ``slots`` and of their host block counts the caller already has (else each is copied here)."""
+        dev_slots = slots.to(self.device) if device_slots is None else device_slots
         new_nblocks_dev = ceil_div(new_length, self.block_size)
         host_new = new_length.to("cpu")  # the allocator needs the new counts: one copy per compression
         new_nblocks = ceil_div(host_new, self.block_size)
@@ -158,10 +169,11 @@ class BlockTables:
         dropped = torch.empty(0, dtype=torch.long, device=self.device)
         if width:
             col = torch.arange(width, device=self.device)
-            gone = (col >= new_nblocks_dev[..., None]) & (col < old_nblocks.to(self.device)[..., None])
-            dropped = self.table[slots.to(self.device), :, :width][gone]
+            old_dev = old_nblocks.to(self.device) if device_nblocks is None else device_nblocks
+            gone = (col >= new_nblocks_dev[..., None]) & (col < old_dev[..., None])
+            dropped = self.table[dev_slots, :, :width][gone]
         self.host_length[slots] = host_new
         self.host_nblocks[slots] = new_nblocks
         if not self._shared:
-            self.length[slots.to(self.device)] = new_length
+            self.length[dev_slots] = new_length
         return dropped

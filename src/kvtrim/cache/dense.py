@@ -110,7 +110,7 @@ class DenseStore:
         self._v[:, :, self.length : end] = values
         self._pos[:, :, self.length : end] = positions[:, None, :]
         for s in self._stats.values():
-            s[:, :, self.length : end] = 0
+            s[:, :, self.length : end].zero_()
         self.length = end
         if padded is None:
             padded = self.all_valid and bool((positions < 0).any())
@@ -167,7 +167,7 @@ class DenseStore:
         """Drop every slot at or after ``length`` (used to remove an answer before the next question)."""
         if length > self.length:
             raise ValueError(f"cannot truncate to {length} slots, store has {self.length}")
-        self._pos[:, :, length : self.length] = INVALID
+        self._pos[:, :, length : self.length].fill_(INVALID)
         self.length = length
         self.all_valid = bool((self.positions >= 0).all())
 

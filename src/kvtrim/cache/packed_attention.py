@@ -11,8 +11,7 @@ query axis (GQA without repeating keys) and makes ONE ``scaled_dot_product_atten
   (:func:`gather_rows`). The padded copy is transient (one layer at a time).
 * With the optional ``flash-attn`` package on CUDA (fp16/bf16), ragged decode steps skip the gather:
   :func:`flash_varlen_attention` hands the flat buffers to ``flash_attn_varlen_func``, each (sequence, KV head) row
-  being one variable-length sequence (its append slack is a second, query-less sequence, so rows need not be
-  back to back).
+  being one variable-length sequence and its append slack a second one (so rows need not be back to back).
 
 No function here reads a device value on the host (no ``.item()``, ``.tolist()``, ``bool(tensor)``, boolean
 indexing): shapes come from host-side bookkeeping the stores keep.
@@ -122,19 +121,20 @@ def flash_varlen_available(query: torch.Tensor) -> bool:
     return _FLASH_ATTN and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
 
 
-def varlen_offsets(
-    start: torch.Tensor, length: torch.Tensor, total: int, queries_per_row: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cu_seqlens_q`` and ``cu_seqlens_k`` (int32, ``2 * rows + 1``) describing every row of a flat ragged
-    buffer as a sequence of ``length[r]`` keys with ``queries_per_row`` queries, followed by its slack (up to the
-    next row's start, or ``total``) as a sequence with no query."""
+def varlen_offsets(start: torch.Tensor, length: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens_q`` and ``cu_seqlens_k`` (int32, ``2 * rows + 1``) describing every row ``r`` of a flat ragged
+    buffer (rows in ascending ``start`` order) as kernel sequence ``2r`` (its ``length[r]`` keys) followed by its
+    slack (up to the next row's start, or ``total``) as sequence ``2r + 1``; every sequence has exactly one query.
+
+    One query per sequence is what flash-attn 2's varlen kernel requires of a decode step with more query heads than
+    KV heads: with ``max_seqlen_q == 1`` it views ``q`` as ``[batch, nheads_k, ngroups, d]``, ``batch`` being the
+    number of sequences, and reads sequence ``b``'s query from row ``b`` (``mha_varlen_fwd``,
+    ``csrc/flash_attn/flash_api.cpp``), so a sequence without a query is not expressible there."""
     rows = start.shape[0]
     ends = torch.cat([start[1:], start.new_full((1,), total)])
     cu_k = torch.stack([start, start + length], dim=1).view(-1)
     cu_k = torch.cat([cu_k, ends[-1:]]).to(torch.int32)
-    q_ends = torch.arange(1, rows + 1, device=start.device, dtype=torch.int32) * queries_per_row
-    cu_q = torch.stack([q_ends - queries_per_row, q_ends], dim=1).view(-1)
-    cu_q = torch.cat([cu_q, q_ends[-1:]])
+    cu_q = torch.arange(2 * rows + 1, device=start.device, dtype=torch.int32)
     return cu_q, cu_k
 
 
@@ -153,20 +153,25 @@ def flash_varlen_attention(
     Args:
         query: ``[batch, q_heads, 1, head_dim]``
         flat_keys, flat_values: ``[slots, head_dim]`` (rows back to back, each followed by its slack)
-        start, length: ``[batch * kv_heads]`` row offsets and filled lengths
-        max_row_slots: an upper bound on any row's slots (host-side; sizes the kernel grid)
+        start, length: ``[batch * kv_heads]`` row offsets (ascending) and filled lengths
+        max_row_slots: an upper bound on any row's slots, its slack included (host-side; sizes the kernel grid)
         varlen_fn: the kernel (default ``flash_attn.flash_attn_varlen_func``; tests pass a reference)
     Returns:
         ``[batch, 1, q_heads, head_dim]``
+
+    Each row is a kernel sequence and so is its slack (:func:`varlen_offsets`); the slack's sequence gets a copy of
+    the row's query, whose output is dropped. That query reads the row's free slots (at most an eighth of the row
+    plus 16 after a repack, see :meth:`RaggedStore._make_room`), the price of a layout the kernel accepts.
     """
     if varlen_fn is None:
         from flash_attn import flash_attn_varlen_func as varlen_fn
     b, hq, _, d = query.shape
     rows = start.shape[0]
     group = hq // (rows // b)
-    # One sequence per (sequence, KV head) row; its query heads are the group (nheads = group, nheads_k = 1).
-    q = query.reshape(rows, group, d)
-    cu_q, cu_k = varlen_offsets(start, length, flat_keys.shape[0], 1)
+    # One sequence per (sequence, KV head) row and one per its slack; the query heads of a row are its group
+    # (nheads = group, nheads_k = 1), and its slack's sequence gets the same query (output dropped).
+    q = query.reshape(rows, 1, group, d).expand(rows, 2, group, d).reshape(2 * rows, group, d)
+    cu_q, cu_k = varlen_offsets(start, length, flat_keys.shape[0])
     out = varlen_fn(
         q,
         flat_keys.unsqueeze(1),
@@ -178,4 +183,4 @@ def flash_varlen_attention(
         softmax_scale=scaling,
         causal=False,
     )
-    return out.view(b, hq, 1, d).transpose(1, 2)
+    return out.view(rows, 2, group, d)[:, 0].reshape(b, hq, 1, d).transpose(1, 2)

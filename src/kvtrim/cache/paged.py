@@ -478,7 +478,7 @@ class PagedBatchCache(Cache):
         pool.keys.view(-1, d)[slot] = keys.to(pool.dtype).reshape(-1, d)
         pool.values.view(-1, d)[slot] = values.to(pool.dtype).reshape(-1, d)
         pool.positions.view(-1)[slot] = qpos[:, None, :].expand(n, h, q).reshape(-1)
-        pool.metric.view(-1)[slot] = 0.0
+        pool.metric.view(-1).index_fill_(0, slot, 0.0)  # a scalar kernel argument, not a host tensor
 
         if self.observe_window and q > 1:
             w = min(self.observe_window, q)
@@ -552,7 +552,7 @@ class PagedBatchCache(Cache):
         pool.keys.view(-1, d)[slot] = keys[0].to(pool.dtype).reshape(-1, d)
         pool.values.view(-1, d)[slot] = values[0].to(pool.dtype).reshape(-1, d)
         pool.positions.view(-1)[slot] = pos.expand(h, -1).reshape(-1)
-        pool.metric.view(-1)[slot] = 0.0
+        pool.metric.view(-1).index_fill_(0, slot, 0.0)  # a scalar kernel argument, not a host tensor
 
         pad_index, pad_valid = step["pad_index"], step["pad_valid"]  # [k, qmax]
         qp = query[0][:, pad_index].transpose(0, 1)  # [k, hq, qmax, d]

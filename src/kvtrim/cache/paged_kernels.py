@@ -47,6 +47,12 @@ kernel for 16-token pages. The Triton kernel comes before upstream flash-attn be
 flash-attention kernels the metric is a second pass in PyTorch that gathers every cached key of the layer).
 "flash" keeps meaning the flash-attention kernels only.
 
+An import proves little: vLLM's fork imports even when its compiled extension failed to load (it then sets
+``FA2_AVAILABLE = False``, which is read too), and a kernel may load and still not run on this GPU, dtype or block
+size. So a candidate is chosen only after one tiny real call with the pool's device, dtype, block size and head dim
+returns the right result (:func:`probe_kernel`, cached per key); every candidate refused, and why, is reported
+(:class:`KernelChoice`, ``EngineStats.decode_kernel_refused``, and the error when a named kernel cannot run).
+
 The continual metric (KV-Compress's decode-time squared attention): with a flash-attention kernel, each cached key's
 probability is ``exp(q·k·scale − lse)`` from the kernel's log-sum-exp, so only the keys (not the values) are
 gathered and no softmax or ``P·V`` is recomputed (:func:`accumulate_metric_from_lse`); the Triton kernel does the
@@ -55,7 +61,9 @@ same inside the kernel (:attr:`PagedKernel.fuses_metric`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -111,24 +119,55 @@ class FusedMetric:
 
 
 # ---------------------------------------------------------------------------------------------------- lookup
+_IMPORT_ERRORS: dict[str, str] = {}  # kernel name -> why its module could not be used (filled by the loaders)
+_PROBES: dict[tuple, str | None] = {}  # (implementation, device, dtype, block size, head dim) -> why it failed
+
+
+def clear_kernel_cache() -> None:
+    """Forget every kernel lookup and test call (for tools and tests that change what is installed)."""
+    for loader in (_load_vllm_fork, _load_flash_attn, _load_triton):
+        loader.cache_clear()
+    _IMPORT_ERRORS.clear()
+    _PROBES.clear()
+
+
+def _fa2_unavailable(package: ModuleType) -> str | None:
+    """Why vLLM's fork says its FlashAttention-2 extension did not load, or None. The package imports even when its
+    compiled extension failed to load; it then sets ``FA2_AVAILABLE = False`` (in ``flash_attn_interface``)."""
+    modules = [package]
+    with contextlib.suppress(Exception):  # a fork without the submodule: its package's flag (if any) decides
+        modules.append(importlib.import_module(f"{package.__name__}.flash_attn_interface"))
+    for module in modules:
+        if getattr(module, "FA2_AVAILABLE", True) is False:
+            why = getattr(module, "FA2_UNAVAILABLE_REASON", None) or "no reason given"
+            return f"vllm.vllm_flash_attn imports but reports FA2_AVAILABLE = False ({why})"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _load_vllm_fork() -> Callable | None:
-    """``vllm.vllm_flash_attn.flash_attn_varlen_func`` or None."""
+    """``vllm.vllm_flash_attn.flash_attn_varlen_func`` or None (why: ``_IMPORT_ERRORS``)."""
     try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-    except Exception:  # not installed, a CPU build, or built for another torch
+        package = importlib.import_module("vllm.vllm_flash_attn")
+        fn = package.flash_attn_varlen_func
+    except Exception as exc:  # not installed, a CPU build, or built for another torch
+        _IMPORT_ERRORS["vllm_flash_attn"] = f"vllm.vllm_flash_attn is not importable ({type(exc).__name__}: {exc})"
         return None
-    return flash_attn_varlen_func
+    reason = _fa2_unavailable(package)
+    if reason is not None:
+        _IMPORT_ERRORS["vllm_flash_attn"] = reason
+        return None
+    return fn
 
 
 @functools.lru_cache(maxsize=1)
 def _load_flash_attn() -> Callable | None:
-    """``flash_attn.flash_attn_with_kvcache`` or None."""
+    """``flash_attn.flash_attn_with_kvcache`` or None (why: ``_IMPORT_ERRORS``)."""
     try:
-        from flash_attn import flash_attn_with_kvcache
-    except Exception:
+        return importlib.import_module("flash_attn").flash_attn_with_kvcache
+    except Exception as exc:
+        _IMPORT_ERRORS["flash_attn"] = f"flash_attn is not importable ({type(exc).__name__}: {exc})"
         return None
-    return flash_attn_with_kvcache
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,7 +175,8 @@ def _load_triton() -> ModuleType | None:
     """:mod:`kvtrim.cache.triton_paged` (which imports ``triton``) or None."""
     try:
         from . import triton_paged
-    except Exception:  # triton not installed, or a build that does not import here
+    except Exception as exc:  # triton not installed, or a build that does not import here
+        _IMPORT_ERRORS["triton"] = f"{type(exc).__name__}: {exc}"
         return None
     return triton_paged
 
@@ -151,6 +191,7 @@ def _varlen_call(fn: Callable) -> PagedCall:
         )  # fmt: skip
         return out, lse.transpose(0, 1)  # lse [nheads, total_q] -> [B, G]
 
+    call.impl = fn
     return call
 
 
@@ -162,6 +203,7 @@ def _kvcache_call(fn: Callable) -> PagedCall:
         )  # fmt: skip
         return out[:, 0], lse[:, :, 0]  # out [B, 1, G, d], lse [B, G, 1]
 
+    call.impl = fn
     return call
 
 
@@ -193,7 +235,8 @@ def _triton_unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: 
     and only when the kernel is named (``auto`` never picks an interpreter)."""
     module = _load_triton()
     if module is None:
-        return "the triton package is not importable (pip install 'kvtrim[gpu]')"
+        why = _IMPORT_ERRORS.get("triton")
+        return "the triton package is not importable (pip install 'kvtrim[gpu]')" + (f": {why}" if why else "")
     if not _triton_on_cuda(device) and (auto or not module.interpreter_on()):
         return (
             f"it needs a CUDA device, the KV pool is on {device} (a CPU pool runs only under Triton's interpreter, "
@@ -224,55 +267,176 @@ def _unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) ->
     return None
 
 
+PROBE_GROUP = 2  # query heads per KV head in the test call (the GQA layout every decode step uses)
+
+
+def probe_kernel(
+    kernel: PagedKernel, *, device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int
+) -> str | None:
+    """Why ``kernel`` failed one tiny real call on this pool's device, dtype, block size and head dim, or None.
+
+    The call reads one row of ``block_size + 1`` keys through a two-block table (blocks out of order) with
+    ``PROBE_GROUP`` query heads, updates a scratch metric when the kernel fuses it, and is compared with the same
+    attention in float32. An import that succeeds says nothing about whether the compiled kernel loads, runs on
+    this GPU or accepts these shapes; this call does. Cached per (implementation, device, dtype, block size,
+    head dim): it runs once per process and key.
+    """
+    device = torch.device(device)
+    impl = getattr(kernel.call, "impl", kernel.call)
+    key = (kernel.name, impl, str(device), dtype, block_size, head_dim)
+    if key not in _PROBES:
+        _PROBES[key] = _probe(kernel, device, dtype, block_size, head_dim)
+    return _PROBES[key]
+
+
+def _probe(kernel: PagedKernel, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
+    g = torch.Generator().manual_seed(0)
+    length, d = block_size + 1, head_dim
+    k_cache = torch.randn(3, block_size, 1, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(3, block_size, 1, d, generator=g).to(device, dtype)
+    q = torch.randn(1, PROBE_GROUP, d, generator=g).to(device, dtype)
+    table = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([length], dtype=torch.int32, device=device)
+    scale = d**-0.5
+    extra = {}
+    if kernel.fuses_metric:
+        metric = torch.zeros(3, block_size, dtype=torch.float32, device=device)
+        positions = torch.arange(3 * block_size, device=device).view(3, block_size)
+        qpos = torch.full((1,), 3 * block_size, dtype=torch.long, device=device)
+        extra["metric"] = FusedMetric(metric, positions, qpos, 1, 0)
+    try:
+        out, lse = kernel.call(q, k_cache, v_cache, seqlens, table, 2 * block_size, scale, **extra)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:
+        return f"a test call raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    if tuple(out.shape) != (1, PROBE_GROUP, d) or tuple(lse.shape) != (1, PROBE_GROUP):
+        return f"a test call returned shapes {tuple(out.shape)} and {tuple(lse.shape)}"
+    slots = (table[0].long()[:, None] * block_size + torch.arange(block_size, device=device)).reshape(-1)[:length]
+    keys, values = k_cache.view(-1, d)[slots].float(), v_cache.view(-1, d)[slots].float()  # [length, d]
+    logits = q[0].float() @ keys.T * scale  # [G, length]
+    want_lse = torch.logsumexp(logits, -1)
+    probs = torch.exp(logits - want_lse[:, None])
+    checks = [("output", out[0].float(), probs @ values), ("log-sum-exp", lse[0].float(), want_lse)]
+    if kernel.fuses_metric:
+        checks.append(("metric", extra["metric"].metric.view(-1)[slots], probs.square().sum(0)))
+    tol = 1e-2 if dtype == torch.float32 else 5e-2
+    for what, got, want in checks:
+        if not torch.allclose(got, want, atol=tol, rtol=tol):
+            return f"a test call returned a wrong {what} (max error {float((got - want).abs().max()):.3g})"
+    return None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What :func:`choose_decode_kernel` decided.
+
+    Attributes:
+        kernel: the kernel decode attention runs with, or None for the gather + SDPA path
+        refused: ``(kernel name, why)`` for every candidate looked at and not chosen, in lookup order
+    """
+
+    kernel: PagedKernel | None
+    refused: tuple[tuple[str, str], ...] = ()
+
+
 def resolve_decode_kernel(
     choice: str, *, device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int
 ) -> PagedKernel | None:
-    """The kernel decode attention runs with, or None for the gather + SDPA path.
+    """:func:`choose_decode_kernel`'s kernel (None: the gather + SDPA path)."""
+    return choose_decode_kernel(choice, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim).kernel
+
+
+def choose_decode_kernel(
+    choice: str, *, device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int
+) -> KernelChoice:
+    """The kernel decode attention runs with, and why every other candidate was refused.
+
+    A candidate is chosen only after its conditions hold AND one tiny real call on this device, dtype, block size
+    and head dim succeeds with the right result (:func:`probe_kernel`): an import can succeed while the compiled
+    kernel cannot run (vLLM's fork imports with ``FA2_AVAILABLE = False`` when its extension failed to load).
 
     Args:
         choice: ``"gather"`` (always None), ``"flash"`` (a flash-attention kernel, or raise), ``"triton"`` (the
             Triton kernel, or raise), ``"auto"`` (vLLM's fork, else the Triton kernel, else upstream flash-attn,
-            the first whose conditions all hold; else None)
+            the first that passes; else None)
         device, dtype, block_size, head_dim: the KV pool's
     Raises:
-        InvalidParameterError: an unknown ``choice``; ``"flash"`` or ``"triton"`` when that kernel cannot serve
-            this pool (the message says why)
+        InvalidParameterError: an unknown ``choice``; ``"flash"`` or ``"triton"`` when no such kernel can serve
+            this pool (the message says why, for each candidate)
     """
     if not isinstance(choice, str) or choice not in DECODE_KERNELS:
         raise InvalidParameterError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}; got {choice!r}")
     if choice == "gather":
-        return None
+        return KernelChoice(None)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
     device = torch.device(device)
+    refused: list[tuple[str, str]] = []
+
+    def passes(kernel: PagedKernel) -> bool:
+        reason = probe_kernel(kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim)
+        if reason is not None:
+            refused.append((kernel.name, reason))
+        return reason is None
+
+    def refuse() -> str:
+        return "; ".join(f"{name}: {why}" for name, why in refused)
+
     if choice == "triton":
         reason = _triton_unusable_reason(device, dtype, head_dim, auto=False)
         if reason is not None:
             raise InvalidParameterError(f"decode_kernel='triton' cannot be used: {reason}")
-        return triton_kernel()
+        kernel = triton_kernel()
+        if not passes(kernel):
+            raise InvalidParameterError(f"decode_kernel='triton' cannot be used: {refused[-1][1]}")
+        return KernelChoice(kernel)
+    # the flash-attention kernels: shared conditions, then what is importable, then the block size, then a call
     reason = _unusable_reason(device, dtype, head_dim)
-    fitting: list[PagedKernel] = []
-    if reason is None:
+    flash: list[PagedKernel] = []
+    if reason is not None:
+        refused += [(name, reason) for name in ("vllm_flash_attn", "flash_attn")]
+    else:
         kernels = available_kernels()
-        fitting = [k for k in kernels if block_size % k.block_multiple == 0]
+        names = {k.name for k in kernels}
+        refused += [(n, _IMPORT_ERRORS.get(n, "not importable")) for n in ("vllm_flash_attn", "flash_attn")
+                    if n not in names]  # fmt: skip
+        for k in kernels:
+            if block_size % k.block_multiple:
+                refused.append((k.name, f"it needs block_size a multiple of {k.block_multiple}, got {block_size}"))
+            else:
+                flash.append(k)
         if not kernels:
             reason = (
                 "neither vLLM's flash-attention fork (vllm.vllm_flash_attn, block_size a multiple of 16) nor the "
-                "flash-attn package (block_size a multiple of 256) is importable"
+                f"flash-attn package (block_size a multiple of 256) is importable ({refuse()})"
             )
-        elif not fitting:
+        elif not flash:
             allowed = ", ".join(f"{k.name} needs a multiple of {k.block_multiple}" for k in kernels)
             reason = f"block_size={block_size} is not allowed by the importable kernels ({allowed})"
     if choice == "flash":
-        if reason is not None:
-            raise InvalidParameterError(f"decode_kernel='flash' cannot be used: {reason}")
-        return fitting[0]
+        if reason is None:
+            for k in flash:
+                if passes(k):
+                    return KernelChoice(k, tuple(refused))
+            reason = f"no importable kernel passed a test call ({refuse()})"
+        raise InvalidParameterError(f"decode_kernel='flash' cannot be used: {reason}")
     # auto: vLLM's fork, then the Triton kernel, then upstream flash-attn (module docstring)
-    if fitting and fitting[0].name == "vllm_flash_attn":
-        return fitting[0]
-    if _triton_unusable_reason(device, dtype, head_dim, auto=True) is None:
-        return triton_kernel()
-    return fitting[0] if fitting else None
+    if flash and flash[0].name == "vllm_flash_attn":
+        fork = flash.pop(0)
+        if passes(fork):
+            return KernelChoice(fork, tuple(refused))
+    reason = _triton_unusable_reason(device, dtype, head_dim, auto=True)
+    if reason is None:
+        kernel = triton_kernel()
+        if passes(kernel):
+            return KernelChoice(kernel, tuple(refused))
+    else:
+        refused.append(("triton", reason))
+    for k in flash:
+        if passes(k):
+            return KernelChoice(k, tuple(refused))
+    return KernelChoice(None, tuple(refused))
 
 
 # ---------------------------------------------------------------------------------------------------- attention

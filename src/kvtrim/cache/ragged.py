@@ -260,7 +260,7 @@ class RaggedStore:
         """
         b, h, tq = self.batch_size, self.kv_heads, query.shape[2]
         if tq == 1 and query.shape[-1] == self._v.shape[-1] and flash_varlen_available(query):
-            return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._max_len, scaling)
+            return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._width, scaling)
         width = self._max_len  # columns past every row's length are left out of the padded view
         index = self._index[:, :width]
         keys = gather_rows(self._k, index, b, h)

@@ -133,9 +133,9 @@ def _excess(cache: CompressibleCache) -> int:
     context = cache.context_lengths()
     if context is None:
         return -(2**62)
-    held = cache.entries_per_layer_head()  # [batch, layers, kv_heads]
-    keep = torch.tensor([cache.budget.keep_count(int(t)) for t in context.tolist()], device=held.device)
-    return int((held - keep.view(-1, 1, 1)).max())
+    held = cache.entries_per_layer_head().amax(dim=(1, 2)).tolist()  # [batch] fullest head per row: one read
+    keep = [cache.budget.keep_count(int(t)) for t in context.tolist()]  # host ints: nothing copied to the device
+    return max(h - k for h, k in zip(held, keep, strict=True))
 
 
 def _tail(cache: CompressibleCache, sink: int) -> int:

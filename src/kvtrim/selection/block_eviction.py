@@ -171,7 +171,7 @@ def apply_evictions(sequence: PagedSequence, plan: EvictionPlan) -> int:
         row_of = torch.repeat_interleave(torch.arange(rows, device=slot.device), counts)
         if int(flat.min()) < 0 or bool((flat >= lengths[row_of]).any()):
             raise InvalidParameterError("evicted slots must lie in [0, row length) of their row")
-        gone[row_of, flat] = True
+        gone.view(-1).index_fill_(0, row_of * width + flat, True)
         if bool((gone.sum(1) != counts).any()):
             raise InvalidParameterError("evicted slots must be distinct within each row")
     new_lengths = move_cache(sequence.pool, slot, valid, lengths, gone)
@@ -210,8 +210,8 @@ def move_cache(
     for t in (pool.keys.view(-1, hd), pool.values.view(-1, hd), pool.positions.view(-1), pool.metric.view(-1)):
         t[d] = t[s_]
     vacated = slot[valid & (idx >= new_lengths[:, None])]
-    pool.positions.view(-1)[vacated] = EMPTY
-    pool.metric.view(-1)[vacated] = 0.0
+    pool.positions.view(-1).index_fill_(0, vacated, EMPTY)  # no Python number through an index (host→device)
+    pool.metric.view(-1).index_fill_(0, vacated, 0.0)
     return new_lengths
 
 
@@ -238,6 +238,35 @@ def compress_sequence(sequence: PagedSequence, *, max_cache_tokens: int, protect
     if isinstance(max_cache_tokens, bool) or not isinstance(max_cache_tokens, int) or max_cache_tokens <= 0:
         raise InvalidParameterError(f"max_cache_tokens must be a positive integer, got {max_cache_tokens!r}")
     return compress_sequences([sequence], max_cache_tokens=[max_cache_tokens], protected_window=protected_window)[0]
+
+
+def sequences_over_budget(
+    sequences: list[PagedSequence], max_cache_tokens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host bookkeeping only (no device read, no device tensor): which of ``sequences`` (one store) hold blocks
+    beyond their budget. Returns host long tensors ``(chosen [m] indices into sequences, slots [m], over [m] blocks
+    beyond the budget, nblocks [m, rows] block counts, seen [m])``."""
+    store, bs = sequences[0].store, sequences[0].pool.block_size
+    slots = torch.tensor([s.slot for s in sequences], dtype=torch.long)
+    budget = torch.tensor(max_cache_tokens, dtype=torch.long)
+    host_len, host_nb = store.host_length[slots], store.host_nblocks[slots]
+    over = (host_nb.sum(1) - budget_blocks(budget, store.rows, bs)).clamp(min=0)
+    over = over.masked_fill(host_len.amax(1) <= budget, 0)  # every head within M: block rounding never evicts
+    chosen = torch.nonzero(over > 0).flatten()
+    seen = torch.tensor([sequences[i].seen for i in chosen.tolist()], dtype=torch.long)
+    return chosen, slots[chosen], over[chosen], host_nb[chosen], seen
+
+
+def upload_eviction_inputs(
+    device: torch.device, slots: torch.Tensor, seen: torch.Tensor, over: torch.Tensor, nblocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host inputs of a batched eviction on ``device`` in one copy: ``slots``, ``seen``, ``over`` (``[m]`` host
+    long each) and ``nblocks`` (``[m, rows]`` host long, the rows' block counts). Everything after this call works on
+    the device copies (no other host→device copy in the eviction)."""
+    m = slots.shape[0]
+    flat = torch.cat([slots, seen, over, nblocks.reshape(-1)]).to(device)
+    dev_slots, dev_seen, dev_over, dev_nb = flat.split([m, m, m, nblocks.numel()])
+    return dev_slots, dev_seen, dev_over, dev_nb.view(nblocks.shape)
 
 
 def compress_sequences(
@@ -268,20 +297,13 @@ def compress_sequences(
     if any(s.store is not store for s in sequences):
         raise InvalidParameterError("sequences must share one pool and the same number of layers and KV heads")
     rows, bs = store.rows, pool.block_size
-    slots = torch.tensor([s.slot for s in sequences], dtype=torch.long)
-    budget = torch.tensor(max_cache_tokens, dtype=torch.long)
-    # Host bookkeeping decides which sequences are over budget (no device read).
-    host_len, host_nb = store.host_length[slots], store.host_nblocks[slots]
-    over = (host_nb.sum(1) - budget_blocks(budget, rows, bs)).clamp(min=0)
-    over = over.masked_fill(host_len.amax(1) <= budget, 0)  # every head within M: block rounding never evicts
-    chosen = torch.nonzero(over > 0).flatten()
     freed = [0] * len(sequences)
+    chosen, slots, over, host_nb, seen = sequences_over_budget(sequences, max_cache_tokens)
     if chosen.numel() == 0:
         return freed
-    slots, over, held = slots[chosen], over[chosen], host_nb[chosen].sum(1)
-    m, width = len(chosen), int(host_nb[chosen].max())
-    seen = torch.tensor([sequences[i].seen for i in chosen.tolist()], dtype=torch.long, device=pool.device)
-    dev_slots = slots.to(pool.device)
+    held = host_nb.sum(1)
+    m, width = len(chosen), int(host_nb.max())
+    dev_slots, seen, over, dev_nb = upload_eviction_inputs(pool.device, slots, seen, over, host_nb)
     table = store.table[dev_slots, :, :width]  # [m, rows, width]
     slot = (table[..., None] * bs + torch.arange(bs, device=pool.device)).reshape(m * rows, width * bs)
     lengths = store.length[dev_slots].reshape(-1)
@@ -291,16 +313,17 @@ def compress_sequences(
     metric = pool.metric.view(-1)[slot].float().masked_fill(shielded, float("inf"))
     sorted_metric, order = metric.sort(dim=1, stable=True)
     groups = torch.arange(m, device=pool.device).repeat_interleave(rows)
-    blocks = block_eviction_counts(sorted_metric, lengths, bs, over.to(pool.device), groups)
+    blocks = block_eviction_counts(sorted_metric, lengths, bs, over, groups)
     n_evict = evicted_entries(blocks, lengths, bs)
     ranked = torch.arange(order.shape[1], device=pool.device)[None, :] < n_evict[:, None]
     gone = torch.zeros_like(ranked).scatter_(1, order, ranked)
     new_lengths = move_cache(pool, slot, valid, lengths, gone)
-    dropped = store.shrink(slots, new_lengths.view(m, rows))
+    dropped = store.shrink(slots, new_lengths.view(m, rows), device_slots=dev_slots, device_nblocks=dev_nb)
     pool.free(dropped)
     for i, n in zip(chosen.tolist(), (held - store.host_nblocks[slots].sum(1)).tolist(), strict=True):
         freed[i] = n
     return freed
+
 
 def prefill_metric(
     cache: PagedBatchCache,

@@ -32,7 +32,7 @@ import itertools
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,6 +78,8 @@ class EngineStats:
             read and sampling) and compression
         decode_kernel: the decode attention that runs: ``"gather"`` (gather + SDPA) or the block-table kernel's
             name (``"vllm_flash_attn"``, ``"flash_attn"``, ``"triton"``)
+        decode_kernel_refused: each block-table kernel looked at and not chosen -> why (not importable, a
+            condition unmet, or its test call failed); empty for ``decode_kernel="gather"``
         graph_captures: CUDA graphs captured (``cuda_graphs=True``; recaptures after the block table grew included)
         graph_replays: decode steps replayed from a CUDA graph
         static_decode_steps: decode steps run eagerly through the static buffers (``static_decode=True``)
@@ -106,6 +108,7 @@ class EngineStats:
     decode_s: float = 0.0
     compress_s: float = 0.0
     decode_kernel: str = "gather"
+    decode_kernel_refused: dict[str, str] = field(default_factory=dict)
     graph_captures: int = 0
     graph_replays: int = 0
     static_decode_steps: int = 0
@@ -222,7 +225,10 @@ class Engine:
             compression_interval=compression_interval, max_batch=max_batch, prefill_chunk=prefill_chunk,
             max_num_batched_tokens=max_num_batched_tokens, counts=BatchedCounts(),
         )  # fmt: skip
-        self._stats = EngineStats(pool_blocks_total=self.pool.num_blocks, decode_kernel=self.decode_kernel)
+        self._stats = EngineStats(
+            pool_blocks_total=self.pool.num_blocks, decode_kernel=self.decode_kernel,
+            decode_kernel_refused=dict(self.runner.decode_kernel_refused),
+        )  # fmt: skip
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence
-from ..cache.paged_kernels import resolve_decode_kernel
+from ..cache.paged_kernels import choose_decode_kernel
 from ..cache.static_decode import batch_bucket
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
@@ -79,6 +79,7 @@ class ModelRunner:
     Attributes:
         model, pool, geometry: the model, the block pool (KV memory) and its block arithmetic
         decode_kernel: the name of the decode attention that runs (``"gather"`` or the kernel's name)
+        decode_kernel_refused: each block-table kernel looked at and not chosen -> why
         graphs: the static-step runner (``cuda_graphs`` or ``static_decode``), else None
     """
 
@@ -107,9 +108,12 @@ class ModelRunner:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
-        kernel = resolve_decode_kernel(
+        choice = choose_decode_kernel(
             decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim
         )  # before anything changes
+        kernel = choice.kernel
+        # Each block-table kernel looked at and not chosen -> why (engine stats report it).
+        self.decode_kernel_refused: dict[str, str] = dict(choice.refused)
         # The name of the decode attention that runs; the caches get the resolved kernel (no per-forward lookup).
         self.decode_kernel = "gather" if kernel is None else kernel.name
         self._attention_kernel = "gather" if kernel is None else kernel
