@@ -71,7 +71,7 @@ CHUNK_ALIGN = 128  # split boundaries on a multiple of every autotuned BLOCK_N
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2
 INTERPRETER_SMS = 8  # a nominal SM count for the interpreter (no device to ask)
-METRIC_BLOCK = 64  # tokens per loop step of the combine kernel's metric pass
+METRIC_BLOCK = 128  # tokens per loop step of the combine kernel's metric pass
 
 
 def _partial_kernel(
@@ -196,7 +196,7 @@ def _combine_kernel(
 # ---------------------------------------------------------------------------------------------------- configs
 # (BLOCK_N, num_warps, num_stages): a handful around flash-decoding's usual tiles; pruned per shape below.
 CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 2))
-INTERPRETER_CONFIG = (64, 4, 1)
+INTERPRETER_CONFIG = (128, 4, 1)
 
 
 def _prune(configs, named_args, **kwargs):
