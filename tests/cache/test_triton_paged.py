@@ -214,6 +214,28 @@ def test_split_plan():
         split_plan(3, 53, h100, num_splits=0)
 
 
+def test_autotune_configs_pruned_per_shape(monkeypatch):
+    """A compiled run tunes over the listed tiles minus the 128-token ones where they grow too large; the
+    interpreter runs one tile."""
+    import triton
+
+    from kvtrim.cache import triton_paged as tp
+
+    configs = [
+        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in (*tp.CONFIGS, tp.INTERPRETER_CONFIG)
+    ]
+
+    def kept(dtype, d_pad, g_pad):
+        picked = tp._prune(configs, {"k_ptr": torch.empty(1, dtype=dtype)}, D_PAD=d_pad, G_PAD=g_pad)
+        return {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in picked}
+
+    assert kept(torch.bfloat16, 128, 16) == ({tp.INTERPRETER_CONFIG} if INTERPRETED else set(tp.CONFIGS))
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    assert kept(torch.bfloat16, 128, 16) == set(tp.CONFIGS)  # llama-8b: every listed tile
+    small = {c for c in tp.CONFIGS if c[0] <= 64}
+    assert kept(torch.bfloat16, 256, 16) == kept(torch.float32, 128, 16) == kept(torch.float16, 64, 32) == small
+
+
 def test_metric_off_stores_no_logits():
     """Without the metric no scores buffer is allocated (the largest tensor made is the query-sized partials)."""
     from torch.utils._python_dispatch import TorchDispatchMode

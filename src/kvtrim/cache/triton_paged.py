@@ -200,17 +200,17 @@ INTERPRETER_CONFIG = (128, 4, 1)
 
 
 def _prune(configs, named_args, **kwargs):
-    """Under the interpreter one configuration (nothing to tune); otherwise drop tiles whose temporaries would spill:
-    ``BLOCK_N = 128`` with ``head_dim > 128`` or a padded group above 16."""
+    """Under the interpreter one configuration (nothing to tune); otherwise drop the 128-token tiles where their
+    temporaries and pipeline buffers grow too large: ``head_dim > 128``, a padded group above 16, or float32 KV
+    (for sm_90, bf16, G = 4: 128 tokens × head_dim 128 take 168 registers with 4 warps, × head_dim 256 take 224
+    and 140 KiB of shared memory; 64 tokens × 128 take 71)."""
     if triton.knobs.runtime.interpret:
         return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == INTERPRETER_CONFIG]
-    d_pad, g_pad = kwargs["D_PAD"], kwargs["G_PAD"]
-    kept = [
+    wide = kwargs["D_PAD"] > 128 or kwargs["G_PAD"] > 16 or named_args["k_ptr"].element_size() > 2
+    return [
         c for c in configs
-        if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in CONFIGS
-        and not (c.kwargs["BLOCK_N"] > 64 and (d_pad > 128 or g_pad > 16))
+        if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in CONFIGS and not (c.kwargs["BLOCK_N"] > 64 and wide)
     ]  # fmt: skip
-    return kept
 
 
 @functools.cache
