@@ -1,8 +1,10 @@
-"""kvtrim's Triton paged decode kernel (kvtrim.cache.triton_paged), run on the CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``, Triton's debug mode, set by tests/conftest.py before triton is imported): outputs and
-log-sum-exp equal a dense float64 reference, and through ``PagedBatchCache(decode_kernel="triton")`` the outputs
-and the fused continual metric equal the gather path's on uneven paged batches. Selection: "triton" is refused
-with a reason where it cannot run; "auto" orders the kernels.
+"""kvtrim's split-K Triton paged decode kernel (kvtrim.cache.triton_paged), run on the CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, Triton's debug mode, set by tests/conftest.py before triton is imported):
+output, log-sum-exp and the fused continual metric equal a float64 PyTorch reference over dtypes, query groups,
+head dims, block sizes, split counts, tiles and rows of 0 to 32k tokens; the split plan, the tile pruning, no host
+reads, no logits stored without the metric; through ``PagedBatchCache(decode_kernel="triton")`` the outputs and
+the metric equal the gather path's on uneven paged batches. Selection: "triton" is refused with a reason where it
+cannot run; "auto" orders the kernels.
 
 With a CUDA device (tests/conftest.py then leaves the interpreter off), the same tests run the compiled kernel on
 CUDA (benchmarks/gpu_issue14.sh).
@@ -16,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -236,25 +239,41 @@ def test_autotune_configs_pruned_per_shape(monkeypatch):
     assert kept(torch.bfloat16, 256, 16) == kept(torch.float32, 128, 16) == kept(torch.float16, 64, 32) == small
 
 
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched while active, and the sizes of the tensors the ``empty*`` ops made."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.numels = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.names.append(func.overloadpacket.__name__)
+        if self.names[-1].startswith("empty"):
+            self.numels.append(out.numel())
+        return out
+
+
+def test_launch_reads_nothing_on_the_host():
+    """Graph capture: no op reads a device value on the host, and the buffers (so the grid) depend on the table's
+    shape only, not on the lengths."""
+    made = []
+    for lengths in ([500, 20], [3, 511]):
+        case = _paged_case(lengths, 16, 64, 4, torch.float32, seed=1)
+        case.table = case.table[:, :33]  # the same width for both
+        with _Ops() as seen:
+            _run(case, metric=True)
+        assert not {"_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"} & set(seen.names)
+        made.append(seen.numels)
+    assert made[0] == made[1]
+
+
 def test_metric_off_stores_no_logits():
     """Without the metric no scores buffer is allocated (the largest tensor made is the query-sized partials)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numels = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.overloadpacket.__name__.startswith("empty"):
-                self.numels.append(out.numel())
-            return out
-
     case = _paged_case([500, 20], 16, 64, 4, torch.float32, seed=1)
     sizes = {}
     for metric in (False, True):
-        with Allocations() as seen:
+        with _Ops() as seen:
             _run(case, metric=metric, num_splits=2)
         sizes[metric] = max(seen.numels)
     rows, group = case.q.shape[:2]
