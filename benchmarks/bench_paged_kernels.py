@@ -13,9 +13,11 @@ every available kernel is called through kvtrim's own wrappers (:mod:`kvtrim.cac
   one masked SDPA), as :class:`kvtrim.cache.paged.PagedBatchCache` does without a kernel.
 
 Time: on CUDA, CUDA events around each call (``--warmup`` untimed calls first, which also compile and autotune),
-median of ``--iters``; on the CPU, wall time (Triton runs under its interpreter there: a smoke test, not a
-measurement). Bandwidth = bytes of K and V the rows hold plus their block tables, divided by the median time; on
-CUDA also as a percentage of the device's peak (``--peak-gbps``, else looked up from the device name: H100 SXM
+median of ``--iters``, and the same over replays of a CUDA graph of one call (device time without the host's launch
+overhead, which at 40-100 µs per layer call would otherwise show in the eager time; ``--no-graphs`` skips it); on
+the CPU, wall time (Triton runs under its interpreter there: a smoke test, not a measurement). Bandwidth = bytes
+of K and V the rows hold plus their block tables, divided by the median time (the graph's when it was captured);
+on CUDA also as a percentage of the device's peak (``--peak-gbps``, else looked up from the device name: H100 SXM
 3,350 GB/s). Each kernel's output is compared with the gather path's (max abs difference, untimed).
 
 Usage::
@@ -182,6 +184,28 @@ def time_call(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int,
     return times
 
 
+def time_graph(fn: Callable[[], torch.Tensor], device: torch.device, iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` replays of ``fn`` captured in a CUDA graph: device time without the host's
+    launch overhead (the way the engine's decode step runs with ``cuda_graphs=True``)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def measure(case: Case, args: argparse.Namespace, device: torch.device, peak: float | None) -> list[dict]:
     rows = []
     want = gather_sdpa(case).float()
@@ -199,11 +223,17 @@ def measure(case: Case, args: argparse.Namespace, device: torch.device, peak: fl
             rows.append({**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]})
             continue
         ms = statistics.median(times)
-        gbps = case.bytes_read / (ms * 1e-3) / 1e9
-        row.update(
-            status="ok", ms_median=ms, ms_min=min(times), ms_max=max(times), bytes_read=case.bytes_read, gbps=gbps,
-            pct_peak=None if peak is None else 100 * gbps / peak, max_abs_diff_vs_gather=err,
-        )  # fmt: skip
+        row.update(status="ok", ms_median=ms, ms_min=min(times), ms_max=max(times), bytes_read=case.bytes_read)
+        graph_ms = None
+        if device.type == "cuda" and not args.no_graphs:
+            try:
+                graph_ms = statistics.median(time_graph(call, device, args.iters))
+            except Exception as exc:  # reported; the eager time stands
+                row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        row["graph_ms_median"] = graph_ms
+        row["timed"] = "eager" if graph_ms is None else "graph"
+        gbps = case.bytes_read / ((graph_ms or ms) * 1e-3) / 1e9
+        row.update(gbps=gbps, pct_peak=None if peak is None else 100 * gbps / peak, max_abs_diff_vs_gather=err)
         if name.startswith("triton"):
             row.update(triton_details(case, args, device))
         rows.append(row)
@@ -230,25 +260,28 @@ def markdown(result: dict) -> str:
         f"# Paged decode kernels: {meta['device_name']} ({meta['device']}), {meta['dtype']}",
         "",
         f"q heads {meta['q_heads']}, KV heads {meta['kv_heads']}, head_dim {meta['head_dim']}, block size "
-        f"{meta['block_size']}; median of {meta['iters']} calls after {meta['warmup']}; bandwidth = K/V + block-table "
-        f"bytes / median time; "
+        f"{meta['block_size']}; median of {meta['iters']} calls after {meta['warmup']} (eager, and replays of a CUDA "
+        f"graph of one call on CUDA); bandwidth = K/V + block-table bytes / median time (the graph's when captured); "
         + (f"peak {meta['peak_gbps']:g} GB/s" if meta["peak_gbps"] else "no peak bandwidth known (--peak-gbps)")
         + f". {meta['date']}",
         "",
-        "| batch × context | kernel | ms | GB/s | % peak | splits × chunk | tile | max diff vs gather | status |",
-        "|---|---|---:|---:|---:|---|---|---:|---|",
+        "| batch × context | kernel | ms eager | ms graph | GB/s | % peak | splits × chunk | tile | max diff vs gather "
+        "| status |",
+        "|---|---|---:|---:|---:|---:|---|---|---:|---|",
     ]
     for r in result["rows"]:
         shape = f"{r['batch']} × {r['context']}"
         if r["status"] != "ok":
-            lines.append(f"| {shape} | {r['kernel']} | | | | | | | {r['status']}: {r['reason']} |")
+            lines.append(f"| {shape} | {r['kernel']} | | | | | | | | {r['status']}: {r['reason']} |")
             continue
         pct = "" if r["pct_peak"] is None else f"{r['pct_peak']:.1f}"
         split = f"{r['splits']} × {r['chunk']}" if "splits" in r else ""
         tile = "" if not r.get("config") else ", ".join(f"{k}={v}" for k, v in r["config"].items())
+        graph = "" if r["graph_ms_median"] is None else f"{r['graph_ms_median']:.4g}"
+        status = "ok" if "graph_error" not in r else f"ok (no graph: {r['graph_error']})"
         lines.append(
-            f"| {shape} | {r['kernel']} | {r['ms_median']:.4g} | {r['gbps']:.1f} | {pct} | {split} | {tile} | "
-            f"{r['max_abs_diff_vs_gather']:.2e} | ok |"
+            f"| {shape} | {r['kernel']} | {r['ms_median']:.4g} | {graph} | {r['gbps']:.1f} | {pct} | {split} | "
+            f"{tile} | {r['max_abs_diff_vs_gather']:.2e} | {status} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -268,6 +301,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-metric", action="store_true", help="leave out triton+metric")
     p.add_argument("--splits", type=int, default=None, help="force the Triton kernel's splits per row")
     p.add_argument("--block-n", type=int, default=None, help="force the Triton kernel's tokens per loop step")
+    p.add_argument("--no-graphs", action="store_true", help="time eager calls only (default on CUDA: also graphs)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak bandwidth (default: by name)")
@@ -310,7 +344,9 @@ def main(argv=None) -> dict:
         case = Case(batch, context, args, device)
         for row in measure(case, args, device, peak):
             rows.append(row)
-            shown = f"{row['ms_median']:.4g} ms {row['gbps']:.0f} GB/s" if row["status"] == "ok" else row["reason"]
+            shown = row.get("reason", "")
+            if row["status"] == "ok":
+                shown = f"{row['ms_median']:.4g} ms eager, {row['gbps']:.0f} GB/s ({row['timed']})"
             print(f"{batch:>4} x {context:<7} {row['kernel']:>16}  {shown}", flush=True)
         del case
         if device.type == "cuda":
