@@ -65,7 +65,6 @@ from ..errors import InvalidParameterError
 from .paged_kernels import FusedMetric
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (its partial write, the combine's read) starts to show
 CHUNK_ALIGN = 128  # split boundaries on a multiple of every autotuned BLOCK_N
 MAX_SPLITS = 64
@@ -167,7 +166,7 @@ def _combine_kernel(
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # an empty row (never in decode) gives 0, not NaN
         o_off = row * stride_or + offs_g[:, None] * stride_og + offs_d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ptr + row * G + offs_g, lse2 * 0.6931471805599453, mask=g_ok)
+        tl.store(lse_ptr + row * G + offs_g, lse2 * 0.6931471805599453, mask=g_ok)  # × ln 2: natural log
 
     if METRIC:
         length = tl.load(len_ptr + row)
