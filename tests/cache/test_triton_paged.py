@@ -1,8 +1,10 @@
-"""kvtrim's Triton paged decode kernel (kvtrim.cache.triton_paged), run on the CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``, Triton's debug mode, set by tests/conftest.py before triton is imported): outputs and
-log-sum-exp equal a dense float64 reference, and through ``PagedBatchCache(decode_kernel="triton")`` the outputs
-and the fused continual metric equal the gather path's on uneven paged batches. Selection: "triton" is refused
-with a reason where it cannot run; "auto" orders the kernels.
+"""kvtrim's split-K Triton paged decode kernel (kvtrim.cache.triton_paged), run on the CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, Triton's debug mode, set by tests/conftest.py before triton is imported):
+output, log-sum-exp and the fused continual metric equal a float64 PyTorch reference over dtypes, query groups,
+head dims, block sizes, split counts, tiles and rows of 0 to 32k tokens; the split plan, the tile pruning, no host
+reads, no logits stored without the metric; through ``PagedBatchCache(decode_kernel="triton")`` the outputs and
+the metric equal the gather path's on uneven paged batches. Selection: "triton" is refused with a reason where it
+cannot run; "auto" orders the kernels.
 
 With a CUDA device (tests/conftest.py then leaves the interpreter off), the same tests run the compiled kernel on
 CUDA (the ``tests`` stage of benchmarks/gpu_check.sh).
@@ -16,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -75,6 +78,213 @@ def test_kernel_equals_dense_reference(block_size, head_dim, dtype, group):
         want_out, want_lse = _dense(q[r], keys, values, scale)
         torch.testing.assert_close(out[r].double(), want_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse[r].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- split-K
+def _paged_case(lengths, block_size, head_dim, group, dtype, *, seed=0, seqs_heads=1, buffer=0):
+    """Random pool and disjoint per-row block tables (a slot belongs to one row, as in the pool), plus a random
+    metric, positions and query positions: everything :func:`paged_decode` and its metric read."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lengths]
+    width = max(need) + 1  # one more column than the widest row: entries past a row's blocks are never read
+    blocks = sum(need) + 3
+    k_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
+    order = torch.randperm(blocks, generator=g)
+    table = torch.randint(0, blocks, (len(lengths), width), generator=g)
+    used = 0
+    for r, k in enumerate(need):
+        table[r, :k] = order[used : used + k]
+        used += k
+    qpos = torch.randint(0, 4 * max(lengths) + 1, (len(lengths) // seqs_heads,), generator=g) + 8
+    positions = torch.randint(0, int(qpos.min()) + 1, (blocks, block_size), generator=g)
+    positions[::3] = qpos.max()  # some keys within any buffer of the query
+    return SimpleNamespace(
+        q=torch.randn(len(lengths), group, head_dim, generator=g).to(dtype), k_cache=k_cache, v_cache=v_cache,
+        table=table.to(torch.int32), seqlens=torch.tensor(lengths, dtype=torch.int32), lengths=lengths,
+        metric=torch.rand(blocks, block_size, generator=g), positions=positions, qpos=qpos, heads=seqs_heads,
+        buffer=buffer, scale=head_dim**-0.5,
+    )  # fmt: skip
+
+
+def _reference(case):
+    """Plain PyTorch, row by row in float64: (out [B, G, d], lse [B, G], metric after the update)."""
+    rows, group, d = case.q.shape
+    bs = case.k_cache.shape[1]
+    out = torch.zeros(rows, group, d, dtype=torch.float64)
+    lse = torch.full((rows, group), float("-inf"), dtype=torch.float64)
+    metric = case.metric.double().reshape(-1).clone()
+    for r, n in enumerate(case.lengths):
+        if n == 0:
+            continue
+        slots = (case.table[r].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
+        keys = case.k_cache.reshape(-1, d)[slots].double()
+        values = case.v_cache.reshape(-1, d)[slots].double()
+        logits = case.q[r].double() @ keys.T * case.scale  # [G, n]
+        lse[r] = torch.logsumexp(logits, dim=-1)
+        probs = torch.exp(logits - lse[r, :, None])
+        out[r] = probs @ values
+        counted = case.positions.reshape(-1)[slots] <= case.qpos[r // case.heads] - case.buffer
+        metric.index_add_(0, slots, torch.where(counted, probs.square().sum(0), 0.0))
+    return out, lse, metric.reshape(case.metric.shape)
+
+
+def _run(case, *, metric: bool, **kwargs):
+    from kvtrim.cache.paged_kernels import FusedMetric
+    from kvtrim.cache.triton_paged import paged_decode
+
+    pool_metric = case.metric.clone().to(DEVICE)
+    fused = None
+    if metric:
+        fused = FusedMetric(pool_metric, case.positions.to(DEVICE), case.qpos.to(DEVICE), case.heads, case.buffer)
+    tensors = (case.q, case.k_cache, case.v_cache, case.seqlens, case.table)
+    out, lse = paged_decode(*(t.to(DEVICE) for t in tensors), 0, case.scale, fused, **kwargs)
+    return out.cpu(), lse.cpu(), pool_metric.cpu()
+
+
+def _check(case, got, *, metric: bool):
+    out, lse, pool_metric = got
+    want_out, want_lse, want_metric = _reference(case)
+    dtype = case.q.dtype
+    assert out.dtype == dtype and out.shape == case.q.shape and lse.dtype == torch.float32
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
+    lse_tol = 1e-5 if dtype == torch.float32 else 1e-4  # the logits are exact products of the stored halves
+    torch.testing.assert_close(lse.double(), want_lse, atol=lse_tol, rtol=lse_tol)
+    if metric:
+        torch.testing.assert_close(pool_metric.double(), want_metric, atol=1e-5, rtol=1e-4)
+        assert not torch.equal(pool_metric, case.metric)
+    else:
+        assert torch.equal(pool_metric, case.metric)
+
+
+# (dtype, G, head_dim, block_size, lengths, num_splits, block_n, metric, buffer)
+SPLIT_CASES = [
+    (torch.float32, 1, 64, 16, [1, 16, 53, 200, 0], 4, None, True, 0),  # an empty row: out 0, lse -inf
+    (torch.float32, 6, 80, 64, [130, 640, 2], 3, 16, True, 5),  # odd G and head_dim, splits cut pages
+    (torch.bfloat16, 4, 128, 16, [1500, 7, 300, 1], None, None, True, 3),  # llama-8b's group and head_dim
+    (torch.bfloat16, 2, 96, 128, [300, 5, 129], 2, 128, False, 0),
+    (torch.float16, 8, 256, 32, [700, 33], 3, 32, True, 0),  # the largest group and head_dim
+    (torch.float16, 5, 64, 48, [400, 47, 48, 49], 7, 128, True, 2),  # a page size that is no power of two
+    (torch.float16, 3, 64, 16, [2000, 1, 17], None, 64, False, 0),
+    (torch.bfloat16, 8, 64, 128, [129, 1000], 5, 16, True, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "group", "head_dim", "block_size", "lengths", "num_splits", "block_n", "metric", "buffer"), SPLIT_CASES
+)
+def test_split_kernel_equals_plain_reference(dtype, group, head_dim, block_size, lengths, num_splits, block_n,
+                                             metric, buffer):  # fmt: skip
+    """Output, lse and the fused metric against a float64 reference, over dtypes, groups 1-8, head_dim 64-256,
+    block sizes 16-128 (and 48), forced and heuristic splits, every tile width, uneven and empty rows, kernel rows
+    of two sequences sharing a query position (``heads`` 1 or 2)."""
+    heads = 2 if len(lengths) % 2 == 0 else 1
+    case = _paged_case(lengths, block_size, head_dim, group, dtype, seed=group + head_dim, seqs_heads=heads,
+                       buffer=buffer)  # fmt: skip
+    _check(case, _run(case, metric=metric, num_splits=num_splits, block_n=block_n), metric=metric)
+
+
+@pytest.mark.parametrize(("dtype", "length", "metric"), [(torch.bfloat16, 32768, True), (torch.float16, 8192, False)])
+def test_long_rows(dtype, length, metric):
+    """A 32k-token row (the heuristic's many splits) beside a short one, llama-8b's G = 4 and head_dim 128."""
+    case = _paged_case([length, 77], 16, 128, 4, dtype, seed=length, buffer=4)
+    _check(case, _run(case, metric=metric), metric=metric)
+
+
+def test_split_count_does_not_change_the_result():
+    """1, 3 and 16 splits: the same output, lse and metric (up to float32 summation order)."""
+    case = _paged_case([700, 200, 64], 16, 64, 4, torch.float32, seed=3)
+    base = _run(case, metric=True, num_splits=1)
+    for splits in (3, 16):
+        for a, b in zip(_run(case, metric=True, num_splits=splits), base, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_split_plan():
+    from kvtrim.cache.triton_paged import split_plan
+
+    h100 = 132
+    splits, chunk = split_plan(8, 32768, h100)  # batch 1 x 32k, 8 KV heads: the SMs filled
+    assert 8 * splits >= h100 and chunk % 128 == 0 and (splits - 1) * chunk < 32768 <= splits * chunk
+    splits, chunk = split_plan(256, 2048, h100)  # batch 32 x 2k: already 256 rows, at most two splits
+    assert splits <= 2 and splits * chunk >= 2048
+    assert split_plan(32, 8192, h100) == split_plan(32, 8192, h100)  # deterministic for a shape
+    assert split_plan(4, 100, h100)[0] == 1  # too short to split
+    assert split_plan(1, 10**6, h100)[0] <= 64
+    assert split_plan(3, 53, h100, num_splits=4) == (4, 14)
+    with pytest.raises(InvalidParameterError, match="num_splits must be a positive integer, got 0"):
+        split_plan(3, 53, h100, num_splits=0)
+
+
+def test_autotune_configs_pruned_per_shape(monkeypatch):
+    """A compiled run tunes over the listed tiles minus the 128-token ones where they grow too large; the
+    interpreter runs one tile."""
+    import triton
+
+    from kvtrim.cache import triton_paged as tp
+
+    configs = [
+        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in (*tp.CONFIGS, tp.INTERPRETER_CONFIG)
+    ]
+
+    def kept(dtype, d_pad, g_pad):
+        picked = tp._prune(configs, {"k_ptr": torch.empty(1, dtype=dtype)}, D_PAD=d_pad, G_PAD=g_pad)
+        return {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in picked}
+
+    assert kept(torch.bfloat16, 128, 16) == ({tp.INTERPRETER_CONFIG} if INTERPRETED else set(tp.CONFIGS))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at each access (a setattr would pin it)
+    assert kept(torch.bfloat16, 128, 16) == set(tp.CONFIGS)  # llama-8b: every listed tile
+    small = {c for c in tp.CONFIGS if c[0] <= 64}
+    assert kept(torch.bfloat16, 256, 16) == kept(torch.float32, 128, 16) == kept(torch.float16, 64, 32) == small
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched while active, and the sizes of the tensors the ``empty*`` ops made."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.numels = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.names.append(func.overloadpacket.__name__)
+        if self.names[-1].startswith("empty"):
+            self.numels.append(out.numel())
+        return out
+
+
+def test_launch_reads_nothing_on_the_host():
+    """Graph capture: no op reads a device value on the host, and the buffers (so the grid) depend on the table's
+    shape only, not on the lengths."""
+    made = []
+    for lengths in ([500, 20], [3, 511]):
+        case = _paged_case(lengths, 16, 64, 4, torch.float32, seed=1)
+        case.table = case.table[:, :33]  # the same width for both
+        with _Ops() as seen:
+            _run(case, metric=True)
+        assert not {"_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"} & set(seen.names)
+        made.append(seen.numels)
+    assert made[0] == made[1]
+
+
+def test_metric_off_stores_no_logits():
+    """Without the metric no scores buffer is allocated (the largest tensor made is the query-sized partials)."""
+    case = _paged_case([500, 20], 16, 64, 4, torch.float32, seed=1)
+    sizes = {}
+    for metric in (False, True):
+        with _Ops() as seen:
+            _run(case, metric=metric, num_splits=2)
+        sizes[metric] = max(seen.numels)
+    rows, group = case.q.shape[:2]
+    assert sizes[True] == rows * group * case.table.shape[1] * 16  # the logits of every slot the tables address
+    assert sizes[False] < sizes[True] // 4
+
+
+def test_bad_tile_width_is_refused():
+    case = _paged_case([20], 16, 64, 1, torch.float32)
+    with pytest.raises(InvalidParameterError, match="block_n must be a power of two of at least 16, got 24"):
+        _run(case, metric=False, block_n=24)
 
 
 # ---------------------------------------------------------------------------------------------------- the backend

@@ -1,0 +1,63 @@
+"""Smoke test of benchmarks/bench_paged_kernels.py on the CPU (Triton under its interpreter, tiny shapes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_paged_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_paged_kernels", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_paged_kernels", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
+    result = bench.main(
+        ["--device", "cpu", "--shapes", "2x40", "1x300", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
+         "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "bench_paged_kernels_cpu.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    rows = saved["rows"]
+    kernels = ["triton", "triton+metric", "vllm_flash_attn", "flash_attn", "gather"]
+    assert [(r["batch"], r["context"], r["kernel"]) for r in rows] == [
+        (b, c, k) for b, c in ((2, 40), (1, 300)) for k in kernels
+    ]
+    for r in rows:
+        if r["kernel"] in ("vllm_flash_attn", "flash_attn"):  # never on a CPU: skipped with the reason
+            assert r["status"] == "skipped" and r["reason"]
+            continue
+        assert r["status"] == "ok" and r["ms_median"] > 0 and r["gbps"] > 0 and r["pct_peak"] is None
+        assert r["timed"] == "eager" and r["graph_ms_median"] is None  # graphs are CUDA only
+        assert r["max_abs_diff_vs_gather"] < 1e-5  # every kernel computes the same attention
+        # K and V of rows * context entries (head_dim 32, fp32) plus the block tables
+        width = -(-r["context"] // 16)
+        assert r["bytes_read"] == 2 * r["rows"] * r["context"] * 32 * 4 + r["rows"] * width * 4
+    triton_long = next(r for r in rows if r["kernel"] == "triton" and r["context"] == 300)
+    assert triton_long["splits"] == 2 and triton_long["config"]["BLOCK_N"] > 0  # a long row is split
+    md = (tmp_path / "bench_paged_kernels_cpu.md").read_text()
+    assert "| 1 × 300 | triton |" in md and "| skipped: " in md
+
+
+def test_peak_bandwidth_by_device_name(bench):
+    assert bench.peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
+    assert bench.peak_gbps("NVIDIA H100 PCIe") == 2000.0
+    assert bench.peak_gbps("NVIDIA H200") == 4800.0
+    assert bench.peak_gbps("some CPU") is None
+
+
+def test_bad_shape_is_refused(bench, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--shapes", "32by2048", "--out-dir", str(tmp_path)])
