@@ -316,6 +316,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# The kernel's bandwidth targets: % of the device's peak for kvtrim's Triton kernel (no metric) at these shapes.
+BANDWIDTH_TARGETS = {(32, 2048): 50.0, (1, 32768): 30.0}
+
+
+def bandwidth_targets(rows: list[dict]) -> list[dict]:
+    """``[{name, value, limit, op}]``, one per target shape; value None where the shape was not run or no peak is
+    known (a CPU run, or an unknown device without ``--peak-gbps``)."""
+    out = []
+    for (batch, context), limit in BANDWIDTH_TARGETS.items():
+        hit = [r for r in rows if r["kernel"] == "triton" and r["status"] == "ok"
+               and (r["batch"], r["context"]) == (batch, context)]  # fmt: skip
+        value = hit[0]["pct_peak"] if hit else None
+        out.append({"name": f"triton % of peak bandwidth, batch {batch} x {context}", "value": value,
+                    "limit": limit, "op": ">="})  # fmt: skip
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -351,7 +368,7 @@ def main(argv=None) -> dict:
         del case
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result = {"meta": meta, "rows": rows}
+    result = {"meta": meta, "rows": rows, "targets": bandwidth_targets(rows)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"bench_paged_kernels_{device.type}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

@@ -47,8 +47,21 @@ def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
         assert r["bytes_read"] == 2 * r["rows"] * r["context"] * 32 * 4 + r["rows"] * width * 4
     triton_long = next(r for r in rows if r["kernel"] == "triton" and r["context"] == 300)
     assert triton_long["splits"] == 2 and triton_long["config"]["BLOCK_N"] > 0  # a long row is split
+    # no target shape was run and a CPU has no peak: both bandwidth targets are present, unmeasured
+    assert [(t["limit"], t["op"], t["value"]) for t in saved["targets"]] == [(50.0, ">=", None), (30.0, ">=", None)]
     md = (tmp_path / "bench_paged_kernels_cpu.md").read_text()
     assert "| 1 × 300 | triton |" in md and "| skipped: " in md
+
+
+def test_bandwidth_targets_read_the_triton_row_of_each_target_shape(bench):
+    def row(kernel, batch, context, pct, status="ok"):
+        return {"kernel": kernel, "batch": batch, "context": context, "pct_peak": pct, "status": status}
+
+    rows = [row("gather", 32, 2048, 90.0), row("triton+metric", 32, 2048, 70.0), row("triton", 32, 2048, 55.0),
+            row("triton", 1, 32768, 12.0, status="error"), row("triton", 4, 8192, 40.0)]  # fmt: skip
+    got = {t["name"]: (t["value"], t["limit"]) for t in bench.bandwidth_targets(rows)}
+    assert got == {"triton % of peak bandwidth, batch 32 x 2048": (55.0, 50.0),
+                   "triton % of peak bandwidth, batch 1 x 32768": (None, 30.0)}  # fmt: skip
 
 
 def test_peak_bandwidth_by_device_name(bench):
