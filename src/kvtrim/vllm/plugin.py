@@ -42,7 +42,8 @@ def register() -> None:
         logger.warning("kvtrim: vLLM %s is not supported; the kvtrim plugin stays inactive", vllm.__version__)
         return
     load_config(None)  # a malformed KVTRIM_VLLM_CONFIG fails here, in every process, with kvtrim's message
-    from . import scheduler_patch, worker_patch
+    from . import runner_check, scheduler_patch, worker_patch
 
     scheduler_patch.install()
     worker_patch.install()
+    runner_check.install()  # V1 by default under kvtrim; refuse a worker whose runner is not patched
