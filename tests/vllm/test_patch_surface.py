@@ -94,6 +94,13 @@ def test_every_wrapped_definition_is_listed_and_found_in_the_installed_vllm():
     assert absent == []
 
 
+def test_every_override_trusted_to_call_a_wrapper_is_compared_between_releases():
+    from kvtrim.vllm.wrappers import SUPER_CALLING_OVERRIDES
+
+    listed = {"vllm." + e.path.removesuffix(".py").replace("/", ".") + "." + e.qualname for e in PATCH_SURFACE}
+    assert listed >= SUPER_CALLING_OVERRIDES
+
+
 def test_the_compared_release_is_accepted_and_the_next_is_refused():
     from kvtrim.vllm.plugin import UnsupportedVLLMVersionError, check_version
 

@@ -8,6 +8,7 @@ CPU.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -20,13 +21,28 @@ from vllm_helpers import close, make_llm, scheduler, token_prompts, truncated_mo
 
 from kvtrim.vllm.config import parse_config
 from kvtrim.vllm.runner_check import UnpatchedModelRunnerError, check_runner, worker_stats
+from kvtrim.vllm.scheduler_patch import PATCHED_SCHEDULER_METHODS
 from kvtrim.vllm.worker_patch import PATCHED_RUNNER_METHODS
+from kvtrim.vllm.wrappers import UnpatchedVLLMError, bypassed
 from vllm import SamplingParams
 
 LAYERS = 2
 LENGTHS = [40, 300, 700]
 CONFIG = {"method": "snapkv", "budget": 64}
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@functools.cache
+def _bypassing_scheduler():
+    """Made after the plugin has wrapped ``Scheduler`` (``plugin_loaded``)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class BypassingScheduler(Scheduler):
+        """A custom scheduler_cls whose override does not call the parent's (kvtrim's wrapper)."""
+
+        _update_after_schedule = Scheduler._update_after_schedule.__wrapped__
+
+    return BypassingScheduler
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +113,15 @@ def test_check_refuses_a_v1_subclass_that_bypasses_a_wrapped_method():
             check_runner(object.__new__(bypass))
 
 
+def test_scheduler_overrides_that_call_the_wrapper_pass_and_others_are_refused():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert bypassed(Scheduler, PATCHED_SCHEDULER_METHODS) == []
+    assert bypassed(AsyncScheduler, PATCHED_SCHEDULER_METHODS) == []  # vLLM's override calls the parent's
+    assert bypassed(_bypassing_scheduler(), PATCHED_SCHEDULER_METHODS) == ["_update_after_schedule"]
+
+
 @pytest.mark.slow
 def test_generation_compresses_on_the_v1_runner_where_vllm_would_pick_v2(model, triton_usable):
     # Fails if no patch ran: the worker's counters only move inside kvtrim's wrappers (prepare inputs, every
@@ -162,3 +187,9 @@ def test_a_step_whose_attention_patch_did_not_run_fails_instead_of_serving_a_hal
             llm.generate([TokensPrompt(prompt_token_ids=token_prompts([300])[0])], GREEDY, use_tqdm=False)
     finally:
         close(llm)
+
+
+@pytest.mark.slow
+def test_engine_refuses_to_start_with_a_scheduler_that_bypasses_a_patch(model):
+    with pytest.raises(UnpatchedVLLMError, match=r"BypassingScheduler\._update_after_schedule"):
+        make_llm(CONFIG, model=str(model), max_model_len=1024, scheduler_cls=_bypassing_scheduler())

@@ -22,7 +22,8 @@ import logging
 import os
 
 from .config import ADDITIONAL_CONFIG_KEY, ENV_VAR, load_config
-from .worker_patch import PATCHED_RUNNER_METHODS, is_kvtrim_wrapper, mark_wrapper
+from .worker_patch import PATCHED_RUNNER_METHODS
+from .wrappers import UnpatchedVLLMError, bypassed, is_kvtrim_wrapper, mark_wrapper
 
 V2_ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
@@ -33,7 +34,7 @@ logger = logging.getLogger("vllm.kvtrim")
 _logged_default = False
 
 
-class UnpatchedModelRunnerError(RuntimeError):
+class UnpatchedModelRunnerError(UnpatchedVLLMError):
     """The worker's model runner is not one whose methods kvtrim's plugin has wrapped."""
 
 
@@ -88,8 +89,8 @@ def runner_name(runner) -> str:
 def check_runner(runner) -> None:
     """Raise :class:`UnpatchedModelRunnerError` unless every patch kvtrim relies on is live on ``runner``.
 
-    Live: ``runner`` is vLLM's V1 ``GPUModelRunner`` or a subclass, each method in ``PATCHED_RUNNER_METHODS``
-    resolves on its class to kvtrim's wrapper (a subclass override would bypass it), and so does
+    Live: ``runner`` is vLLM's V1 ``GPUModelRunner`` or a subclass, and each method in ``PATCHED_RUNNER_METHODS``
+    reaches kvtrim's wrapper on its class (:func:`wrappers.bypassed`: a subclass override hides it), as does
     ``AttentionGroup.build_metadata``. The attention backends' ``forward`` is patched on the first step, where
     ``execute_model`` checks that every layer compressed.
     """
@@ -107,14 +108,12 @@ def check_runner(runner) -> None:
             f"kvtrim's vLLM plugin patches vLLM's V1 model runner ({V1_RUNNER} and its subclasses), but this "
             f"worker runs {runner_name(runner)}, where kvtrim would compress nothing; {fix}"
         )
-    cls = type(runner)
-    bypassed = [m for m in PATCHED_RUNNER_METHODS if not is_kvtrim_wrapper(getattr(cls, m, None))]
-    if not is_kvtrim_wrapper(AttentionGroup.build_metadata):
-        bypassed.append("AttentionGroup.build_metadata")
-    if bypassed:
+    missing = bypassed(type(runner), PATCHED_RUNNER_METHODS)
+    missing += [f"AttentionGroup.{m}" for m in bypassed(AttentionGroup, ("build_metadata",))]
+    if missing:
         raise UnpatchedModelRunnerError(
             f"kvtrim: on the model runner {runner_name(runner)} these methods are not kvtrim's wrappers: "
-            f"{', '.join(bypassed)} (a subclass overrides them, or the plugin's patches were not installed in "
+            f"{', '.join(missing)} (a subclass overrides them, or the plugin's patches were not installed in "
             f"this process); {fix}"
         )
 

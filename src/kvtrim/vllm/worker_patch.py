@@ -37,6 +37,7 @@ from .config import VLLMEvictionConfig, load_config
 from .evictor import PendingEviction, evict_layer
 from .kv_layout import BlockLayout, probe_layout
 from .scheduler_patch import model_num_layers
+from .wrappers import wrap
 
 
 @dataclass
@@ -323,22 +324,6 @@ PATCHED_RUNNER_METHODS = (
     "_get_slot_mappings",
     "_build_attention_metadata",
 )
-_WRAPPER_MARK = "_kvtrim_wrapper"
-
-
-def is_kvtrim_wrapper(fn) -> bool:
-    """Whether ``fn`` is one of this module's wrappers (not vLLM's original or a subclass override)."""
-    return getattr(fn, _WRAPPER_MARK, False) is True
-
-
-def mark_wrapper(fn):
-    """Mark ``fn`` as a kvtrim wrapper (what :func:`is_kvtrim_wrapper` and the start-up check look for)."""
-    setattr(fn, _WRAPPER_MARK, True)
-    return fn
-
-
-def _wrap(cls: type, name: str, patch) -> None:
-    setattr(cls, name, mark_wrapper(patch(getattr(cls, name))))
 
 
 def install() -> None:
@@ -348,10 +333,10 @@ def install() -> None:
 
     if getattr(GPUModelRunner, "_kvtrim_patched", False):
         return
-    _wrap(GPUModelRunner, "_update_states", _patch_update_states)
-    _wrap(GPUModelRunner, "_prepare_inputs", _patch_prepare_inputs)
-    _wrap(GPUModelRunner, "execute_model", _patch_execute_model)
-    _wrap(GPUModelRunner, "_get_slot_mappings", _patch_get_slot_mappings)
-    _wrap(GPUModelRunner, "_build_attention_metadata", _patch_build_attention_metadata)
-    _wrap(AttentionGroup, "build_metadata", _patch_group_build_metadata)
+    wrap(GPUModelRunner, "_update_states", _patch_update_states)
+    wrap(GPUModelRunner, "_prepare_inputs", _patch_prepare_inputs)
+    wrap(GPUModelRunner, "execute_model", _patch_execute_model)
+    wrap(GPUModelRunner, "_get_slot_mappings", _patch_get_slot_mappings)
+    wrap(GPUModelRunner, "_build_attention_metadata", _patch_build_attention_metadata)
+    wrap(AttentionGroup, "build_metadata", _patch_group_build_metadata)
     GPUModelRunner._kvtrim_patched = True
