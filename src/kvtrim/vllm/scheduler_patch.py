@@ -1,6 +1,7 @@
 """Scheduler side: return the blocks of evicted prompt entries to vLLM's pool and count kept slots only.
 
-Patched (vLLM V1): ``Scheduler.__init__`` (read the configuration, refuse prefix caching and hybrid models),
+Patched (vLLM V1): ``Scheduler.__init__`` (read the configuration, refuse prefix caching and hybrid models, and
+a scheduler or coordinator class on which a wrapper below is overridden),
 ``Scheduler._update_after_schedule`` (when a request's last prompt chunk is scheduled, free the blocks past
 ``keep`` right away: the worker compacts the kept entries into the first blocks in that same step, before any
 later step can reuse the freed ones), ``KVCacheCoordinator.get_num_blocks_to_allocate`` /
@@ -17,6 +18,10 @@ import functools
 from dataclasses import dataclass, field
 
 from .config import VLLMEvictionConfig, load_config
+from .wrappers import UnpatchedVLLMError, bypassed, wrap
+
+PATCHED_SCHEDULER_METHODS = ("_update_after_schedule",)  # besides __init__, which runs the check itself
+PATCHED_COORDINATOR_METHODS = ("get_num_blocks_to_allocate", "allocate_new_blocks", "free", "pop_blocks_for_free")
 
 
 @dataclass
@@ -47,6 +52,14 @@ def _check_supported(scheduler) -> None:
         raise ValueError(f"kvtrim eviction supports one full-attention KV cache group, this model has {kinds}")
     if scheduler.vllm_config.speculative_config is not None:
         raise ValueError("kvtrim eviction does not support speculative decoding")
+    coordinator = scheduler.kv_cache_manager.coordinator
+    missing = [f"{type(scheduler).__name__}.{m}" for m in bypassed(type(scheduler), PATCHED_SCHEDULER_METHODS)]
+    missing += [f"{type(coordinator).__name__}.{m}" for m in bypassed(type(coordinator), PATCHED_COORDINATOR_METHODS)]
+    if missing:
+        raise UnpatchedVLLMError(
+            f"kvtrim: these scheduler methods are not kvtrim's wrappers: {', '.join(missing)} (a subclass "
+            "overrides them, e.g. a custom scheduler_cls); kvtrim would not free or count blocks right"
+        )
 
 
 def _patch_init(orig):
@@ -152,12 +165,10 @@ def install() -> None:
 
     if getattr(Scheduler, "_kvtrim_patched", False):
         return
-    Scheduler.__init__ = _patch_init(Scheduler.__init__)
-    Scheduler._update_after_schedule = _patch_update_after_schedule(Scheduler._update_after_schedule)
-    KVCacheCoordinator.get_num_blocks_to_allocate = _patch_blocks_to_allocate(
-        KVCacheCoordinator.get_num_blocks_to_allocate
-    )
-    KVCacheCoordinator.allocate_new_blocks = _patch_allocate_new_blocks(KVCacheCoordinator.allocate_new_blocks)
-    KVCacheCoordinator.free = _patch_free(KVCacheCoordinator.free)
-    KVCacheCoordinator.pop_blocks_for_free = _patch_free(KVCacheCoordinator.pop_blocks_for_free)
+    wrap(Scheduler, "__init__", _patch_init)
+    wrap(Scheduler, "_update_after_schedule", _patch_update_after_schedule)
+    wrap(KVCacheCoordinator, "get_num_blocks_to_allocate", _patch_blocks_to_allocate)
+    wrap(KVCacheCoordinator, "allocate_new_blocks", _patch_allocate_new_blocks)
+    wrap(KVCacheCoordinator, "free", _patch_free)
+    wrap(KVCacheCoordinator, "pop_blocks_for_free", _patch_free)
     Scheduler._kvtrim_patched = True

@@ -7,10 +7,14 @@ Patched methods of vLLM's V1 ``GPUModelRunner`` (the CPU runner inherits them):
   (b) for already compressed requests, turn the logical positions vLLM computed (``num_computed_tokens`` +
   offset, used unchanged for rotary embeddings) into physical ones for ``seq_lens`` and the slot mapping:
   physical = logical − dropped.
-- ``execute_model``: after the forward, record the dropped count and cut the request's block table row and
-  block list to the kept blocks (the scheduler already returned the rest to its pool).
+- ``execute_model``: after the forward, check that every attention layer compressed the step's pending
+  requests, record the dropped count and cut the request's block table row and block list to the kept blocks
+  (the scheduler already returned the rest to its pool); ``WorkerState.evictions`` / ``layer_evictions``
+  count what was compressed (``runner_check.worker_stats``).
 - each attention impl's ``forward``: after attention for the step, score/select/compact the pending requests'
   entries in that layer's cache.
+
+Only the V1 runner is patched: ``runner_check`` makes V1 the default under kvtrim and refuses any other runner.
 
 Per-layer budgets (PyramidKV): the block list holds ``keep_max`` (largest layer) slots; layer ``l`` keeps
 ``keep_l`` entries in slots ``0 … keep_l−1`` and reads/writes with the extra offset ``e_l = keep_max − keep_l``.
@@ -33,6 +37,7 @@ from .config import VLLMEvictionConfig, load_config
 from .evictor import PendingEviction, evict_layer
 from .kv_layout import BlockLayout, probe_layout
 from .scheduler_patch import model_num_layers
+from .wrappers import wrap
 
 
 @dataclass
@@ -54,7 +59,9 @@ class WorkerState:
     layouts: dict = field(default_factory=dict)
     num_layers: int = 0
     pipeline: object = None
-    evictions: int = 0
+    evictions: int = 0  # requests compressed by this worker
+    layer_evictions: int = 0  # (request, layer) pairs compressed: ``evictions × num_layers`` when every layer ran
+    step_layers: int = 0  # attention layers that compressed this step's pending requests
 
 
 _ACTIVE: WorkerState | None = None  # the state of the runner whose step is executing (one runner per process)
@@ -235,6 +242,7 @@ def _patch_execute_model(orig):
             return orig(self, scheduler_output, *args, **kwargs)
         _install_impl_patches(self, state)
         state.pending = []
+        state.step_layers = 0
         state.layer_variant = {}  # planned again by _prepare_inputs if this step runs the model
         _ACTIVE = state
         try:
@@ -242,6 +250,13 @@ def _patch_execute_model(orig):
         finally:
             _ACTIVE = None
         if state.pending:
+            if state.step_layers != state.num_layers:
+                # Some layers compacted, others did not: the cache no longer matches the block table.
+                raise RuntimeError(
+                    f"kvtrim: {len(state.pending)} request(s) finished prefill but only {state.step_layers} of "
+                    f"{state.num_layers} attention layers compressed them (an attention forward kvtrim patched "
+                    "did not run)"
+                )
             table = _group0(self)
             for p in state.pending:
                 state.dropped[p.req_id] = p.prompt_len - p.keep
@@ -294,9 +309,21 @@ def _patch_forward(orig):
         with torch.no_grad():
             for pending in state.pending:
                 evict_layer(state.pipeline, layout, kv_cache, query, pending, idx, state.num_layers, self.scale, ratio)
+        state.step_layers += 1
+        state.layer_evictions += len(state.pending)
         return out
 
     return forward
+
+
+# The V1 runner methods kvtrim wraps; runner_check.check_runner refuses a runner on which any resolves elsewhere.
+PATCHED_RUNNER_METHODS = (
+    "_update_states",
+    "_prepare_inputs",
+    "execute_model",
+    "_get_slot_mappings",
+    "_build_attention_metadata",
+)
 
 
 def install() -> None:
@@ -306,10 +333,10 @@ def install() -> None:
 
     if getattr(GPUModelRunner, "_kvtrim_patched", False):
         return
-    GPUModelRunner._update_states = _patch_update_states(GPUModelRunner._update_states)
-    GPUModelRunner._prepare_inputs = _patch_prepare_inputs(GPUModelRunner._prepare_inputs)
-    GPUModelRunner.execute_model = _patch_execute_model(GPUModelRunner.execute_model)
-    GPUModelRunner._get_slot_mappings = _patch_get_slot_mappings(GPUModelRunner._get_slot_mappings)
-    GPUModelRunner._build_attention_metadata = _patch_build_attention_metadata(GPUModelRunner._build_attention_metadata)
-    AttentionGroup.build_metadata = _patch_group_build_metadata(AttentionGroup.build_metadata)
+    wrap(GPUModelRunner, "_update_states", _patch_update_states)
+    wrap(GPUModelRunner, "_prepare_inputs", _patch_prepare_inputs)
+    wrap(GPUModelRunner, "execute_model", _patch_execute_model)
+    wrap(GPUModelRunner, "_get_slot_mappings", _patch_get_slot_mappings)
+    wrap(GPUModelRunner, "_build_attention_metadata", _patch_build_attention_metadata)
+    wrap(AttentionGroup, "build_metadata", _patch_group_build_metadata)
     GPUModelRunner._kvtrim_patched = True
