@@ -30,7 +30,7 @@ from host_copy_guard import HostCopyGuard
 from kvtrim.cache.paged import PagedBatchCache
 from kvtrim.cache.static_decode import StaticDecodeCache
 from kvtrim.selection import block_eviction
-from kvtrim.serve import engine as engine_module
+from kvtrim.serve import model_runner as runner_module
 from kvtrim.serve.engine import Engine
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -82,15 +82,15 @@ def guarded_run(monkeypatch, model, **options) -> tuple[HostCopyGuard, HostCopyG
         with evictions:
             return compress(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "compress_sequences", guarded_compress)
+    monkeypatch.setattr(runner_module, "compress_sequences", guarded_compress)
     guarded = GuardedModel(model, forwards)
     real_init = Engine.__init__
 
-    def init(self, model, *args, **kwargs):  # the engine (and its static-step runner) sees the guarded model
+    def init(self, model, *args, **kwargs):  # the model runner (and its static-step runner) sees the guarded model
         real_init(self, model, *args, **kwargs)
-        self.model = guarded
-        if self._graphs is not None:
-            self._graphs.model = guarded
+        self.runner.model = guarded
+        if self.runner.graphs is not None:
+            self.runner.graphs.model = guarded
 
     monkeypatch.setattr(Engine, "__init__", init)
     _, engine = run_compressed(model, byte_tokenizer(), requests=3, max_tokens=12, kv_blocks=160, **options)
