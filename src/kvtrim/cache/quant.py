@@ -97,8 +97,10 @@ class KVQuant:
 
     def entry_bytes(self, head_dim: int) -> float:
         """Bytes of one quantized entry (key + value of one head) including its share of the scales."""
-        return 2 * head_dim * self.bits / 8 + 4 * head_dim / self.group_size + 4 * head_dim / self.value_group_for(
-            head_dim
+        return (
+            2 * head_dim * self.bits / 8
+            + 4 * head_dim / self.group_size
+            + 4 * head_dim / self.value_group_for(head_dim)
         )
 
 
