@@ -155,13 +155,21 @@ def quantize_values(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.
 
 
 def dequantize_values(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: KVQuant, dtype: torch.dtype
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: KVQuant,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_values`: ``[..., n, d]`` in ``dtype``."""
+    """Inverse of :func:`quantize_values`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
     c = unpack_codes(codes, fmt.bits)
     groups = scale.shape[-1]
     cg = c.unflatten(-1, (groups, c.shape[-1] // groups)).to(dtype)
-    return torch.addcmul(zero.to(dtype)[..., None], cg, scale.to(dtype)[..., None]).flatten(-2)
+    if out is None:
+        return torch.addcmul(zero.to(dtype)[..., None], cg, scale.to(dtype)[..., None]).flatten(-2)
+    torch.addcmul(zero.to(dtype)[..., None], cg, scale.to(dtype)[..., None], out=out.unflatten(-1, cg.shape[-2:]))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- keys
@@ -181,10 +189,20 @@ def quantize_keys(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.Te
 
 
 def dequantize_keys(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: KVQuant, dtype: torch.dtype
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: KVQuant,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype``."""
+    """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
     c = unpack_codes(codes, fmt.bits)
     groups = scale.shape[-2]
     cg = c.unflatten(-2, (groups, c.shape[-2] // groups)).to(dtype)
-    return torch.addcmul(zero.to(dtype)[..., None, :], cg, scale.to(dtype)[..., None, :]).flatten(-3, -2)
+    if out is None:
+        return torch.addcmul(zero.to(dtype)[..., None, :], cg, scale.to(dtype)[..., None, :]).flatten(-3, -2)
+    torch.addcmul(
+        zero.to(dtype)[..., None, :], cg, scale.to(dtype)[..., None, :], out=out.unflatten(-2, cg.shape[-3:-1])
+    )
+    return out

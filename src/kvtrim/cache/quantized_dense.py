@@ -131,11 +131,18 @@ class QuantizedDenseStore:
         fmt, nq = self.kv_quant, self.quantized_length
         if nq == 0:
             return self._wk, self._wv
-        k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype)
-        v = dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype)
         if self.window_length == 0:
-            return k, v
-        return torch.cat([k, self._wk], dim=2), torch.cat([v, self._wv], dim=2)
+            k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype)
+            return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype)
+        # dequantize straight into the layer's buffer, the window after it (no concatenation copy)
+        shape = (*self._wk.shape[:2], self.length, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
+        dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, out=k[:, :, :nq])
+        dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=v[:, :, :nq])
+        k[:, :, nq:] = self._wk
+        v[:, :, nq:] = self._wv
+        return k, v
 
     def stat(self, name: str) -> torch.Tensor:
         """A per-slot statistic ``[batch, kv_heads, length]``, created as zeros on first use."""
