@@ -289,6 +289,10 @@ def eval_command(
     prompt_format: PromptFormatOption = "kvtrim",
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    kv_quant: Annotated[
+        str | None,
+        typer.Option("--kv-quant", help="hold every config's entries as int8 or int4 (one format per --out)"),
+    ] = None,
 ) -> None:
     """Sweep tasks × methods × ratios (or budgets) on one model; one JSONL record per sample and config."""
     from .eval.runner import run_sweep
@@ -320,6 +324,7 @@ def eval_command(
             prompt_format=prompt_format,
             device=device,
             dtype=dtype,
+            kv_quant=kv_quant,
         )
     except (KVTrimError, ValueError, OSError) as exc:
         _fail(exc)
