@@ -163,12 +163,25 @@ def dequantize_values(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
-    c = unpack_codes(codes, fmt.bits)
+    out = _codes_into(codes, fmt.bits, dtype, out)
     groups = scale.shape[-1]
-    cg = c.unflatten(-1, (groups, c.shape[-1] // groups)).to(dtype)
+    grouped = out.unflatten(-1, (groups, out.shape[-1] // groups))
+    grouped.mul_(scale.to(dtype)[..., None]).add_(zero.to(dtype)[..., None])
+    return out
+
+
+def _codes_into(codes: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """The unpacked codes of ``codes`` ``[..., d * bits / 8]`` written as numbers into ``out`` ``[..., d]`` (a new
+    tensor of ``dtype`` when None). Writing in place, then scaling in place, is about 3x faster on CPU than
+    converting the codes to a new tensor and combining them with ``addcmul``."""
+    d = codes.shape[-1] * 8 // bits
     if out is None:
-        return torch.addcmul(zero.to(dtype)[..., None], cg, scale.to(dtype)[..., None]).flatten(-2)
-    torch.addcmul(zero.to(dtype)[..., None], cg, scale.to(dtype)[..., None], out=out.unflatten(-1, cg.shape[-2:]))
+        out = torch.empty((*codes.shape[:-1], d), dtype=dtype, device=codes.device)
+    if bits == 8:
+        out.copy_(codes)
+    else:
+        out[..., 0::2].copy_(codes & 0xF)
+        out[..., 1::2].copy_(codes >> 4)
     return out
 
 
@@ -197,12 +210,8 @@ def dequantize_keys(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
-    c = unpack_codes(codes, fmt.bits)
+    out = _codes_into(codes, fmt.bits, dtype, out)
     groups = scale.shape[-2]
-    cg = c.unflatten(-2, (groups, c.shape[-2] // groups)).to(dtype)
-    if out is None:
-        return torch.addcmul(zero.to(dtype)[..., None, :], cg, scale.to(dtype)[..., None, :]).flatten(-3, -2)
-    torch.addcmul(
-        zero.to(dtype)[..., None, :], cg, scale.to(dtype)[..., None, :], out=out.unflatten(-2, cg.shape[-3:-1])
-    )
+    grouped = out.unflatten(-2, (groups, out.shape[-2] // groups))
+    grouped.mul_(scale.to(dtype)[..., None, :]).add_(zero.to(dtype)[..., None, :])
     return out
