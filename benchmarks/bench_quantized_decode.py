@@ -8,10 +8,15 @@ compression (measured from the store tensors) and their ratio to a float16 cache
 milliseconds per token (wall and CPU time of this process; the best of ``--reps`` runs), and how many generated
 tokens equal the unquantized run's of the same method.
 
+``--layer-only`` measures instead the two parts of one layer's decoding step on a SmolLM2-shaped layer (3 KV
+heads, 9 query heads, head_dim 64, ``--length`` entries, float32): dequantizing the keys and values into the
+attention buffer, and the attention call itself (CPU time, the median of 300 calls).
+
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_quantized_decode.py            # ~3 min
     OMP_NUM_THREADS=1 python benchmarks/bench_quantized_decode.py --quick    # smoke run
+    OMP_NUM_THREADS=1 python benchmarks/bench_quantized_decode.py --layer-only   # per-layer costs, seconds
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 import torch
 
 import kvtrim
+from kvtrim.cache.packed_attention import attend_padded
+from kvtrim.cache.quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.eval.tasks import generate_task
 from kvtrim.integration.attention import kvtrim_attention_enabled
@@ -47,6 +54,39 @@ def prompt_ids(tokenizer, length: int) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", add_special_tokens=template.prefix == "")["input_ids"]
 
 
+def _cpu_us(fn, calls: int = 300) -> float:
+    """Median CPU microseconds of ``fn()`` over ``calls`` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.process_time_ns()
+        fn()
+        times.append((time.process_time_ns() - t0) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def layer_costs(length: int) -> dict:
+    """CPU microseconds of one SmolLM2-shaped layer's decode step parts: attention, and dequantization per format."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 3, length, 64, generator=g), torch.randn(1, 3, length, 64, generator=g)
+    query = torch.randn(1, 9, 1, 64, generator=g)
+    out_k, out_v = torch.empty_like(keys), torch.empty_like(values)
+    costs = {
+        "entries": length,
+        "attention_us": round(_cpu_us(lambda: attend_padded(query, keys, values, None, 0.125)), 1),
+    }
+    for name in ("int8", "int4"):
+        fmt = KVQuant(name)
+        kq, vq = quantize_keys(keys, fmt), quantize_values(values, fmt)
+
+        def dequantize(fmt=fmt, kq=kq, vq=vq):
+            dequantize_keys(*kq, fmt, torch.float32, out=out_k)
+            dequantize_values(*vq, fmt, torch.float32, out=out_v)
+
+        costs[f"dequantize_{name}_us"] = round(_cpu_us(dequantize), 1)
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=1024, help="prompt tokens (about)")
@@ -54,11 +94,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="runs per configuration (the fastest is reported)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="512-token prompt, 16 tokens, 1 run")
+    parser.add_argument("--layer-only", action="store_true", help="only the per-layer dequantize/attention costs")
     parser.add_argument("--out", default="benchmarks/results/quantized_decode_smollm2_1k/quantized_decode.json")
     args = parser.parse_args()
     if args.quick:
         args.length, args.tokens, args.reps = 512, 16, 1
     torch.set_num_threads(args.threads)
+    if args.layer_only:
+        costs = layer_costs(args.length // 64 * 64)
+        out = Path(args.out).with_name("layer_costs.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"threads": args.threads, **costs}, indent=2))
+        print(json.dumps(costs))
+        return
     model, tokenizer = kvtrim.load_model(MODEL)
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
