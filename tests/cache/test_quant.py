@@ -108,3 +108,19 @@ def test_resolve_kv_quant():
         KVQuant("int8", value_group=24).check_head_dim(64)
     with pytest.raises(InvalidParameterError, match="head_dim must be even"):
         KVQuant("int4").check_head_dim(63)
+
+
+def test_padding_does_not_widen_key_steps():
+    fmt = KVQuant("int8", group_size=4)
+    x = _x(1, 1, 8, 4)
+    valid = torch.ones(1, 1, 8, dtype=torch.bool)
+    padded = x.clone()
+    padded[..., 0, :] = 1e4  # a padding slot with a wild key
+    valid[..., 0] = False
+    valid[..., 4:] = False  # a group of padding only
+    _, scale, zero = quantize_keys(padded, fmt, valid)
+    _, ref_scale, ref_zero = quantize_keys(x[..., 1:4, :].repeat(1, 1, 2, 1)[..., :4, :], fmt)
+    assert torch.equal(scale[..., 0, :], ref_scale[..., 0, :]) and torch.equal(zero[..., 0, :], ref_zero[..., 0, :])
+    assert torch.isfinite(scale).all() and (zero[..., 1, :] == 0).all()
+    _, wide, _ = quantize_keys(padded, fmt)
+    assert (wide[..., 0, :].float() > 30).all()  # without the mask the wild key sets the step

@@ -156,3 +156,18 @@ def test_copy_select_batch_and_from_dense():
     dense = DenseStore(keys, values, torch.arange(20).expand(2, 2, 20).clone(), 20)
     q = QuantizedDenseStore.from_dense(dense, fmt)
     assert torch.equal(q.keys, _filled(fmt, n=20)[0].keys) and torch.equal(dense.keys, keys)
+
+
+def test_padding_slots_do_not_change_the_quantized_keys_of_real_tokens():
+    fmt = KVQuant("int4", group_size=8)
+    keys, values = _kv(1, 1, 16, 16)
+    wild = keys.clone()
+    wild[:, :, :3] = 1e4  # left padding with wild keys
+    positions = torch.arange(-3, 13).clamp(min=-1)[None]
+    stores = []
+    for k in (keys, wild):
+        store = QuantizedDenseStore.empty(1, 1, 16, torch.float32, "cpu", fmt)
+        store.append(k, values, positions, padded=True)
+        stores.append(store)
+    assert stores[0].quantized_length == 16
+    assert torch.equal(stores[0].keys[:, :, 3:], stores[1].keys[:, :, 3:])

@@ -148,3 +148,31 @@ def test_invalid_kv_quant_raises_naming_the_parameter(llama, tokenizer, bad):
 def test_channel_pruning_with_quantized_entries_raises(llama, tokenizer):
     with pytest.raises(InvalidParameterError, match=r"prunes key channels.*kv_quant=None"):
         kvtrim.generate(llama, tokenizer, CTX, "q?", method="think", ratio=0.5, kv_quant="int8")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prefill_chunk": 64},  # quantized from the first chunk, compressed between chunks
+        {"question_aware": True},
+        {"method": "adakv"},  # per-head counts: held padded dense while quantized
+    ],
+)
+def test_modes_compose_with_int4(llama, tokenizer, kwargs):
+    args = {"method": "snapkv", "ratio": 0.5, "max_new_tokens": 3, **kwargs}
+    plain = kvtrim.generate(llama, tokenizer, CTX, "q?", **args)
+    quant = kvtrim.generate(llama, tokenizer, CTX, "q?", kv_quant="int4", **args)
+    assert quant.stats.kv_entries_after == plain.stats.kv_entries_after
+    assert quant.stats.kv_bytes_after < plain.stats.kv_bytes_after
+
+
+def test_left_padded_batch_with_int8_matches_each_row_alone(llama, tokenizer):
+    """Padding slots stay masked in a quantized store: each row of a batch answers as it does alone."""
+    contexts = [CTX, random_text(200, seed=5)]
+    batch = kvtrim.generate(llama, tokenizer, contexts, ["q?", "q?"], method=None, max_new_tokens=4, kv_quant="int8")
+    alone = [
+        kvtrim.generate(llama, tokenizer, c, "q?", method=None, max_new_tokens=4, kv_quant="int8") for c in contexts
+    ]
+    assert batch.answers[0] == alone[0].answers
+    # the padded row's groups mix padding slots into its key scales, so its answer may differ in the last tokens
+    assert batch.answers[1][0][:2] == alone[1].answers[0][:2]

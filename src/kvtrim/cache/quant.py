@@ -186,8 +186,13 @@ def _codes_into(codes: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.T
 
 
 # ---------------------------------------------------------------------------------------------------- keys
-def quantize_keys(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_keys(
+    x: torch.Tensor, fmt: KVQuant, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel quantization of keys ``[..., n, d]`` in groups of ``fmt.group_size`` tokens (``n`` a multiple).
+
+    ``valid`` ``[..., n]`` (optional) marks the tokens whose range counts: padding slots, never attended to, do not
+    widen their group's steps (their own codes are clamped to the range of the others).
 
     Returns:
         codes ``[..., n, d * bits / 8]`` uint8, scale and zero ``[..., n / group_size, d]`` float16
@@ -196,7 +201,15 @@ def quantize_keys(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.Te
     if n % g:
         raise InvalidParameterError(f"keys to quantize must fill whole groups: {n} tokens, group_size={g}")
     xg = x.float().unflatten(-2, (n // g, g))  # [..., groups, g, d]
-    scale, zero = _affine(xg.amin(-2), xg.amax(-2), fmt.bits)
+    if valid is None:
+        lo, hi = xg.amin(-2), xg.amax(-2)
+    else:
+        invalid = ~valid.unflatten(-1, (n // g, g))[..., None]  # [..., groups, g, 1]
+        lo = xg.masked_fill(invalid, float("inf")).amin(-2)
+        hi = xg.masked_fill(invalid, float("-inf")).amax(-2)
+        empty = torch.isinf(lo)  # a group of padding only
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    scale, zero = _affine(lo, hi, fmt.bits)
     codes = _codes(xg, scale[..., None, :], zero[..., None, :], fmt.bits).flatten(-3, -2)
     return pack_codes(codes, fmt.bits), scale, zero
 

@@ -173,7 +173,8 @@ class QuantizedDenseStore:
         n = (self.window_length - fmt.residual) // fmt.group_size * fmt.group_size
         if n <= 0:
             return
-        kc, ks, kz = quantize_keys(self._wk[:, :, :n], fmt)
+        start = self.quantized_length
+        kc, ks, kz = quantize_keys(self._wk[:, :, :n], fmt, self._pos[:, :, start : start + n] >= 0)
         vc, vs, vz = quantize_values(self._wv[:, :, :n], fmt)
         self._kc, self._ks, self._kz = (torch.cat(p, dim=2) for p in ((self._kc, kc), (self._ks, ks), (self._kz, kz)))
         self._vc, self._vs, self._vz = (torch.cat(p, dim=2) for p in ((self._vc, vc), (self._vs, vs), (self._vz, vz)))
@@ -217,7 +218,10 @@ class QuantizedDenseStore:
         kept_k, kept_v = torch.gather(keys, 2, idx), torch.gather(values, 2, idx)
         del keys, values
         nq = max(k - fmt.residual, 0) // fmt.group_size * fmt.group_size
-        kc, ks, kz = quantize_keys(kept_k[:, :, :nq], fmt)
+        pos = torch.gather(self.positions, 2, indices)
+        if keep_mask is not None:
+            pos = pos.masked_fill(~keep_mask, INVALID)
+        kc, ks, kz = quantize_keys(kept_k[:, :, :nq], fmt, pos[:, :, :nq] >= 0)
         vc, vs, vz = quantize_values(kept_v[:, :, :nq], fmt)  # first quantization of entries from the window
         if nq and old_nq:
             src = indices[:, :, :nq]
@@ -231,9 +235,6 @@ class QuantizedDenseStore:
         self._kc, self._ks, self._kz, self._vc, self._vs, self._vz = kc, ks, kz, vc, vs, vz
         # clones, not views: an empty slice would keep (and count) the whole gathered layer
         self._wk, self._wv = kept_k[:, :, nq:].clone(), kept_v[:, :, nq:].clone()
-        pos = torch.gather(self.positions, 2, indices)
-        if keep_mask is not None:
-            pos = pos.masked_fill(~keep_mask, INVALID)
         self._pos = pos.contiguous()
         self._stats = {n: torch.gather(s[:, :, : self.length], 2, indices).contiguous() for n, s in self._stats.items()}
         self.length = k
