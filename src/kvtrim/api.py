@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .cache.quant import KVQuant, resolve_kv_quant
 from .compression.pipeline import Pipeline
 from .errors import InvalidParameterError
 from .integration.attention import check_supported, enable, kvtrim_attention_enabled
@@ -157,11 +158,11 @@ class Session:
             with torch.inference_mode(), kvtrim_attention_enabled(model):
                 self.prefill = Prefill.plain(model, self.ids, self.mask, self.observation)
 
-    def _prefilled(self, pipeline: Pipeline | None, spec) -> Prefill:
+    def _prefilled(self, pipeline: Pipeline | None, spec, kv_quant: KVQuant | None = None) -> Prefill:
         """The prefill that ``pipeline`` compresses (the shared one, or a chunked prefill of its own)."""
         if self.prefill is not None:
             return self.prefill
-        return Prefill.chunked(self.model, self.ids, self.mask, self.prefill_chunk, pipeline, spec)
+        return Prefill.chunked(self.model, self.ids, self.mask, self.prefill_chunk, pipeline, spec, kv_quant)
 
     @property
     def context_tokens_per_row(self) -> list[int]:
@@ -185,6 +186,7 @@ class Session:
         stop: str | Sequence[str] | None = None,
         *,
         sampling: Sampling | None = None,
+        kv_quant: str | KVQuant | None = None,
     ) -> Result:
         """Compress a copy of the prefilled cache with ``method`` and answer (see :func:`generate` for the
         decoding settings).
@@ -192,7 +194,9 @@ class Session:
         Args:
             sampling: a decoding strategy already resolved by :func:`kvtrim.sampling.build_sampling`, instead of
                 the settings (``max_new_tokens`` ... ``stop``), which must then be left out
+            kv_quant: hold the copy's entries as ``"int8"`` / ``"int4"`` (None: the model's dtype)
         """
+        quant = resolve_kv_quant(kv_quant)
         pipeline, spec = resolve_method(method, ratio, budget, method_params, self.model)
         settings = {
             "max_new_tokens": max_new_tokens,
@@ -214,8 +218,8 @@ class Session:
                 "list it in Session(methods=...)"
             )
         with kvtrim_attention_enabled(self.model):
-            pre = self._prefilled(pipeline, spec)
-            compressed = pre.compressed(pipeline, spec)
+            pre = self._prefilled(pipeline, spec, quant)
+            compressed = pre.compressed(pipeline, spec, quant)
             cache, report, compress_s = compressed.cache, compressed.report, compressed.seconds
             after = cache.stats()
             answers: list[list[str]] = [[] for _ in range(len(pre.mask))]
@@ -310,6 +314,7 @@ def generate(
     top_k: int | None = None,
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
+    kv_quant: str | None = None,
 ) -> Result:
     """Compress the KV cache of ``context`` with ``method`` and answer ``questions`` from it.
 
@@ -337,11 +342,14 @@ def generate(
         do_sample, temperature, top_p, top_k: sampling settings overriding the configuration
         seed: seed of the sampler (same seed, same answers)
         stop: string(s) ending an answer; the answer is cut before the stop string
+        kv_quant: hold the kept entries quantized: ``"int8"`` or ``"int4"`` (KIVI's layout, see
+            docs/quantization.md); None holds them in the model's dtype
     Returns:
         :class:`Result` with ``answers`` and ``stats``. In question-aware mode with several questions, sizes
         are those of the first question's prompt and timings are summed.
     """
     check_supported(model)
+    quant = resolve_kv_quant(kv_quant)
     pipeline, _ = resolve_method(method, ratio, budget, method_params, model)
     sampling = build_sampling(
         model, tokenizer, generation_config, max_new_tokens=max_new_tokens, do_sample=do_sample,
@@ -354,7 +362,9 @@ def generate(
         session = Session(
             model, tokenizer, context, None, methods_, answer_prefix, use_chat_template, prefill_chunk, **layout
         )
-        return session.run(method, ratio, budget, questions, method_params=method_params, sampling=sampling)
+        return session.run(
+            method, ratio, budget, questions, method_params=method_params, sampling=sampling, kv_quant=quant
+        )
     results = []
     for qi in range(len(rows[0])):
         qs = [r[qi] for r in rows]
@@ -363,7 +373,11 @@ def generate(
             model, tokenizer, context, question, methods_, answer_prefix, use_chat_template, prefill_chunk, **layout
         )
         # each question's prompt is decoded as a generate call of its own: the sampler restarts from the seed
-        results.append(session.run(method, ratio, budget, None, method_params=method_params, sampling=sampling.fresh()))
+        results.append(
+            session.run(
+                method, ratio, budget, None, method_params=method_params, sampling=sampling.fresh(), kv_quant=quant
+            )
+        )
     stats = results[0].stats
     for r in results[1:]:
         for name in ("prefill_s", "compress_s", "question_prefill_s", "decode_s", "decode_tokens"):
@@ -396,14 +410,20 @@ def _collect(
 
 
 def make_cache(
-    model, method: str = "snapkv", ratio: float | None = None, budget: int | None = None, **method_params
+    model,
+    method: str = "snapkv",
+    ratio: float | None = None,
+    budget: int | None = None,
+    kv_quant: str | None = None,
+    **method_params,
 ) -> KVTrimCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that compresses the prompt after prefill
     (question-aware). Installs kvtrim attention on ``model`` (plain causal attention for other caches).
-    One cache serves one ``generate`` call."""
+    One cache serves one ``generate`` call. ``kv_quant`` (``"int8"``/``"int4"``) holds its entries quantized."""
+    quant = resolve_kv_quant(kv_quant)
     pipeline, spec = resolve_method(method, ratio, budget, method_params, model)
     enable(model)
-    return KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True)
+    return KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=True, kv_quant=quant)
 
 
 REUSED_CACHE = (
@@ -450,13 +470,19 @@ def _supplying_cache(model, first: KVTrimCache, fresh) -> Iterator[None]:
 
 @contextmanager
 def compressing(
-    model, method: str = "snapkv", ratio: float | None = None, budget: int | None = None, **method_params
+    model,
+    method: str = "snapkv",
+    ratio: float | None = None,
+    budget: int | None = None,
+    kv_quant: str | None = None,
+    **method_params,
 ) -> Iterator[KVTrimCache]:
     """Compress the prompt's KV cache in every ``model.generate`` call inside the block (question-aware).
 
     ``model.generate`` called without ``past_key_values`` gets a kvtrim cache: the yielded one for the first
     call, a fresh one for each later call (a cache serves one ``generate`` call). Passing the yielded cache
     explicitly works too. On exit the model's attention implementation and ``generate`` are restored.
+    ``kv_quant`` (``"int8"``/``"int4"``) holds the caches' entries quantized (docs/quantization.md).
 
     Example::
 
@@ -464,11 +490,10 @@ def compressing(
             out = model.generate(**inputs, max_new_tokens=32)
         print(cache.last_report)
     """
+    quant = resolve_kv_quant(kv_quant)
     pipeline, spec = resolve_method(method, ratio, budget, method_params, model)
     layers = model.config.num_hidden_layers
-    cache = KVTrimCache(layers, pipeline, spec, auto_compress=True)
-    with (
-        kvtrim_attention_enabled(model),
-        _supplying_cache(model, cache, lambda: KVTrimCache(layers, pipeline, spec, auto_compress=True)),
-    ):
+    cache = KVTrimCache(layers, pipeline, spec, auto_compress=True, kv_quant=quant)
+    fresh = lambda: KVTrimCache(layers, pipeline, spec, auto_compress=True, kv_quant=quant)  # noqa: E731
+    with kvtrim_attention_enabled(model), _supplying_cache(model, cache, fresh):
         yield cache

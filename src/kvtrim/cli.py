@@ -145,9 +145,13 @@ def generate(
     top_k: Annotated[int | None, typer.Option(help="sample among the k likeliest tokens (0: all)")] = None,
     seed: Annotated[int | None, typer.Option(help="sampling seed (same seed, same answers)")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="string ending an answer (repeatable)")] = None,
+    kv_quant: Annotated[
+        str | None, typer.Option("--kv-quant", help="hold the kept entries as int8 or int4 (docs/quantization.md)")
+    ] = None,
 ) -> None:
     """Compress the context's KV cache and answer the question(s) from it."""
     from . import api
+    from .cache.quant import resolve_kv_quant
     from .compression.compressor import BudgetSpec
     from .methods import get_method
     from .models import load_model, resolve_device, resolve_dtype
@@ -158,6 +162,7 @@ def generate(
             spec = BudgetSpec(ratio=ratio, budget=budget)  # validate before loading anything
             get_method(method).check(spec.ratio, spec.budget)
         check_prompt_format(prompt_format)
+        resolve_kv_quant(kv_quant)
         resolve_dtype(dtype), resolve_device(device)
         if not context_file.is_file():
             raise KVTrimError(f"--context-file {str(context_file)!r} does not exist")
@@ -182,6 +187,7 @@ def generate(
             top_k=top_k,
             seed=seed,
             stop=stop or None,
+            kv_quant=kv_quant,
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
@@ -206,13 +212,15 @@ def generate(
             "compressions": s.compressions,
             "prefill_chunk": s.prefill_chunk,
             "prompt_format": s.prompt_format,
+            "kv_quant": kv_quant,
         }
         typer.echo(json.dumps(payload))
         return
     for q, a in zip(question, result.answers, strict=True):
         typer.echo(f"Q: {q}\nA: {a}")
     typer.echo(
-        f"[{s.method} ratio={s.ratio} budget={s.budget}] context {s.context_tokens} tokens; "
+        f"[{s.method} ratio={s.ratio} budget={s.budget}{f' kv_quant={kv_quant}' if kv_quant else ''}] "
+        f"context {s.context_tokens} tokens; "
         f"KV {s.kv_entries_before} -> {s.kv_entries_after} entries, "
         f"{s.kv_bytes_before / 2**20:.2f} -> {s.kv_bytes_after / 2**20:.2f} MiB; "
         f"prefill {s.prefill_s:.2f}s, compress {1000 * s.compress_s:.1f} ms, "
@@ -281,6 +289,10 @@ def eval_command(
     prompt_format: PromptFormatOption = "kvtrim",
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    kv_quant: Annotated[
+        str | None,
+        typer.Option("--kv-quant", help="hold every config's entries as int8 or int4 (one format per --out)"),
+    ] = None,
 ) -> None:
     """Sweep tasks × methods × ratios (or budgets) on one model; one JSONL record per sample and config."""
     from .eval.runner import run_sweep
@@ -312,6 +324,7 @@ def eval_command(
             prompt_format=prompt_format,
             device=device,
             dtype=dtype,
+            kv_quant=kv_quant,
         )
     except (KVTrimError, ValueError, OSError) as exc:
         _fail(exc)

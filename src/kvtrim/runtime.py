@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache.quant import KVQuant
 from .compression.compressor import BudgetSpec, CompressionReport
 from .compression.pipeline import Pipeline
 from .errors import InvalidParameterError, KVTrimError
@@ -246,13 +247,14 @@ class Prefill:
         chunk: int,
         pipeline: Pipeline | None = None,
         spec: BudgetSpec | None = None,
+        kv_quant: str | KVQuant | None = None,
     ) -> Prefill:
         """Prefill ``ids`` ``[batch, n]`` ``chunk`` tokens at a time; each chunk attends to the cache as the
         previous chunks left it. With a ``pipeline``, the cache is compressed between chunks (every time for a
         one-shot method; when its schedule is due for a continuous one, e.g. LagKV's full tail), so the cache
         never holds much more than the budget plus one chunk. The final compression is :meth:`compressed`'s.
-        Call under kvtrim attention."""
-        cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=False)
+        ``kv_quant`` holds the entries quantized from the first chunk on. Call under kvtrim attention."""
+        cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=False, kv_quant=kv_quant)
         cache.observing = pipeline is not None
         seen = mask[:, :0]
         logits, total = None, 0.0
@@ -271,11 +273,14 @@ class Prefill:
         """Whether this prefill recorded what ``pipeline`` needs."""
         return self.observation.covers(pipeline.observation)
 
-    def compressed(self, pipeline: Pipeline | None, spec: BudgetSpec | None) -> Compressed:
+    def compressed(
+        self, pipeline: Pipeline | None, spec: BudgetSpec | None, kv_quant: str | KVQuant | None = None
+    ) -> Compressed:
         """A cache of this prefill compressed with ``pipeline`` (None: an uncompressed copy).
 
-        Plain prefill: an independent clone is compressed (the prefill serves any number of methods). Chunked
-        prefill: its own cache, built for this one method, is compressed in place.
+        Plain prefill: an independent clone is compressed (the prefill serves any number of methods); with
+        ``kv_quant`` the clone's entries are quantized before scoring, so the method scores the keys attention will
+        see. Chunked prefill: its own cache, built for this one method (and format), is compressed in place.
 
         Raises:
             InvalidParameterError: the prefill did not record the observations ``pipeline`` needs
@@ -289,7 +294,7 @@ class Prefill:
                     f"record them (it recorded {self.observation}); list the method in the prefill's methods "
                     "(kvtrim.Session(methods=...), kvtrim.eval.fidelity.prefill(methods=...))"
                 )
-            cache = self.cache.clone(pipeline, spec)
+            cache = self.cache.clone(pipeline, spec, kv_quant)
         if pipeline is None:
             return Compressed(cache, None, 0.0)
         t0 = time.perf_counter()

@@ -283,7 +283,7 @@ class FakeSession:
     def __init__(self, answer: str):
         self.answer = answer
 
-    def run(self, method, ratio=None, budget=None, questions=None, max_new_tokens=64):
+    def run(self, method, ratio=None, budget=None, questions=None, max_new_tokens=64, kv_quant=None):
         stats = GenerationStats(method, ratio, budget, False, 10, 40, 20, 400, 200, 0.1, 0.01, 0.02, 0.3, 3)
         return Result(answers=[self.answer], stats=stats)
 

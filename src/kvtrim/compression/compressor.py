@@ -117,6 +117,11 @@ def compress_cache(
                 "compress a fresh cache instead"
             )
         layer.store = layer.store.to_dense()
+        if pipeline.channels is not None and getattr(layer.store, "kv_quant", None) is not None:
+            raise InvalidParameterError(
+                f"method {pipeline.name!r} prunes key channels, which quantized entries (kv_quant="
+                f"{layer.store.kv_quant.name!r}) do not support yet; use kv_quant=None with it"
+            )
     first = layers[0].store
     context = (first.positions.amax(dim=(1, 2)) + 1).clamp(min=0)  # [batch]
     keep = torch.tensor([spec.keep_count(int(t)) for t in context.tolist()], device=context.device)
@@ -170,7 +175,9 @@ def compress_cache(
         uniform = bool((counts == counts.max()).all())
         if sel.compressed_until is not None:
             layer.compressed_until = sel.compressed_until
-        if keep_dense or pipeline.stores_dense(uniform):
+        # Quantized entries live in dense stores only for now: a per-head count is padded (docs/quantization.md).
+        quantized = getattr(layer.store, "kv_quant", None) is not None
+        if keep_dense or quantized or pipeline.stores_dense(uniform):
             layer.store.keep(sel.indices, sel.keep_mask)
         else:  # a different number of entries per head: store exactly that many
             layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)

@@ -46,6 +46,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvtrim.api import FULL, Session
+from kvtrim.cache.quant import resolve_kv_quant
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.errors import InvalidParameterError
 from kvtrim.eval.haystacks import haystack_info
@@ -75,7 +76,9 @@ SUMMARY_FILE = "summary.csv"
 CONTEXT_ONLY = "context-only"
 QUESTION_AWARE = "question-aware"
 # Settings that must match the earlier runs recorded in the same directory.
-_CONSISTENT = ("model", "seed", "haystack", "task_options", "max_new_tokens", "prefill_chunk", "prompt_format")
+_CONSISTENT = (
+    "model", "seed", "haystack", "task_options", "max_new_tokens", "prefill_chunk", "prompt_format", "kv_quant",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- keys
@@ -361,6 +364,7 @@ def run_sweep(
     prompt_format: str = "kvtrim",
     device: str | None = None,
     dtype: str | None = None,
+    kv_quant: str | None = None,
 ) -> Path:
     """Run (or resume) a sweep and return ``out_dir`` (see the module docstring for the files written).
 
@@ -381,6 +385,8 @@ def run_sweep(
         device, dtype: where and in which precision a model given by name is loaded (default cpu, float32)
         prefill_chunk: prefill every prompt this many tokens at a time, compressing between chunks (each method
             then prefills on its own); one output directory holds one setting
+        kv_quant: hold every config's kept entries (the full cache's too) as ``"int8"`` or ``"int4"``
+            (docs/quantization.md); one output directory holds one format
     """
     import torch
 
@@ -405,6 +411,7 @@ def run_sweep(
         raise InvalidParameterError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
 
     check_prompt_format(prompt_format)
+    resolve_kv_quant(kv_quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records_path, run_path = out / RECORDS_FILE, out / RUN_FILE
@@ -429,6 +436,7 @@ def run_sweep(
         "max_new_tokens": max_new_tokens,
         "prefill_chunk": prefill_chunk,
         "prompt_format": prompt_format,
+        "kv_quant": kv_quant,
         "device": str(next(lm.parameters()).device),
         "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
     }
@@ -530,7 +538,7 @@ def run_sweep(
                 )
                 full_key = (sample.task, sample.index, mode, target)
                 for cfg in pending:
-                    record = _run_one(session, sample, cfg, question_aware, target, max_new_tokens)
+                    record = _run_one(session, sample, cfg, question_aware, target, max_new_tokens, kv_quant)
                     if cfg.method == FULL:
                         full_scores[full_key] = record["score"]
                     record["full_score"] = full_scores.get(full_key)
@@ -579,7 +587,13 @@ def _install_sigterm() -> Any:
 
 
 def _run_one(
-    session: Session, sample: Sample, cfg: _Config, question_aware: bool, target: int, cap: int | None
+    session: Session,
+    sample: Sample,
+    cfg: _Config,
+    question_aware: bool,
+    target: int,
+    cap: int | None,
+    kv_quant: str | None = None,
 ) -> dict[str, Any]:
     """Run one config on a prefilled session and build its record (model/version fields added by the caller)."""
     max_new = sample.max_new_tokens if cap is None else min(cap, sample.max_new_tokens)
@@ -590,6 +604,7 @@ def _run_one(
         budget=cfg.budget,
         questions=None if question_aware else [sample.question],
         max_new_tokens=max_new,
+        kv_quant=kv_quant,
     )
     run_s = time.perf_counter() - t0
     raw = res.answers[0]
@@ -622,6 +637,7 @@ def _run_one(
         "kv_entries_after": stats.kv_entries_after,
         "kv_bytes_before": stats.kv_bytes_before,
         "kv_bytes_after": stats.kv_bytes_after,
+        "kv_quant": kv_quant,
         "kept_fraction": stats.kept_fraction,
         "prefill_s": stats.prefill_s,
         "compress_s": stats.compress_s,

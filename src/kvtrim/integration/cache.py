@@ -16,6 +16,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.dense import INVALID, DenseStore
 from ..cache.layer import hand_over, raise_if_unconsumed
+from ..cache.quant import KVQuant, resolve_kv_quant
+from ..cache.quantized_dense import QuantizedDenseStore
 from ..cache.store import KVStore
 from ..compression.compressor import BudgetSpec, CompressionReport
 from ..compression.pipeline import Pipeline
@@ -68,6 +70,8 @@ class KVTrimCache(Cache, RecordsPromptIds):
         pipeline: the compression method (from :func:`kvtrim.methods.get_method`), or None for no compression
         budget: how much to keep (a :class:`kvtrim.compression.compressor.BudgetSpec`); required with ``pipeline``
         auto_compress: compress automatically before the first forward pass that follows a prefill
+        kv_quant: how entries are held: None (the model's dtype), ``"int8"`` or ``"int4"`` (or a
+            :class:`~kvtrim.cache.quant.KVQuant`), see docs/quantization.md
     """
 
     def __init__(
@@ -76,9 +80,11 @@ class KVTrimCache(Cache, RecordsPromptIds):
         pipeline: Pipeline | None = None,
         budget: BudgetSpec | None = None,
         auto_compress: bool = True,
+        kv_quant: str | KVQuant | None = None,
     ):
         if num_layers <= 0:
             raise InvalidParameterError(f"num_layers must be positive, got {num_layers}")
+        self.kv_quant: KVQuant | None = resolve_kv_quant(kv_quant)
         self.compression = CompressionState(pipeline, budget, auto_compress)
         super().__init__(layers=[CompressibleLayer(self, i) for i in range(num_layers)])
         self.peak_kv_bytes = 0  # largest K/V bytes held at the start of a forward pass (or after a compression)
@@ -132,13 +138,27 @@ class KVTrimCache(Cache, RecordsPromptIds):
             return None
         return (layers[0].store.latest_positions() + 1).clamp(min=0)
 
-    def clone(self, pipeline: Pipeline | None = None, budget: BudgetSpec | None = None) -> KVTrimCache:
+    def clone(
+        self,
+        pipeline: Pipeline | None = None,
+        budget: BudgetSpec | None = None,
+        kv_quant: str | KVQuant | None = None,
+    ) -> KVTrimCache:
         """An independent copy (tensors copied) that may carry another method and budget.
 
         Lets one prefill serve several methods: observations recorded for the union of their needs are copied
-        with the entries.
+        with the entries. ``kv_quant`` quantizes the copy's entries (an unquantized source only; None keeps this
+        cache's format).
         """
-        other = KVTrimCache(len(self.layers), pipeline, budget, auto_compress=self.auto_compress)
+        quant = resolve_kv_quant(kv_quant)
+        if quant is not None and self.kv_quant is not None and quant != self.kv_quant:
+            raise InvalidParameterError(
+                f"kv_quant={quant.name!r}: this cache already holds {self.kv_quant.name} entries; clone an "
+                "unquantized cache instead"
+            )
+        other = KVTrimCache(
+            len(self.layers), pipeline, budget, auto_compress=self.auto_compress, kv_quant=quant or self.kv_quant
+        )
         other.compression = self.compression.copy_for(pipeline, budget)
         other.peak_kv_bytes = self.kv_nbytes()
         other.prompt_logprobs = None if self.prompt_logprobs is None else self.prompt_logprobs.clone()
@@ -148,7 +168,11 @@ class KVTrimCache(Cache, RecordsPromptIds):
             theirs.module = mine.module
             if pipeline is not None and pipeline is self.pipeline and mine.compressed_until is not None:
                 theirs.compressed_until = mine.compressed_until.clone()
-            if mine.store is not None:
+            if mine.store is not None and quant is not None and self.kv_quant is None:
+                theirs.store = QuantizedDenseStore.from_dense(mine.store.to_dense(), quant)
+                theirs.is_initialized = True
+                theirs.dtype, theirs.device = mine.dtype, mine.device
+            elif mine.store is not None:
                 theirs.store = mine.store.copy()
                 theirs.is_initialized = True
                 theirs.dtype, theirs.device = mine.dtype, mine.device
@@ -280,7 +304,11 @@ class CompressibleLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store = DenseStore.empty(b, h, d, key_states.dtype, key_states.device)
+        quant = self.cache.kv_quant
+        if quant is None:
+            self.store = DenseStore.empty(b, h, d, key_states.dtype, key_states.device)
+        else:
+            self.store = QuantizedDenseStore.empty(b, h, d, key_states.dtype, key_states.device, quant)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

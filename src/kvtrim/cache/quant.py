@@ -1,0 +1,230 @@
+"""Packing and unpacking of quantized KV entries (KIVI's layout): one job, no store logic.
+
+* **Keys** are quantized per channel: a group of ``group_size`` consecutive tokens shares, for each channel, one
+  scale and one zero point (``[..., tokens / group_size, head_dim]``). Key outliers live in fixed channels, so a
+  per-channel range is tight.
+* **Values** are quantized per token: each token's ``head_dim`` channels, in groups of ``value_group`` channels,
+  share one scale and zero point (``[..., tokens, head_dim / value_group]``).
+* Codes are asymmetric unsigned integers ``round((x - zero) / scale)`` in ``[0, 2**bits - 1]``; dequantized
+  ``x ~ zero + code * scale``. Scales and zero points are float16, and codes are computed from the float16-rounded
+  scale and zero point, so the error of an element is at most half a step plus the float16 rounding of ``zero``.
+* ``int8``: one code per byte. ``int4``: two codes per byte along the last axis, the even channel in the low nibble
+  and the odd channel in the high nibble (``byte = c[2i] | c[2i+1] << 4``).
+
+Packed bytes of one entry (key + value, per head): ``2 * head_dim * bits / 8``, plus its share of the scales:
+``4 * head_dim / group_size`` (keys) and ``4 * head_dim / value_group`` (values), 4 = float16 scale + zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidParameterError
+
+__all__ = [
+    "KV_QUANT_CHOICES",
+    "SCALE_DTYPE",
+    "KVQuant",
+    "dequantize_keys",
+    "dequantize_values",
+    "pack_codes",
+    "quantize_keys",
+    "quantize_values",
+    "resolve_kv_quant",
+    "unpack_codes",
+]
+
+KV_QUANT_CHOICES = ("int8", "int4")
+SCALE_DTYPE = torch.float16
+_BITS = {"int8": 8, "int4": 4}
+_MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How a store holds its entries.
+
+    Attributes:
+        name: ``"int8"`` or ``"int4"``
+        group_size: tokens per key group (one per-channel scale per group); the full-precision window is
+            quantized a whole group at a time
+        residual: full-precision entries always kept after the last full group (KIVI's ``R``); the window holds
+            between ``residual`` and ``residual + group_size - 1`` entries once that many exist
+        value_group: channels per value group (None: the whole ``head_dim``, one scale per token)
+    """
+
+    name: str
+    group_size: int = 64
+    residual: int = 0
+    value_group: int | None = None
+
+    def __post_init__(self):
+        if self.name not in KV_QUANT_CHOICES:
+            raise InvalidParameterError(f"kv_quant must be one of {KV_QUANT_CHOICES} or None, got {self.name!r}")
+        for field, value, low in (("group_size", self.group_size, 1), ("residual", self.residual, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidParameterError(f"{field} must be an integer >= {low}, got {value!r}")
+        if self.value_group is not None and (
+            isinstance(self.value_group, bool) or not isinstance(self.value_group, int) or self.value_group < 1
+        ):
+            raise InvalidParameterError(f"value_group must be a positive integer or None, got {self.value_group!r}")
+        if self.bits == 4 and self.value_group is not None and self.value_group % 2:
+            raise InvalidParameterError(
+                f"value_group must be even for int4 (two codes per byte), got {self.value_group}"
+            )
+
+    @property
+    def bits(self) -> int:
+        return _BITS[self.name]
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.bits
+
+    def value_group_for(self, head_dim: int) -> int:
+        """Channels per value group for ``head_dim`` (checked to divide it)."""
+        g = head_dim if self.value_group is None else self.value_group
+        if head_dim % g:
+            raise InvalidParameterError(f"value_group={g} must divide head_dim={head_dim}")
+        return g
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % self.codes_per_byte:
+            raise InvalidParameterError(f"kv_quant={self.name!r} packs 2 codes per byte: head_dim must be even")
+        self.value_group_for(head_dim)
+
+    def entry_bytes(self, head_dim: int) -> float:
+        """Bytes of one quantized entry (key + value of one head) including its share of the scales."""
+        return (
+            2 * head_dim * self.bits / 8
+            + 4 * head_dim / self.group_size
+            + 4 * head_dim / self.value_group_for(head_dim)
+        )
+
+
+def resolve_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
+    """``None``, ``"int8"``, ``"int4"`` or a :class:`KVQuant` -> a :class:`KVQuant` (or None)."""
+    if kv_quant is None or isinstance(kv_quant, KVQuant):
+        return kv_quant
+    if isinstance(kv_quant, str) and kv_quant in KV_QUANT_CHOICES:
+        return KVQuant(kv_quant)
+    raise InvalidParameterError(f"kv_quant must be one of {KV_QUANT_CHOICES} or None, got {kv_quant!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- packing
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., d]`` integer codes in ``[0, 2**bits)`` -> ``[..., d * bits / 8]`` uint8."""
+    codes = codes.to(torch.uint8)
+    if bits == 8:
+        return codes
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., d * bits / 8]`` uint8 -> ``[..., d]`` uint8 codes (inverse of :func:`pack_codes`)."""
+    if bits == 8:
+        return packed
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 ``(scale, zero)`` for ranges ``[lo, hi]``."""
+    scale = ((hi - lo) / (2**bits - 1)).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
+    return scale, lo.to(SCALE_DTYPE)
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    return ((x - zero.float()) / scale.float()).round_().clamp_(0, 2**bits - 1)
+
+
+# ---------------------------------------------------------------------------------------------------- values
+def quantize_values(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token quantization of values ``[..., n, d]``.
+
+    Returns:
+        codes ``[..., n, d * bits / 8]`` uint8, scale and zero ``[..., n, d / value_group]`` float16
+    """
+    d = x.shape[-1]
+    g = fmt.value_group_for(d)
+    xg = x.float().unflatten(-1, (d // g, g))  # [..., n, groups, g]
+    scale, zero = _affine(xg.amin(-1), xg.amax(-1), fmt.bits)
+    codes = _codes(xg, scale[..., None], zero[..., None], fmt.bits).flatten(-2)
+    return pack_codes(codes, fmt.bits), scale, zero
+
+
+def dequantize_values(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: KVQuant,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_values`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
+    out = _codes_into(codes, fmt.bits, dtype, out)
+    groups = scale.shape[-1]
+    grouped = out.unflatten(-1, (groups, out.shape[-1] // groups))
+    grouped.mul_(scale.to(dtype)[..., None]).add_(zero.to(dtype)[..., None])
+    return out
+
+
+def _codes_into(codes: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """The unpacked codes of ``codes`` ``[..., d * bits / 8]`` written as numbers into ``out`` ``[..., d]`` (a new
+    tensor of ``dtype`` when None). Writing in place, then scaling in place, is about 3x faster on CPU than
+    converting the codes to a new tensor and combining them with ``addcmul``."""
+    d = codes.shape[-1] * 8 // bits
+    if out is None:
+        out = torch.empty((*codes.shape[:-1], d), dtype=dtype, device=codes.device)
+    if bits == 8:
+        out.copy_(codes)
+    else:
+        out[..., 0::2].copy_(codes & 0xF)
+        out[..., 1::2].copy_(codes >> 4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- keys
+def quantize_keys(
+    x: torch.Tensor, fmt: KVQuant, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel quantization of keys ``[..., n, d]`` in groups of ``fmt.group_size`` tokens (``n`` a multiple).
+
+    ``valid`` ``[..., n]`` (optional) marks the tokens whose range counts: padding slots, never attended to, do not
+    widen their group's steps (their own codes are clamped to the range of the others).
+
+    Returns:
+        codes ``[..., n, d * bits / 8]`` uint8, scale and zero ``[..., n / group_size, d]`` float16
+    """
+    n, g = x.shape[-2], fmt.group_size
+    if n % g:
+        raise InvalidParameterError(f"keys to quantize must fill whole groups: {n} tokens, group_size={g}")
+    xg = x.float().unflatten(-2, (n // g, g))  # [..., groups, g, d]
+    if valid is None:
+        lo, hi = xg.amin(-2), xg.amax(-2)
+    else:
+        invalid = ~valid.unflatten(-1, (n // g, g))[..., None]  # [..., groups, g, 1]
+        lo = xg.masked_fill(invalid, float("inf")).amin(-2)
+        hi = xg.masked_fill(invalid, float("-inf")).amax(-2)
+        empty = torch.isinf(lo)  # a group of padding only
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    scale, zero = _affine(lo, hi, fmt.bits)
+    codes = _codes(xg, scale[..., None, :], zero[..., None, :], fmt.bits).flatten(-3, -2)
+    return pack_codes(codes, fmt.bits), scale, zero
+
+
+def dequantize_keys(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    fmt: KVQuant,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
+    out = _codes_into(codes, fmt.bits, dtype, out)
+    groups = scale.shape[-2]
+    grouped = out.unflatten(-2, (groups, out.shape[-2] // groups))
+    grouped.mul_(scale.to(dtype)[..., None, :]).add_(zero.to(dtype)[..., None, :])
+    return out

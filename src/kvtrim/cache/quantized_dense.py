@@ -1,0 +1,349 @@
+"""A dense layer store whose entries are held quantized (int8 / int4, :mod:`kvtrim.cache.quant`).
+
+Every KV head holds the same number of slots, as in :class:`~kvtrim.cache.dense.DenseStore`. The slots are split
+in two parts that together hold ``length`` entries, oldest first:
+
+* the quantized part: ``nq`` slots (a multiple of ``group_size``), key codes ``[batch, kv_heads, nq, d*bits/8]``
+  with per-channel scales and zero points ``[batch, kv_heads, nq/group_size, d]``, value codes of the same shape
+  with per-token scales and zero points ``[batch, kv_heads, nq, d/value_group]``;
+* the full-precision window: the newest ``length - nq`` entries ``[batch, kv_heads, w, d]`` in the model's dtype.
+  Appends land in the window; whenever it holds at least ``residual + group_size`` entries, its oldest whole groups
+  are quantized and move to the quantized part.
+
+Attention dequantizes the layer inside the call (one transient ``[batch, kv_heads, length, d]`` copy per layer, not
+kept between steps); a prefill into an empty store attends over the new full-precision entries, as KIVI does.
+Scoring reads :attr:`keys` / :attr:`values`, the dequantized entries, i.e. what attention sees.
+
+Compaction (:meth:`keep`) moves each kept value's codes and per-token scales unchanged. Keys cannot move with
+their scales: a key scale is shared by ``group_size`` tokens, and after eviction the survivors of a group are too
+few to amortise it (at 1/8 kept and groups of 64, about 8 per group: the scales would outweigh the int4 codes).
+The kept keys are therefore regrouped: dequantized, and quantized again in groups of ``group_size`` consecutive
+kept entries. The added error of a key is at most half a step of its new group, whose range lies within the
+range of the old groups it came from (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import grouped_attention
+from .dense import INVALID, DenseStore
+from .packed_attention import attend_padded
+from .quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+
+__all__ = ["QuantizedDenseStore"]
+
+
+class QuantizedDenseStore:
+    """KV entries of one layer held quantized, GQA-native; the dense store's interface (``keys``, ``values``,
+    ``positions``, ``stat``, ``keep``) so that every compression method composes with it.
+
+    Attributes:
+        kv_quant: the entry format
+        dtype: the model's dtype (of the window and of dequantized entries)
+        length: filled slots (quantized part + window)
+    """
+
+    layout = "dense-quantized"
+    rescorable = True
+
+    def __init__(self, kv_quant: KVQuant, dtype: torch.dtype, batch: int, kv_heads: int, head_dim: int, device):
+        kv_quant.check_head_dim(head_dim)
+        self.kv_quant = kv_quant
+        self.dtype = dtype
+        packed = head_dim // kv_quant.codes_per_byte
+        vgroups = head_dim // kv_quant.value_group_for(head_dim)
+        b, h, d = batch, kv_heads, head_dim
+
+        def empty(*shape, dtype=torch.uint8):
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        self._kc, self._vc = empty(b, h, 0, packed), empty(b, h, 0, packed)
+        self._ks, self._kz = empty(b, h, 0, d, dtype=torch.float16), empty(b, h, 0, d, dtype=torch.float16)
+        self._vs, self._vz = empty(b, h, 0, vgroups, dtype=torch.float16), empty(b, h, 0, vgroups, dtype=torch.float16)
+        self._wk, self._wv = empty(b, h, 0, d, dtype=dtype), empty(b, h, 0, d, dtype=dtype)
+        self._pos = empty(b, h, 0, dtype=torch.long)
+        self.length = 0
+        self._stats: dict[str, torch.Tensor] = {}
+        self.all_valid = True
+        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # a prefill chunk appended to an empty store
+
+    @classmethod
+    def empty(
+        cls, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, kv_quant: KVQuant
+    ) -> QuantizedDenseStore:
+        return cls(kv_quant, dtype, batch, kv_heads, head_dim, device)
+
+    @classmethod
+    def from_dense(cls, dense: DenseStore, kv_quant: KVQuant) -> QuantizedDenseStore:
+        """Quantize the entries of ``dense`` (left unchanged) in slot order, keeping its positions and statistics."""
+        b, h, _, d = dense.keys.shape
+        store = cls(kv_quant, dense.keys.dtype, b, h, d, dense.keys.device)
+        store._wk, store._wv = dense.keys.clone(), dense.values.clone()
+        store._pos = dense.positions.clone()
+        store.length = dense.length
+        store._stats = {n: s[:, :, : dense.length].clone() for n, s in dense._stats.items()}
+        store.all_valid = dense.all_valid
+        store._flush()
+        return store
+
+    # ------------------------------------------------------------------ views
+    @property
+    def quantized_length(self) -> int:
+        """Slots in the quantized part (a multiple of ``group_size``)."""
+        return self._kc.shape[2]
+
+    @property
+    def window_length(self) -> int:
+        """Slots in the full-precision window."""
+        return self._wk.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self._wk.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self._wk.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self._wk.shape[-1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[batch, kv_heads, length]`` logical positions, ``-1`` for empty slots."""
+        return self._pos[:, :, : self.length]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[batch, kv_heads, length, head_dim]`` the keys as attention sees them (a dequantized copy)."""
+        return self.dequantized()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``[batch, kv_heads, length, head_dim]`` the values as attention sees them (a dequantized copy)."""
+        return self.dequantized()[1]
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[batch, kv_heads, length, head_dim]`` in the model's dtype: the quantized part
+        dequantized, followed by the window (a transient copy of this layer)."""
+        fmt, nq = self.kv_quant, self.quantized_length
+        if nq == 0:
+            return self._wk, self._wv
+        if self.window_length == 0:
+            k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype)
+            return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype)
+        # dequantize straight into the layer's buffer, the window after it (no concatenation copy)
+        shape = (*self._wk.shape[:2], self.length, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
+        dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, out=k[:, :, :nq])
+        dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=v[:, :, :nq])
+        k[:, :, nq:] = self._wk
+        v[:, :, nq:] = self._wv
+        return k, v
+
+    def stat(self, name: str) -> torch.Tensor:
+        """A per-slot statistic ``[batch, kv_heads, length]``, created as zeros on first use."""
+        if name not in self._stats:
+            self._stats[name] = torch.zeros(self._pos.shape, dtype=torch.float32, device=self._pos.device)
+        return self._stats[name][:, :, : self.length]
+
+    # ------------------------------------------------------------------ growth
+    def _reserve_positions(self, extra: int) -> None:
+        needed = self.length + extra
+        cap = self._pos.shape[2]
+        if needed <= cap:
+            return
+        new_cap = max(needed, cap + max(cap // 8, 16))
+        b, h = self._pos.shape[:2]
+
+        def grow(t: torch.Tensor, fill: int) -> torch.Tensor:
+            out = torch.full((b, h, new_cap), fill, dtype=t.dtype, device=t.device)
+            out[:, :, : self.length] = t[:, :, : self.length]
+            return out
+
+        self._pos = grow(self._pos, INVALID)
+        self._stats = {n: grow(s, 0) for n, s in self._stats.items()}
+
+    def _flush(self) -> None:
+        """Quantize the window's oldest whole groups while it holds ``residual + group_size`` entries or more."""
+        fmt = self.kv_quant
+        n = (self.window_length - fmt.residual) // fmt.group_size * fmt.group_size
+        if n <= 0:
+            return
+        start = self.quantized_length
+        kc, ks, kz = quantize_keys(self._wk[:, :, :n], fmt, self._pos[:, :, start : start + n] >= 0)
+        vc, vs, vz = quantize_values(self._wv[:, :, :n], fmt)
+        self._kc, self._ks, self._kz = (torch.cat(p, dim=2) for p in ((self._kc, kc), (self._ks, ks), (self._kz, kz)))
+        self._vc, self._vs, self._vz = (torch.cat(p, dim=2) for p in ((self._vc, vc), (self._vs, vs), (self._vz, vz)))
+        # fresh tensors: a slice would keep the flushed entries' storage alive (and counted)
+        self._wk, self._wv = self._wk[:, :, n:].clone(), self._wv[:, :, n:].clone()
+
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, padded: bool | None = None
+    ) -> None:
+        """Append ``q`` new tokens to every head (see :meth:`DenseStore.append`).
+
+        Args:
+            keys, values: ``[batch, kv_heads, q, head_dim]``
+            positions: ``[batch, q]`` logical positions, ``-1`` for padding tokens
+        """
+        q = keys.shape[2]
+        self._fresh = (keys, values) if self.length == 0 else None
+        self._reserve_positions(q)
+        end = self.length + q
+        self._pos[:, :, self.length : end] = positions[:, None, :]
+        for s in self._stats.values():
+            s[:, :, self.length : end] = 0
+        self.length = end
+        self._wk = torch.cat([self._wk, keys.to(self.dtype)], dim=2)
+        self._wv = torch.cat([self._wv, values.to(self.dtype)], dim=2)
+        if padded is None:
+            padded = self.all_valid and bool((positions < 0).any())
+        if padded:
+            self.all_valid = False
+        self._flush()
+
+    # ------------------------------------------------------------------ compaction
+    def keep(self, indices: torch.Tensor, keep_mask: torch.Tensor | None = None) -> None:
+        """Keep only the slots ``indices`` ``[batch, kv_heads, k]`` (see :meth:`DenseStore.keep`).
+
+        Kept values that were quantized keep their codes and scales; kept keys are regrouped (module docstring).
+        """
+        fmt, old_nq, k = self.kv_quant, self.quantized_length, indices.shape[2]
+        keys, values = self.dequantized()
+        idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
+        kept_k, kept_v = torch.gather(keys, 2, idx), torch.gather(values, 2, idx)
+        del keys, values
+        nq = max(k - fmt.residual, 0) // fmt.group_size * fmt.group_size
+        pos = torch.gather(self.positions, 2, indices)
+        if keep_mask is not None:
+            pos = pos.masked_fill(~keep_mask, INVALID)
+        kc, ks, kz = quantize_keys(kept_k[:, :, :nq], fmt, pos[:, :, :nq] >= 0)
+        vc, vs, vz = quantize_values(kept_v[:, :, :nq], fmt)  # first quantization of entries from the window
+        if nq and old_nq:
+            src = indices[:, :, :nq]
+            moved = (src < old_nq).unsqueeze(-1)
+            qsrc = src.clamp(max=old_nq - 1).unsqueeze(-1)
+
+            def move(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+                return torch.where(moved, torch.gather(old, 2, qsrc.expand(-1, -1, -1, old.shape[-1])), new)
+
+            vc, vs, vz = move(self._vc, vc), move(self._vs, vs), move(self._vz, vz)
+        self._kc, self._ks, self._kz, self._vc, self._vs, self._vz = kc, ks, kz, vc, vs, vz
+        # clones, not views: an empty slice would keep (and count) the whole gathered layer
+        self._wk, self._wv = kept_k[:, :, nq:].clone(), kept_v[:, :, nq:].clone()
+        self._pos = pos.contiguous()
+        self._stats = {n: torch.gather(s[:, :, : self.length], 2, indices).contiguous() for n, s in self._stats.items()}
+        self.length = k
+        self.all_valid = bool((self._pos >= 0).all())
+        self._fresh = None
+
+    # ------------------------------------------------------------------ KVStore protocol
+    @property
+    def is_empty(self) -> bool:
+        return self.length == 0
+
+    @property
+    def causal_prefill_ready(self) -> bool:
+        return self.length == 0
+
+    def latest_positions(self) -> torch.Tensor:
+        """``[batch]`` the largest stored position per row (``-1`` while nothing is stored)."""
+        if self.length:
+            return self.positions.amax(dim=(1, 2))
+        return torch.full((self.batch_size,), -1, device=self._pos.device)
+
+    def to_dense(self) -> QuantizedDenseStore:
+        """Itself: it offers the dense views (dequantized) and :meth:`keep`."""
+        return self
+
+    def mark(self) -> int:
+        return self.length
+
+    def drop_last(self, n: int) -> None:
+        self.truncate(self.length - n)
+
+    def truncate_to(self, mark: int) -> None:
+        self.truncate(mark)
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot at or after ``length``. Groups that straddle ``length`` return to the window as their
+        dequantized entries (they are quantized again when a group fills)."""
+        if length > self.length:
+            raise ValueError(f"cannot truncate to {length} slots, store has {self.length}")
+        fmt, nq = self.kv_quant, self.quantized_length
+        if length < nq:
+            keep_q = max(length - fmt.residual, 0) // fmt.group_size * fmt.group_size
+            keys, values = self.dequantized()
+            self._wk, self._wv = keys[:, :, keep_q:length].clone(), values[:, :, keep_q:length].clone()
+            g = keep_q // fmt.group_size
+            self._kc, self._vc = self._kc[:, :, :keep_q].clone(), self._vc[:, :, :keep_q].clone()
+            self._vs, self._vz = self._vs[:, :, :keep_q].clone(), self._vz[:, :, :keep_q].clone()
+            self._ks, self._kz = self._ks[:, :, :g].clone(), self._kz[:, :, :g].clone()
+        else:
+            self._wk, self._wv = self._wk[:, :, : length - nq].clone(), self._wv[:, :, : length - nq].clone()
+        self._pos[:, :, length : self.length] = INVALID
+        self.length = length
+        self.all_valid = bool((self.positions >= 0).all())
+        self._fresh = None
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._kc, self._ks, self._kz, self._vc, self._vs, self._vz, self._wk, self._wv
+
+    def copy(self) -> QuantizedDenseStore:
+        """An independent copy holding exactly the filled slots."""
+        out = QuantizedDenseStore(
+            self.kv_quant, self.dtype, self.batch_size, self.kv_heads, self.head_dim, self._pos.device
+        )
+        out._kc, out._ks, out._kz, out._vc, out._vs, out._vz, out._wk, out._wv = (t.clone() for t in self._tensors())
+        out._pos = self.positions.clone()
+        out.length = self.length
+        out._stats = {n: s[:, :, : self.length].clone() for n, s in self._stats.items()}
+        out.all_valid = self.all_valid
+        return out
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder or select batch rows (beam search, ``num_return_sequences``)."""
+        self._kc, self._ks, self._kz, self._vc, self._vs, self._vz, self._wk, self._wv = (
+            t[index] for t in self._tensors()
+        )
+        self._pos = self._pos[index]
+        self._stats = {n: s[index] for n, s in self._stats.items()}
+        self._fresh = None
+
+    # ------------------------------------------------------------------ accounting
+    def entries(self) -> int:
+        """Number of filled slots that hold a real token, over batch and heads."""
+        return int((self.positions >= 0).sum())
+
+    def entries_per_head(self) -> torch.Tensor:
+        """``[batch, kv_heads]`` number of real tokens held per head."""
+        return (self.positions >= 0).sum(-1)
+
+    def nbytes(self) -> int:
+        """Bytes held by the packed codes, their scales and zero points, and the full-precision window."""
+        return sum(t.untyped_storage().nbytes() for t in self._tensors())
+
+    def index_nbytes(self) -> int:
+        """Bytes of bookkeeping (positions and slot statistics)."""
+        return self._pos.untyped_storage().nbytes() + sum(s.untyped_storage().nbytes() for s in self._stats.values())
+
+    # ------------------------------------------------------------------ attention
+    def attend(
+        self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float, fresh_causal: bool = False
+    ) -> torch.Tensor:
+        """Attention of ``query`` ``[batch, q_heads, q, head_dim]`` over the stored entries, dequantized here for
+        this call only; returns ``[batch, q, q_heads, head_dim]`` (visibility as in :meth:`DenseStore.attend`)."""
+        fresh, self._fresh = self._fresh, None
+        if fresh_causal and fresh is not None:
+            return grouped_attention(query, fresh[0], fresh[1], None, scaling, causal=True)
+        keys, values = self.dequantized()
+        kpos = self.positions
+        if query.shape[2] == 1:
+            mask = None if self.all_valid else (kpos >= 0)[:, :, None, :]
+        else:
+            mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= query_positions[:, None, :, None])
+        return attend_padded(query, keys, values, mask, scaling)

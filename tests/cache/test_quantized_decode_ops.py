@@ -1,0 +1,63 @@
+"""Accelerator guard for the quantized dense store, checked on CPU: no host sync while decoding (flushes
+included), and the same ops per step whatever the batch size and the number of KV heads."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_model
+from kvtrim.cache.quant import KVQuant
+from kvtrim.compression.compressor import BudgetSpec
+from kvtrim.integration.attention import kvtrim_attention_enabled
+from kvtrim.integration.cache import KVTrimCache
+from kvtrim.methods import get_method
+from op_counting import SYNC_OPS, VIEW_OPS, OpCounter
+
+
+def decode_ops(batch: int, kv_heads: int, steps: int) -> tuple[list, int]:
+    """Prefill ``batch`` rows of 48 tokens (row 0 left-padded by 5), compress with SnapKV at ratio 0.5 into int4
+    entries in groups of 8, then count the ops of ``steps`` decoding forwards. Returns them and the index of the
+    step that flushes the window into a new group."""
+    model = tiny_model("llama", layers=2, heads=2 * kv_heads, kv_heads=kv_heads)
+    ids = torch.randint(3, 200, (batch, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    fmt = KVQuant("int4", group_size=8)
+    cache = KVTrimCache(2, get_method("snapkv"), BudgetSpec(ratio=0.5), kv_quant=fmt)
+    counts = []
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        cache.compress()
+        store = cache.layers[0].store
+        nq, window = store.quantized_length, store.window_length
+        assert store.kv_quant == fmt and nq > 0 and 0 <= window < 8
+        flush = 8 - window - 1
+        token, last = out.logits[:, -1:].argmax(-1), positions[:, -1:]
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+            last = last + 1
+            with OpCounter() as counter:
+                out = model(input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache)
+            token = out.logits[:, -1:].argmax(-1)
+            counts.append(counter.ops)
+        assert store.quantized_length == nq + 8 and store.window_length == window + steps - 8
+    return counts, flush
+
+
+def test_quantized_decode_has_no_host_sync_even_when_a_group_is_flushed():
+    counts, flush = decode_ops(batch=2, kv_heads=2, steps=9)
+    assert 0 <= flush < 9
+    for ops in counts:
+        assert not (set(ops) & SYNC_OPS), {op: ops[op] for op in set(ops) & SYNC_OPS}
+
+
+def test_quantized_decode_op_count_is_flat_in_batch_and_heads():
+    totals = set()
+    for batch, kv_heads in ((1, 1), (4, 1), (1, 4), (3, 2)):
+        counts, flush = decode_ops(batch, kv_heads, 9)
+        per_step = [sum(n for op, n in ops.items() if op not in VIEW_OPS) for ops in counts]
+        plain = [n for i, n in enumerate(per_step) if i not in (0, flush)]
+        assert len(set(plain)) == 1 and per_step[flush] > plain[0], per_step  # the flush adds the quantization
+        totals.add((plain[0], per_step[flush]))
+    assert len(totals) == 1, totals
