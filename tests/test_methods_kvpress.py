@@ -1,4 +1,5 @@
-"""ExpectedAttention, KeyDiff, ChunkKV and KVzip in the registry: papers, exactness, real compaction, both modes."""
+"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV and leverage scores in the registry: papers, exactness, real
+compaction, both modes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ PAPERS = {
     "chunkkv": "2502.00299",
     "chunkkv_reuse": "2502.00299",
     "kvzip": "2505.23416",
+    "curdkv": "2509.15038",
+    "leverage": "2507.08143",
 }
 CTX = random_text(300, seed=3)
 

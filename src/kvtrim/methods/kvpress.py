@@ -1,4 +1,5 @@
-"""Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction."""
+"""Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
+leverage scores (CurDKV, Compactor)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from ..budgets.global_threshold import GlobalThresholdBudget
 from ..budgets.uniform import UniformBudget
 from ..compression.pipeline import Pipeline
 from ..scoring.expected_attention import ExpectedAttentionScorer
+from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.chunk import ChunkSelector
@@ -94,3 +96,30 @@ def kvzip(
         UniformBudget() if layerwise else GlobalThresholdBudget(),
         TopKSelector(sink=n_sink),
     )
+
+
+@register(
+    "curdkv",
+    family=FAMILY,
+    summary="Key × value leverage approximated by squared norms normalized in windows of 16 positions; 4 sinks "
+    "kept. Attention-free.",
+    paper=papers.CURDKV,
+    preset="kvpress CURPress defaults: kind kv_product, window 16, 4 sinks, no random projection",
+)
+def curdkv(kind: str = "kv_product", window: int = 16, n_sink: int = SINKS) -> Pipeline:
+    """CurDKV (Sengupta et al., arXiv 2509.15038): value-guided leverage approximation, top-k per KV head."""
+    return parts(LocalLeverageScorer(kind=kind, window=window), UniformBudget(), TopKSelector(sink=n_sink))
+
+
+@register(
+    "leverage",
+    family=FAMILY,
+    summary="Exact statistical leverage of the centred pre-RoPE keys: the keys furthest outside the span of the "
+    "others are kept. Attention-free.",
+    paper=papers.COMPACTOR,
+    preset="Compactor's leverage component (kvpress LeverageScorePress): no protected window; exact leverage instead "
+    "of the 48-column Gaussian sketch (deterministic)",
+)
+def leverage() -> Pipeline:
+    """Leverage scores of the keys (Chari & Van Durme, Compactor, arXiv 2507.08143), top-k per KV head."""
+    return parts(KeyLeverageScorer(), UniformBudget(), TopKSelector())

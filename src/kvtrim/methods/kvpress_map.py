@@ -70,7 +70,12 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "kept entries, merged entries need a value-updating compaction",
     ),
     PressMapping(
-        "CURPress", None, f"{_NOT_YET}: CurDKV's key × value leverage approximation",
+        "CURPress", "curdkv",
+        "windows are windows of positions (kvpress: of slots, the same without padding or earlier eviction); the "
+        "sinks are protected by the selector instead of scored 1; `use_random_leverage` (a random projection) is "
+        "not offered",
+        {"kind": "kv_product", "window": 16, "n_sink": 4},
+        "`leverage_type` → `kind`; `local_window_size` → `window`; `num_sinks` → `n_sink`",
     ),
     PressMapping(
         "CapPress", None,
@@ -183,7 +188,11 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {"sink": 4, "lag": 128}, "`n_sink` → `sink`; `lag_size` → `lag`",
     ),
     PressMapping(
-        "LeverageScorePress", None, f"{_NOT_YET}: statistical leverage of the centred pre-RoPE keys",
+        "LeverageScorePress", "leverage",
+        "exact leverage of the centred pre-RoPE keys; kvpress approximates it with a random 48-column Gaussian "
+        "sketch (so its kept set changes from run to run); the z-normalization kvpress applies does not change "
+        "a per-head top-k",
+        spelling="`sketch_dimension` → none (exact)",
     ),
     PressMapping(
         "MergingPress", None,

@@ -62,3 +62,11 @@ DUO_ATTENTION = (
     "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, "
     "ICLR 2025 (arXiv 2410.10819)"
 )
+CURDKV = (
+    "Sengupta et al., Value-Guided KV Compression for LLMs via Approximated CUR Decomposition (arXiv 2509.15038); "
+    "kvpress CURPress"
+)
+COMPACTOR = (
+    "Chari & Van Durme, Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores "
+    "(arXiv 2507.08143); kvpress LeverageScorePress, NonCausalAttnPress, CompactorPress"
+)
