@@ -1,5 +1,5 @@
-"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV and leverage scores in the registry: papers, exactness, real
-compaction, both modes."""
+"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention and Compactor in the registry:
+papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ PAPERS = {
     "kvzip": "2505.23416",
     "curdkv": "2509.15038",
     "leverage": "2507.08143",
+    "noncausal_attention": "2507.08143",
+    "compactor": "2507.08143",
 }
 CTX = random_text(300, seed=3)
 

@@ -8,6 +8,7 @@ from ..budgets.uniform import UniformBudget
 from ..compression.pipeline import Pipeline
 from ..scoring.expected_attention import ExpectedAttentionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
+from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.chunk import ChunkSelector
@@ -123,3 +124,31 @@ def curdkv(kind: str = "kv_product", window: int = 16, n_sink: int = SINKS) -> P
 def leverage() -> Pipeline:
     """Leverage scores of the keys (Chari & Van Durme, Compactor, arXiv 2507.08143), top-k per KV head."""
     return parts(KeyLeverageScorer(), UniformBudget(), TopKSelector())
+
+
+@register(
+    "noncausal_attention",
+    family=FAMILY,
+    summary="Attention each entry receives from the queries of its 256-token chunk, every query seeing its whole "
+    "chunk (no causal mask), × ‖v‖, smoothed over 3 slots. Query-agnostic.",
+    paper=papers.COMPACTOR,
+    preset="Compactor's attention component (kvpress NonCausalAttnPress): chunk 256, no protected window",
+)
+def noncausal_attention(chunk: int = 256) -> Pipeline:
+    """Non-causal chunked attention (Chari & Van Durme, Compactor, arXiv 2507.08143), top-k per KV head."""
+    return parts(ChunkAttentionScorer(chunk=chunk), UniformBudget(), TopKSelector())
+
+
+@register(
+    "compactor",
+    family=FAMILY,
+    summary="Compactor: z-scored key leverage × blending plus z-scored non-causal chunk attention; the first 8 and "
+    "last 4 tokens kept. Query-agnostic.",
+    paper=papers.COMPACTOR,
+    preset="kvpress CompactorPress defaults: 8 + 4 protected tokens, chunk 256; blending 0.35 (kvpress's value when "
+    "no ratio is set; kvpress uses the ratio when it is: pass blending=RATIO); exact leverage instead of a sketch",
+)
+def compactor(blending: float = 0.35, chunk: int = 256, sink_start: int = 8, sink_end: int = 4) -> Pipeline:
+    """Compactor (Chari & Van Durme, arXiv 2507.08143): leverage and chunked attention blended, top-k per head."""
+    scorer = LeverageAttentionScorer(blending=blending, chunk=chunk, sink_start=sink_start, sink_end=sink_end)
+    return parts(scorer, UniformBudget(), TopKSelector(sink=sink_start, recent=sink_end))

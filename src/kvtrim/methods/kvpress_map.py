@@ -91,7 +91,13 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "chunking); needs a chunk-partitioned budget",
     ),
     PressMapping(
-        "CompactorPress", None, f"{_NOT_YET}: blend of leverage scores and non-causal chunked attention",
+        "CompactorPress", "compactor",
+        "exact leverage instead of a random sketch; kvpress's default blending is the compression ratio, kvtrim's "
+        "parts do not see the ratio: pass `blending=RATIO` (0.35 is kvpress's value without one); z-scores per "
+        "batch row (kvpress: over the whole batch); padded positions take no part in chunks",
+        {"chunk": 256, "sink_start": 8, "sink_end": 4},
+        "`sink_size_start` → `sink_start`; `sink_size_end` → `sink_end`; `chunk_size` → `chunk`; `blending`; "
+        "`sketch_dimension` → none (exact)",
     ),
     PressMapping(
         "CompressionRatioDecodingPress", "snapkv@every:512",
@@ -199,7 +205,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
         f"{_NOT_YET}: evicted values folded into their most similar kept entry; needs a value-updating compaction",
     ),
     PressMapping(
-        "NonCausalAttnPress", None, f"{_NOT_YET}: non-causal attention inside 256-token chunks × ‖v‖",
+        "NonCausalAttnPress", "noncausal_attention",
+        "chunks are chunks of positions; kvpress's padded last chunk lets its zero padding queries and keys take "
+        "part (its key mask adds −1e-9, not −∞), kvtrim's last chunk holds only real tokens",
+        {"chunk": 256}, "`chunk_size` → `chunk`",
     ),
     PressMapping(
         "ObservedAttentionPress", "h2o", "kvpress divides each entry's summed prompt attention by the number of "
