@@ -1,5 +1,5 @@
-"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention and Compactor in the registry:
-papers, exactness, real compaction, both modes."""
+"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor and DMS in the
+registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ PAPERS = {
     "leverage": "2507.08143",
     "noncausal_attention": "2507.08143",
     "compactor": "2507.08143",
+    "dms": "2506.05345",
 }
 CTX = random_text(300, seed=3)
 
@@ -41,7 +42,8 @@ def test_registry_entries_cite_their_paper(method):
     info = method_info(method)
     assert PAPERS[method] in info.paper and PAPERS[method] in (info.factory.__doc__ or "")
     pipe = get_method(method)
-    assert PAPERS[method] in (type(pipe.scorer).__doc__ or "") + (type(pipe.selector).__doc__ or "")
+    docs = [type(part).__doc__ or "" for part in (pipe.scorer, pipe.budget, pipe.selector)]
+    assert any(PAPERS[method] in doc for doc in docs)
 
 
 @pytest.mark.parametrize("question_aware", [False, True])
@@ -126,3 +128,20 @@ def test_chunkkv_reuse_shares_positions_between_paired_layers():
     assert reuse[0] == reuse[1] and reuse[2] == reuse[3]
     assert kept["chunkkv"][0] == reuse[0] and kept["chunkkv"][2] == reuse[2]  # reference layers select alone
     assert kept["chunkkv"] != reuse  # random layers disagree without reuse
+
+
+def test_dms_keeps_only_the_window_when_nothing_clears_the_threshold(tokenizer):
+    model = tiny_model("qwen2", layers=3)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="dms", ratio=0.0, max_new_tokens=4,
+                          method_params={"threshold": float("inf"), "recent": 16})
+    assert res.stats.kv_entries_after == 16 * 3 * 2  # the last 16 tokens of every (layer, KV head)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="dms", ratio=0.0, max_new_tokens=4,
+                          method_params={"threshold": float("-inf"), "recent": 16})
+    assert res.stats.kv_entries_after == res.stats.kv_entries_before  # everything clears -inf
+
+
+def test_dms_refuses_an_unknown_scorer():
+    with pytest.raises(InvalidParameterError, match="scorer"):
+        get_method("dms", scorer="nope")
+    with pytest.raises(InvalidParameterError, match="scorer"):
+        get_method("dms", scorer="dms")

@@ -3,9 +3,13 @@ leverage scores (CurDKV, Compactor)."""
 
 from __future__ import annotations
 
+import math
+
 from ..budgets.global_threshold import GlobalThresholdBudget
+from ..budgets.score_threshold import ScoreThresholdBudget
 from ..budgets.uniform import UniformBudget
 from ..compression.pipeline import Pipeline
+from ..errors import InvalidParameterError
 from ..scoring.expected_attention import ExpectedAttentionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
@@ -15,7 +19,7 @@ from ..selection.chunk import ChunkSelector
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
-from .registry import parts, register
+from .registry import get_method, method_names, parts, register
 
 FAMILY = "kvpress"
 
@@ -152,3 +156,22 @@ def compactor(blending: float = 0.35, chunk: int = 256, sink_start: int = 8, sin
     """Compactor (Chari & Van Durme, arXiv 2507.08143): leverage and chunked attention blended, top-k per head."""
     scorer = LeverageAttentionScorer(blending=blending, chunk=chunk, sink_start=sink_start, sink_end=sink_end)
     return parts(scorer, UniformBudget(), TopKSelector(sink=sink_start, recent=sink_end))
+
+
+@register(
+    "dms",
+    family=FAMILY,
+    summary="Threshold eviction: entries scoring under a threshold leave once they are older than the last 128 "
+    "tokens (per-head counts, stored ragged; capped by the ratio/budget). `dms@every:N` evicts while decoding.",
+    paper=papers.DMS,
+    preset="kvpress DMSPress: window 128, threshold set by the user for its scorer; the scorer is a registry "
+    "method's (default knorm: a per-key score, so re-scoring at each compression equals scoring once); "
+    "threshold -inf keeps everything the budget allows",
+)
+def dms(threshold: float = -math.inf, recent: int = 128, scorer: str = "knorm") -> Pipeline:
+    """DMS's eviction rule (Łańcucki et al., arXiv 2506.05345) over the scores of the registry method ``scorer``."""
+    if scorer == "dms" or scorer not in method_names():
+        raise InvalidParameterError(f"scorer={scorer!r} must name another registry method, e.g. 'knorm'")
+    return parts(
+        get_method(scorer).scorer, ScoreThresholdBudget(threshold=threshold, recent=recent), TopKSelector(recent=recent)
+    )

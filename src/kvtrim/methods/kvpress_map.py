@@ -116,9 +116,13 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {**_SNAPKV_PRESS, "alpha": 0.5, "eps": 1e-4}, "`first_stage_ratio` → `alpha`; `epsilon` → `eps`",
     ),
     PressMapping(
-        "DMSPress", None,
-        f"{_NOT_YET}: evicts entries whose score is under a threshold (outside a 128-token recent window), also "
-        "while decoding; kvtrim's selectors are budget-driven (CompilerKV's threshold gate corrects to a budget)",
+        "DMSPress", "dms",
+        "a wrapper: `scorer=` names the registry method whose scorer is thresholded (no KVzap surrogate yet); "
+        "`ratio=0` for the threshold alone (a ratio or budget caps each head); kvpress scores a token once, when "
+        "it arrives, kvtrim re-scores the cache at each compression (the same for per-key scores like `knorm`); "
+        "kvpress masks evicted entries, kvtrim frees them (per-head counts, stored ragged)",
+        {"recent": 128, "scorer": "knorm"},
+        "`threshold`; `sliding_window_size` → `recent`; `decoding=True` → `dms@every:N`; `press` → `scorer`",
     ),
     PressMapping(
         "DecodingPress", "snapkv@every:512",

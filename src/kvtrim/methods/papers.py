@@ -70,3 +70,7 @@ COMPACTOR = (
     "Chari & Van Durme, Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores "
     "(arXiv 2507.08143); kvpress LeverageScorePress, NonCausalAttnPress, CompactorPress"
 )
+DMS = (
+    "Łańcucki et al., Inference-Time Hyper-Scaling with KV Cache Compression (arXiv 2506.05345); kvpress DMSPress "
+    "(threshold eviction without the trained evictor)"
+)
