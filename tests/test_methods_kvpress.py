@@ -1,5 +1,5 @@
-"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor and DMS in the
-registry: papers, exactness, real compaction, both modes."""
+"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS and
+per-layer ratios in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ PAPERS = {
     "noncausal_attention": "2507.08143",
     "compactor": "2507.08143",
     "dms": "2506.05345",
+    "per_layer_ratio": "2404.14469",
 }
 CTX = random_text(300, seed=3)
 
@@ -43,7 +44,8 @@ def test_registry_entries_cite_their_paper(method):
     assert PAPERS[method] in info.paper and PAPERS[method] in (info.factory.__doc__ or "")
     pipe = get_method(method)
     docs = [type(part).__doc__ or "" for part in (pipe.scorer, pipe.budget, pipe.selector)]
-    assert any(PAPERS[method] in doc for doc in docs)
+    if method != "per_layer_ratio":  # a kvpress wrapper without a paper: its cited paper is its default parts'
+        assert any(PAPERS[method] in doc for doc in docs)
 
 
 @pytest.mark.parametrize("question_aware", [False, True])
@@ -69,7 +71,9 @@ def test_compression_frees_bytes_of_the_evicted_entries(method, question_aware, 
     per_entry = st.kv_bytes_before / st.kv_entries_before  # K and V of one (token, layer, KV head)
     assert st.kv_bytes_after == st.kv_entries_after * per_entry
     budget_total = round(st.context_tokens * 0.25) * 3 * 2
-    if method.startswith("chunkkv"):  # whole chunks: at most chunk - 1 entries under the budget per head
+    if method == "per_layer_ratio":  # no ratios given: the request's ratio in every layer
+        assert st.kv_entries_after == budget_total
+    elif method.startswith("chunkkv"):  # whole chunks: at most chunk - 1 entries under the budget per head
         assert budget_total - 9 * 3 * 2 <= st.kv_entries_after <= budget_total
     else:
         assert st.kv_entries_after == budget_total
@@ -145,3 +149,19 @@ def test_dms_refuses_an_unknown_scorer():
         get_method("dms", scorer="nope")
     with pytest.raises(InvalidParameterError, match="scorer"):
         get_method("dms", scorer="dms")
+
+
+def test_per_layer_ratio_keeps_each_layer_s_fraction(tokenizer):
+    model = tiny_model("qwen2", layers=3)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="per_layer_ratio", ratio=0.0, max_new_tokens=2,
+                          method_params={"ratios": [0.0, 0.5, 0.75]})
+    n = res.stats.context_tokens
+    assert res.stats.kv_entries_after == (n + n // 2 + n // 4) * 2  # 2 KV heads; ratio=0 does not skip
+
+
+def test_wrappers_refuse_methods_they_cannot_reuse():
+    for params in ({"base": "nope"}, {"base": "per_layer_ratio"}, {"base": "think"}, {"base": "lagkv"}):
+        with pytest.raises(InvalidParameterError, match="base"):
+            get_method("per_layer_ratio", **params)
+    with pytest.raises(InvalidParameterError, match="scorer"):
+        get_method("dms", scorer="kvcompress")

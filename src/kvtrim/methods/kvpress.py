@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ..budgets.global_threshold import GlobalThresholdBudget
+from ..budgets.layer_ratios import LayerRatioBudget
 from ..budgets.score_threshold import ScoreThresholdBudget
 from ..budgets.uniform import UniformBudget
 from ..compression.pipeline import Pipeline
@@ -158,6 +159,20 @@ def compactor(blending: float = 0.35, chunk: int = 256, sink_start: int = 8, sin
     return parts(scorer, UniformBudget(), TopKSelector(sink=sink_start, recent=sink_end))
 
 
+def _plain_method(param: str, name: str, own: str, example: str) -> Pipeline:
+    """The pipeline of registry method ``name`` whose parts a wrapper method reuses: another method, built from
+    plain parts (no special pipeline kind, key-channel pruning or decoding-time schedule of its own)."""
+    if name == own or name not in method_names():
+        raise InvalidParameterError(f"{param}={name!r} must name another registry method, e.g. {example!r}")
+    inner = get_method(name)
+    if type(inner) is not Pipeline or inner.channels is not None or inner.schedule.continuous:
+        raise InvalidParameterError(
+            f"{param}={name!r} is not built from plain parts (its pipeline kind, key-channel pruning or own schedule "
+            f"would be lost); name a method like {example!r}"
+        )
+    return inner
+
+
 @register(
     "dms",
     family=FAMILY,
@@ -170,8 +185,21 @@ def compactor(blending: float = 0.35, chunk: int = 256, sink_start: int = 8, sin
 )
 def dms(threshold: float = -math.inf, recent: int = 128, scorer: str = "knorm") -> Pipeline:
     """DMS's eviction rule (Łańcucki et al., arXiv 2506.05345) over the scores of the registry method ``scorer``."""
-    if scorer == "dms" or scorer not in method_names():
-        raise InvalidParameterError(f"scorer={scorer!r} must name another registry method, e.g. 'knorm'")
-    return parts(
-        get_method(scorer).scorer, ScoreThresholdBudget(threshold=threshold, recent=recent), TopKSelector(recent=recent)
-    )
+    inner = _plain_method("scorer", scorer, "dms", "knorm")
+    return parts(inner.scorer, ScoreThresholdBudget(threshold=threshold, recent=recent), TopKSelector(recent=recent))
+
+
+@register(
+    "per_layer_ratio",
+    family=FAMILY,
+    summary="A registry method's scorer and selector with a user-given fraction removed per layer (the request's "
+    "ratio is not used when `ratios` is given).",
+    paper=f"kvpress PerLayerCompressionPress (no paper of its own); default parts: {papers.SNAPKV}",
+    preset="kvpress PerLayerCompressionPress: `ratios` one per layer; `base` names the method whose scorer and "
+    "selector run (default snapkv); no ratios: the request's ratio for every layer",
+)
+def per_layer_ratio(ratios: tuple[float, ...] = (), base: str = "snapkv") -> Pipeline:
+    """Per-layer compression ratios around the parts of method ``base`` (SnapKV, Li et al., arXiv 2404.14469, by
+    default)."""
+    inner = _plain_method("base", base, "per_layer_ratio", "snapkv")
+    return parts(inner.scorer, LayerRatioBudget(ratios=tuple(ratios)), inner.selector)

@@ -221,8 +221,11 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {"recent_fraction": 0.0},
     ),
     PressMapping(
-        "PerLayerCompressionPress", None,
-        f"{_NOT_YET}: a user-given ratio per layer; needs a budget allocator that takes a list of ratios",
+        "PerLayerCompressionPress", "per_layer_ratio",
+        "a wrapper: `base=` names the registry method whose scorer and selector run (default `snapkv`, kvtrim's "
+        "settings); as in kvpress the request's own ratio is not used once `ratios` is given; kvpress needs flash "
+        "attention for it, kvtrim stores the per-layer counts densely per layer",
+        {"base": "snapkv"}, "`compression_ratios` → `ratios` (one per layer); `press` → `base`",
     ),
     PressMapping(
         "PrefillDecodingPress", "snapkv@every:512",
