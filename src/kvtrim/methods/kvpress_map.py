@@ -249,7 +249,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
     ),
     PressMapping(
         "SimLayerKVPress", None,
-        f"{_NOT_YET}: layers whose last queries attend mostly to the first and recent tokens keep only those",
+        f"{_NOT_YET}: a layer whose last query pays more than `lazy_threshold` of its attention to the first 4 "
+        "and last 1024 tokens keeps only those, the others keep everything; the layers, not a ratio or budget, "
+        "decide the amount (kvpress makes its ratio read-only), which needs a request without a ratio; kvpress "
+        "decides once per batch, a kvtrim version would decide per row",
     ),
     PressMapping(
         "SnapKVPress", "snapkv", "kvtrim's default is KVCache-Factory's `w=8`, max-pool 7; these are kvpress's",
