@@ -24,6 +24,7 @@ PAPERS = {
     "dms": "2506.05345",
     "per_layer_ratio": "2404.14469",
 }
+WRAPPERS = {"per_layer_ratio", "chunked"}  # kvpress wrappers whose cited paper is their default parts' or none
 CTX = random_text(300, seed=3)
 
 
@@ -44,12 +45,12 @@ def test_registry_entries_cite_their_paper(method):
     assert PAPERS[method] in info.paper and PAPERS[method] in (info.factory.__doc__ or "")
     pipe = get_method(method)
     docs = [type(part).__doc__ or "" for part in (pipe.scorer, pipe.budget, pipe.selector)]
-    if method != "per_layer_ratio":  # a kvpress wrapper without a paper: its cited paper is its default parts'
+    if method not in WRAPPERS:  # a kvpress wrapper: its cited paper is its default parts'
         assert any(PAPERS[method] in doc for doc in docs)
 
 
 @pytest.mark.parametrize("question_aware", [False, True])
-@pytest.mark.parametrize("method", sorted(PAPERS))
+@pytest.mark.parametrize("method", [*sorted(PAPERS), "chunked"])
 def test_budget_at_context_answers_like_the_full_cache(method, question_aware, tokenizer, tok_dir):
     model = tiny_model("llama")
     full = kvtrim.generate(model, tokenizer, CTX, ["q?", "r?"] if not question_aware else "q?", method="full",
@@ -62,7 +63,7 @@ def test_budget_at_context_answers_like_the_full_cache(method, question_aware, t
 
 
 @pytest.mark.parametrize("question_aware", [False, True])
-@pytest.mark.parametrize("method", sorted(PAPERS))
+@pytest.mark.parametrize("method", [*sorted(PAPERS), "chunked"])
 def test_compression_frees_bytes_of_the_evicted_entries(method, question_aware, tokenizer, tok_dir):
     model = tiny_model("qwen2", layers=3)
     res = kvtrim.generate(model, tokenizer, CTX, "q?", method=method, ratio=0.75, question_aware=question_aware,
@@ -72,6 +73,8 @@ def test_compression_frees_bytes_of_the_evicted_entries(method, question_aware, 
     assert st.kv_bytes_after == st.kv_entries_after * per_entry
     budget_total = round(st.context_tokens * 0.25) * 3 * 2
     if method == "per_layer_ratio":  # no ratios given: the request's ratio in every layer
+        assert st.kv_entries_after == budget_total
+    elif method == "chunked":  # one chunk of 1024 positions holds the whole context: its quota is the budget
         assert st.kv_entries_after == budget_total
     elif method.startswith("chunkkv"):  # whole chunks: at most chunk - 1 entries under the budget per head
         assert budget_total - 9 * 3 * 2 <= st.kv_entries_after <= budget_total
@@ -165,3 +168,14 @@ def test_wrappers_refuse_methods_they_cannot_reuse():
             get_method("per_layer_ratio", **params)
     with pytest.raises(InvalidParameterError, match="scorer"):
         get_method("dms", scorer="kvcompress")
+
+
+def test_chunked_is_knorm_inside_each_chunk(tokenizer):
+    model = tiny_model("qwen2", layers=2)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="chunked", ratio=0.5, max_new_tokens=2,
+                          method_params={"chunk": 100})
+    n = res.stats.context_tokens
+    quotas = [c * (n // 2) // n for c in (100, 100, n - 200)]  # 3 chunks of positions
+    assert res.stats.kv_entries_after == sum(max(1, q) for q in quotas) * 2 * 2  # 2 layers, 2 KV heads
+    info = method_info("chunked")
+    assert "FINCH" in info.paper and "ChunkPress" in info.paper

@@ -17,6 +17,7 @@ from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentio
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.chunk import ChunkSelector
+from ..selection.chunk_quota import ChunkQuotaSelector
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -203,3 +204,18 @@ def per_layer_ratio(ratios: tuple[float, ...] = (), base: str = "snapkv") -> Pip
     default)."""
     inner = _plain_method("base", base, "per_layer_ratio", "snapkv")
     return parts(inner.scorer, LayerRatioBudget(ratios=tuple(ratios)), inner.selector)
+
+
+@register(
+    "chunked",
+    family=FAMILY,
+    summary="Every chunk of 1024 positions keeps its own share of the budget, chosen by the scores of another "
+    "registry method (default knorm): no part of the context is emptied.",
+    paper=papers.FINCH,
+    preset="kvpress ChunkPress: chunk 1024; `base` names the method whose scorer runs (default knorm, a per-key "
+    "score, so scoring the whole cache equals kvpress's scoring chunk by chunk)",
+)
+def chunked(chunk: int = 1024, base: str = "knorm") -> Pipeline:
+    """Chunk-wise compression (FINCH's chunking, Corallo & Papotti, TACL 2024): a quota per chunk of positions."""
+    inner = _plain_method("base", base, "chunked", "knorm")
+    return parts(inner.scorer, UniformBudget(), ChunkQuotaSelector(chunk=chunk))

@@ -86,9 +86,12 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {"chunk": 20}, "`chunk_length` → `chunk`; `press` → the scorer of the method",
     ),
     PressMapping(
-        "ChunkPress", None,
-        f"{_NOT_YET}: the same ratio applied to each 1024-token chunk of the context independently (FINCH's "
-        "chunking); needs a chunk-partitioned budget",
+        "ChunkPress", "chunked",
+        "a wrapper: `base=` names the registry method whose scorer runs (default `knorm`); kvpress scores each "
+        "chunk on its own (a window scorer then looks at the chunk's last tokens), kvtrim scores the whole cache "
+        "once and takes each chunk's quota from it, identical for per-key scores such as `knorm`; chunks are "
+        "chunks of positions",
+        {"chunk": 1024, "base": "knorm"}, "`chunk_length` → `chunk`; `press` → `base`",
     ),
     PressMapping(
         "CompactorPress", "compactor",

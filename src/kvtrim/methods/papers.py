@@ -74,3 +74,7 @@ DMS = (
     "Łańcucki et al., Inference-Time Hyper-Scaling with KV Cache Compression (arXiv 2506.05345); kvpress DMSPress "
     "(threshold eviction without the trained evictor)"
 )
+FINCH = (
+    "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024; "
+    "kvpress ChunkPress"
+)
