@@ -211,11 +211,12 @@ def per_layer_ratio(ratios: tuple[float, ...] = (), base: str = "snapkv") -> Pip
     family=FAMILY,
     summary="Every chunk of 1024 positions keeps its own share of the budget, chosen by the scores of another "
     "registry method (default knorm): no part of the context is emptied.",
-    paper=papers.FINCH,
+    paper=f"{papers.FINCH}; default scorer: {papers.KNORM}",
     preset="kvpress ChunkPress: chunk 1024; `base` names the method whose scorer runs (default knorm, a per-key "
     "score, so scoring the whole cache equals kvpress's scoring chunk by chunk)",
 )
 def chunked(chunk: int = 1024, base: str = "knorm") -> Pipeline:
-    """Chunk-wise compression (FINCH's chunking, Corallo & Papotti, TACL 2024): a quota per chunk of positions."""
+    """Chunk-wise compression (FINCH's chunking, Corallo & Papotti, TACL 2024): a quota per chunk of positions;
+    the default scorer is KNorm's (Devoto et al., arXiv 2406.11430)."""
     inner = _plain_method("base", base, "chunked", "knorm")
     return parts(inner.scorer, UniformBudget(), ChunkQuotaSelector(chunk=chunk))
