@@ -137,7 +137,8 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "DuoAttentionPress", "duo_attention",
         "streaming heads keep sinks + recent, retrieval heads everything; kvtrim calibrates its own head patterns "
         "(`kvtrim calibrate duo`) instead of downloading the authors'",
-        spelling="`head_compression_ratio` → `ratio` (fraction of streaming heads)",
+        spelling="`head_compression_ratio` → none: kvtrim streams as many of the lowest-gate heads as `ratio` "
+        "(entries removed) needs",
     ),
     PressMapping(
         "EntropyGatedChunkKVPress", None,
