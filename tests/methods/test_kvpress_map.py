@@ -74,3 +74,29 @@ def test_doc_is_the_generated_table():
     assert read_block(text) == markdown_table(), (
         "docs/kvpress.md is stale: run `python -m kvtrim.methods.kvpress_map --write docs/kvpress.md`"
     )
+
+
+def test_the_export_tool_reads_a_wheel_s_all(tmp_path):
+    import importlib.util
+    import zipfile
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "kvpress_exports.py"
+    spec = importlib.util.spec_from_file_location("kvpress_exports_tool", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    init = (
+        "from kvpress.pipeline import KVPressTextGenerationPipeline\n"
+        "from kvpress.presses.base_press import BasePress\n"
+        "from kvpress.presses.scorer_press import ScorerPress\n"
+        "from kvpress.presses.composed_press import ComposedPress\n"
+        "from kvpress.presses.b_press import BPress\n"
+        "from kvpress.presses.a_press import APress\n"
+        "__all__ = ['BPress', 'BasePress', 'ScorerPress', 'ComposedPress', 'APress', 'KVPressTextGenerationPipeline']\n"
+    )
+    wheel = tmp_path / "kvpress-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("kvpress/__init__.py", init)
+    assert module.exports(str(wheel)) == {
+        "package": "kvpress", "version": "9.9.9", "presses": ["APress", "BPress"],
+        "bases": ["BasePress", "ComposedPress", "ScorerPress"], "other": ["KVPressTextGenerationPipeline"],
+    }  # fmt: skip
