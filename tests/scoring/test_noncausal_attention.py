@@ -116,3 +116,20 @@ def test_compactor_blend_is_leverage_plus_attention_on_the_middle_entries():
     scored[..., 8:36] = True
     leverage = leverage_scores(unrotate_keys(view.keys, view.positions, view.module.config), scored)
     torch.testing.assert_close(twice - scores, 2.0 * zscore(leverage, scored), atol=1e-4, rtol=0)
+
+
+def test_chunk_attention_on_a_longer_padded_prompt_with_unscored_ends_matches_brute_force():
+    torch.manual_seed(6)
+    n, chunk, pad = 45, 8, 3
+    q, k = torch.randn(1, 2, n, 4), torch.randn(1, 1, n, 4)
+    qp = torch.cat([torch.zeros(1, 2, pad, 4), q], 2)
+    kp = torch.cat([torch.zeros(1, 1, pad, 4), k], 2)
+    pos = torch.cat([torch.full((1, pad), -1), torch.arange(n).view(1, n)], 1)
+    start, end = 5, 4  # positions [5, 41) take part; chunks start at 5
+    scored = ((pos >= start) & (pos < n - end)).view(1, 1, -1)
+    cols = chunk_attention(qp, pos, kp, pos.view(1, 1, -1), 0.7, chunk, scored, scored[:, 0], start)
+    expected = torch.zeros(1, 2, n + pad)
+    for h in range(2):
+        expected[0, h, pad + start : pad + n - end] = _brute(q[0, h, start : n - end], k[0, 0, start : n - end], 0.7,
+                                                             chunk)
+    torch.testing.assert_close(cols, expected)

@@ -43,11 +43,21 @@ def chunk_attention(
     key_chunk = torch.where(scored, (key_positions - start).div(chunk, rounding_mode="floor"), -2)
     query_chunk = torch.where(query_scored, (query_positions - start).div(chunk, rounding_mode="floor"), -1)
     total = torch.zeros(b, hq, s, dtype=torch.float32, device=keys.device)
-    for begin in range(0, n, chunk):  # query blocks bound the [q_heads, block, seq] working set
+    for begin in range(0, n, chunk):  # query blocks bound the [q_heads, block, keys] working set
         qc = query_chunk[:, begin : begin + chunk]  # [b, c]
-        mask = key_chunk[:, :, None, :] == qc[:, None, :, None]  # [b, hkv, c, s]; -1 ≠ -2: unscored match nothing
-        probs = attention_probabilities(queries[:, :, begin : begin + chunk], keys, mask, scaling)
-        total += probs.sum(2)
+        taking_part = qc >= 0
+        if not bool(taking_part.any()):
+            continue
+        # only the key slots of the block's chunks can be seen: slice them out (one host read per block; this
+        # runs at compression, not per decoded token) so the cost is ~chunk × chunk per block, not chunk × seq
+        low, high = qc.masked_fill(~taking_part, 2**62).min(), qc.max()
+        seen = ((key_chunk >= low) & (key_chunk <= high)).flatten(0, 1).any(0).nonzero()
+        if seen.numel() == 0:
+            continue
+        lo, hi = int(seen[0]), int(seen[-1]) + 1
+        mask = key_chunk[:, :, None, lo:hi] == qc[:, None, :, None]  # [b, hkv, c, hi-lo]; unscored keys are -2
+        probs = attention_probabilities(queries[:, :, begin : begin + chunk], keys[:, :, lo:hi], mask, scaling)
+        total[..., lo:hi] += probs.sum(2)
     return total.view(b, hkv * (hq // hkv), s)
 
 
@@ -98,8 +108,8 @@ class ChunkAttentionScorer(Scorer):
     The prompt is cut into chunks of ``chunk`` positions; inside a chunk every query attends to every key (no
     causal mask), and a key scores the attention its chunk's queries pay it (averaged over the GQA group) times
     ``‖v‖₂``, smoothed by a 3-wide average over neighbouring slots. Needs every prompt query (recorded during
-    prefill, ``q_heads × n × head_dim`` values per layer); costs about one attention over the prompt. Compactor
-    calls it query-agnostic: a question only moves the scores of its own chunk.
+    prefill, ``q_heads × n × head_dim`` values per layer); costs ``n × chunk`` attention weights per query head.
+    Compactor calls it query-agnostic: a question only moves the scores of its own chunk.
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
