@@ -1,4 +1,5 @@
-"""ExpectedAttention, KeyDiff, ChunkKV and KVzip in the registry: papers, exactness, real compaction, both modes."""
+"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS and
+per-layer ratios in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ PAPERS = {
     "chunkkv": "2502.00299",
     "chunkkv_reuse": "2502.00299",
     "kvzip": "2505.23416",
+    "curdkv": "2509.15038",
+    "leverage": "2507.08143",
+    "noncausal_attention": "2507.08143",
+    "compactor": "2507.08143",
+    "dms": "2506.05345",
+    "per_layer_ratio": "2404.14469",
 }
+WRAPPERS = {"per_layer_ratio", "chunked"}  # kvpress wrappers whose cited paper is their default parts' or none
 CTX = random_text(300, seed=3)
 
 
@@ -36,11 +44,13 @@ def test_registry_entries_cite_their_paper(method):
     info = method_info(method)
     assert PAPERS[method] in info.paper and PAPERS[method] in (info.factory.__doc__ or "")
     pipe = get_method(method)
-    assert PAPERS[method] in (type(pipe.scorer).__doc__ or "") + (type(pipe.selector).__doc__ or "")
+    docs = [type(part).__doc__ or "" for part in (pipe.scorer, pipe.budget, pipe.selector)]
+    if method not in WRAPPERS:  # a kvpress wrapper: its cited paper is its default parts'
+        assert any(PAPERS[method] in doc for doc in docs)
 
 
 @pytest.mark.parametrize("question_aware", [False, True])
-@pytest.mark.parametrize("method", sorted(PAPERS))
+@pytest.mark.parametrize("method", [*sorted(PAPERS), "chunked"])
 def test_budget_at_context_answers_like_the_full_cache(method, question_aware, tokenizer, tok_dir):
     model = tiny_model("llama")
     full = kvtrim.generate(model, tokenizer, CTX, ["q?", "r?"] if not question_aware else "q?", method="full",
@@ -53,7 +63,7 @@ def test_budget_at_context_answers_like_the_full_cache(method, question_aware, t
 
 
 @pytest.mark.parametrize("question_aware", [False, True])
-@pytest.mark.parametrize("method", sorted(PAPERS))
+@pytest.mark.parametrize("method", [*sorted(PAPERS), "chunked"])
 def test_compression_frees_bytes_of_the_evicted_entries(method, question_aware, tokenizer, tok_dir):
     model = tiny_model("qwen2", layers=3)
     res = kvtrim.generate(model, tokenizer, CTX, "q?", method=method, ratio=0.75, question_aware=question_aware,
@@ -62,6 +72,8 @@ def test_compression_frees_bytes_of_the_evicted_entries(method, question_aware, 
     per_entry = st.kv_bytes_before / st.kv_entries_before  # K and V of one (token, layer, KV head)
     assert st.kv_bytes_after == st.kv_entries_after * per_entry
     budget_total = round(st.context_tokens * 0.25) * 3 * 2
+    # per_layer_ratio without ratios keeps the request in every layer; chunked's one chunk of 1024 positions
+    # holds the whole context, so its quota is the budget
     if method.startswith("chunkkv"):  # whole chunks: at most chunk - 1 entries under the budget per head
         assert budget_total - 9 * 3 * 2 <= st.kv_entries_after <= budget_total
     else:
@@ -121,3 +133,47 @@ def test_chunkkv_reuse_shares_positions_between_paired_layers():
     assert reuse[0] == reuse[1] and reuse[2] == reuse[3]
     assert kept["chunkkv"][0] == reuse[0] and kept["chunkkv"][2] == reuse[2]  # reference layers select alone
     assert kept["chunkkv"] != reuse  # random layers disagree without reuse
+
+
+def test_dms_keeps_only_the_window_when_nothing_clears_the_threshold(tokenizer):
+    model = tiny_model("qwen2", layers=3)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="dms", ratio=0.0, max_new_tokens=4,
+                          method_params={"threshold": float("inf"), "recent": 16})
+    assert res.stats.kv_entries_after == 16 * 3 * 2  # the last 16 tokens of every (layer, KV head)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="dms", ratio=0.0, max_new_tokens=4,
+                          method_params={"threshold": float("-inf"), "recent": 16})
+    assert res.stats.kv_entries_after == res.stats.kv_entries_before  # everything clears -inf
+
+
+def test_dms_refuses_an_unknown_scorer():
+    with pytest.raises(InvalidParameterError, match="scorer"):
+        get_method("dms", scorer="nope")
+    with pytest.raises(InvalidParameterError, match="scorer"):
+        get_method("dms", scorer="dms")
+
+
+def test_per_layer_ratio_keeps_each_layer_s_fraction(tokenizer):
+    model = tiny_model("qwen2", layers=3)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="per_layer_ratio", ratio=0.0, max_new_tokens=2,
+                          method_params={"ratios": [0.0, 0.5, 0.75]})
+    n = res.stats.context_tokens
+    assert res.stats.kv_entries_after == (n + n // 2 + n // 4) * 2  # 2 KV heads; ratio=0 does not skip
+
+
+def test_wrappers_refuse_methods_they_cannot_reuse():
+    for params in ({"base": "nope"}, {"base": "per_layer_ratio"}, {"base": "think"}, {"base": "lagkv"}):
+        with pytest.raises(InvalidParameterError, match="base"):
+            get_method("per_layer_ratio", **params)
+    with pytest.raises(InvalidParameterError, match="scorer"):
+        get_method("dms", scorer="kvcompress")
+
+
+def test_chunked_is_knorm_inside_each_chunk(tokenizer):
+    model = tiny_model("qwen2", layers=2)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="chunked", ratio=0.5, max_new_tokens=2,
+                          method_params={"chunk": 100})
+    n = res.stats.context_tokens
+    quotas = [c * (n // 2) // n for c in (100, 100, n - 200)]  # 3 chunks of positions
+    assert res.stats.kv_entries_after == sum(max(1, q) for q in quotas) * 2 * 2  # 2 layers, 2 KV heads
+    info = method_info("chunked")
+    assert "FINCH" in info.paper and "ChunkPress" in info.paper

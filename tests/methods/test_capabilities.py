@@ -64,7 +64,7 @@ def test_budget_kinds():
     per_head = {n for n, b in budgets.items() if b == "per head"}
     assert per_head == {
         "adakv", "critical_adakv", "headkv", "critical_headkv", "head_compresskv", "ada_compresskv",
-        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip",
+        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "dms",
     }  # fmt: skip
     assert method_info("kvzip").capabilities.budgets == "per head"  # global threshold; layerwise=True is uniform
     from kvtrim.methods import get_method
@@ -76,7 +76,7 @@ def test_attention_and_question_awareness():
     caps = {n: method_info(n).capabilities for n in method_names()}
     assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
-        "duo_attention", "think",
+        "duo_attention", "think", "curdkv", "leverage", "dms", "chunked",
     }  # fmt: skip
     assert caps["kvcompress"].question_aware and not caps["kvc_full"].question_aware  # KVC-full: every query
     assert caps["think"].question_aware  # the window queries choose the key channels

@@ -34,9 +34,12 @@ class BudgetRequest:
 class BudgetAllocator(Part):
     """``allocate(request, scores) -> [batch, layers, kv_heads]`` entries kept (protected windows included).
 
-    Optional hooks (``bind``, ``check``, ``describe_compression``) are :class:`~kvtrim.parts.Part`'s."""
+    Optional hooks (``bind``, ``check``, ``describe_compression``) are :class:`~kvtrim.parts.Part`'s.
+    ``keeps_below_request``: the allocator may keep fewer entries than requested even when the request keeps the
+    whole context (a score threshold), so the compressor must not skip such a compression."""
 
     _declares_interface = True
+    keeps_below_request: bool = False
 
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
         """``[batch, layers, kv_heads]`` entries each (row, layer, KV head) keeps, given every layer's scores."""

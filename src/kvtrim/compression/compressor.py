@@ -135,7 +135,7 @@ def compress_cache(
         entries_after=before,
         seconds=0.0,
     )
-    if bool((keep >= context).all()):
+    if not pipeline.budget.keeps_below_request and bool((keep >= context).all()):
         report.skipped = True
         report.seconds = time.perf_counter() - start
         return report

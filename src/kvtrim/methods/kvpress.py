@@ -1,18 +1,27 @@
-"""Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction."""
+"""Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
+leverage scores (CurDKV, Compactor)."""
 
 from __future__ import annotations
 
+import math
+
 from ..budgets.global_threshold import GlobalThresholdBudget
+from ..budgets.layer_ratios import LayerRatioBudget
+from ..budgets.score_threshold import ScoreThresholdBudget
 from ..budgets.uniform import UniformBudget
 from ..compression.pipeline import Pipeline
+from ..errors import InvalidParameterError
 from ..scoring.expected_attention import ExpectedAttentionScorer
+from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
+from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.chunk import ChunkSelector
+from ..selection.chunk_quota import ChunkQuotaSelector
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
-from .registry import parts, register
+from .registry import get_method, method_names, parts, register
 
 FAMILY = "kvpress"
 
@@ -94,3 +103,120 @@ def kvzip(
         UniformBudget() if layerwise else GlobalThresholdBudget(),
         TopKSelector(sink=n_sink),
     )
+
+
+@register(
+    "curdkv",
+    family=FAMILY,
+    summary="Key × value leverage approximated by squared norms normalized in windows of 16 positions; 4 sinks "
+    "kept. Attention-free.",
+    paper=papers.CURDKV,
+    preset="kvpress CURPress defaults: kind kv_product, window 16, 4 sinks, no random projection",
+)
+def curdkv(kind: str = "kv_product", window: int = 16, n_sink: int = SINKS) -> Pipeline:
+    """CurDKV (Sengupta et al., arXiv 2509.15038): value-guided leverage approximation, top-k per KV head."""
+    return parts(LocalLeverageScorer(kind=kind, window=window), UniformBudget(), TopKSelector(sink=n_sink))
+
+
+@register(
+    "leverage",
+    family=FAMILY,
+    summary="Exact statistical leverage of the centred pre-RoPE keys: the keys furthest outside the span of the "
+    "others are kept. Attention-free.",
+    paper=papers.COMPACTOR,
+    preset="Compactor's leverage component (kvpress LeverageScorePress): no protected window; exact leverage instead "
+    "of the 48-column Gaussian sketch (deterministic)",
+)
+def leverage() -> Pipeline:
+    """Leverage scores of the keys (Chari & Van Durme, Compactor, arXiv 2507.08143), top-k per KV head."""
+    return parts(KeyLeverageScorer(), UniformBudget(), TopKSelector())
+
+
+@register(
+    "noncausal_attention",
+    family=FAMILY,
+    summary="Attention each entry receives from the queries of its 256-token chunk, every query seeing its whole "
+    "chunk (no causal mask), × ‖v‖, smoothed over 3 slots. Query-agnostic.",
+    paper=papers.COMPACTOR,
+    preset="Compactor's attention component (kvpress NonCausalAttnPress): chunk 256, no protected window",
+)
+def noncausal_attention(chunk: int = 256) -> Pipeline:
+    """Non-causal chunked attention (Chari & Van Durme, Compactor, arXiv 2507.08143), top-k per KV head."""
+    return parts(ChunkAttentionScorer(chunk=chunk), UniformBudget(), TopKSelector())
+
+
+@register(
+    "compactor",
+    family=FAMILY,
+    summary="Compactor: z-scored key leverage × blending plus z-scored non-causal chunk attention; the first 8 and "
+    "last 4 tokens kept. Query-agnostic.",
+    paper=papers.COMPACTOR,
+    preset="kvpress CompactorPress defaults: 8 + 4 protected tokens, chunk 256; blending 0.35 (kvpress's value when "
+    "no ratio is set; kvpress uses the ratio when it is: pass blending=RATIO); exact leverage instead of a sketch",
+)
+def compactor(blending: float = 0.35, chunk: int = 256, sink_start: int = 8, sink_end: int = 4) -> Pipeline:
+    """Compactor (Chari & Van Durme, arXiv 2507.08143): leverage and chunked attention blended, top-k per head."""
+    scorer = LeverageAttentionScorer(blending=blending, chunk=chunk, sink_start=sink_start, sink_end=sink_end)
+    return parts(scorer, UniformBudget(), TopKSelector(sink=sink_start, recent=sink_end))
+
+
+def _plain_method(param: str, name: str, own: str, example: str) -> Pipeline:
+    """The pipeline of registry method ``name`` whose parts a wrapper method reuses: another method, built from
+    plain parts (no special pipeline kind, key-channel pruning or decoding-time schedule of its own)."""
+    if name == own or name not in method_names():
+        raise InvalidParameterError(f"{param}={name!r} must name another registry method, e.g. {example!r}")
+    inner = get_method(name)
+    if type(inner) is not Pipeline or inner.channels is not None or inner.schedule.continuous:
+        raise InvalidParameterError(
+            f"{param}={name!r} is not built from plain parts (its pipeline kind, key-channel pruning or own schedule "
+            f"would be lost); name a method like {example!r}"
+        )
+    return inner
+
+
+@register(
+    "dms",
+    family=FAMILY,
+    summary="Threshold eviction: entries scoring under a threshold leave once they are older than the last 128 "
+    "tokens (per-head counts, stored ragged; capped by the ratio/budget). `dms@every:N` evicts while decoding.",
+    paper=papers.DMS,
+    preset="kvpress DMSPress: window 128, threshold set by the user for its scorer; the scorer is a registry "
+    "method's (default knorm: a per-key score, so re-scoring at each compression equals scoring once); "
+    "threshold -inf keeps everything the budget allows",
+)
+def dms(threshold: float = -math.inf, recent: int = 128, scorer: str = "knorm") -> Pipeline:
+    """DMS's eviction rule (Łańcucki et al., arXiv 2506.05345) over the scores of the registry method ``scorer``."""
+    inner = _plain_method("scorer", scorer, "dms", "knorm")
+    return parts(inner.scorer, ScoreThresholdBudget(threshold=threshold, recent=recent), TopKSelector(recent=recent))
+
+
+@register(
+    "per_layer_ratio",
+    family=FAMILY,
+    summary="A registry method's scorer and selector with a user-given fraction removed per layer (the request's "
+    "ratio is not used when `ratios` is given).",
+    paper=f"kvpress PerLayerCompressionPress (no paper of its own); default parts: {papers.SNAPKV}",
+    preset="kvpress PerLayerCompressionPress: `ratios` one per layer; `base` names the method whose scorer and "
+    "selector run (default snapkv); no ratios: the request's ratio for every layer",
+)
+def per_layer_ratio(ratios: tuple[float, ...] = (), base: str = "snapkv") -> Pipeline:
+    """Per-layer compression ratios around the parts of method ``base`` (SnapKV, Li et al., arXiv 2404.14469, by
+    default)."""
+    inner = _plain_method("base", base, "per_layer_ratio", "snapkv")
+    return parts(inner.scorer, LayerRatioBudget(ratios=tuple(ratios)), inner.selector)
+
+
+@register(
+    "chunked",
+    family=FAMILY,
+    summary="Every chunk of 1024 positions keeps its own share of the budget, chosen by the scores of another "
+    "registry method (default knorm): no part of the context is emptied.",
+    paper=f"{papers.FINCH}; default scorer: {papers.KNORM}",
+    preset="kvpress ChunkPress: chunk 1024; `base` names the method whose scorer runs (default knorm, a per-key "
+    "score, so scoring the whole cache equals kvpress's scoring chunk by chunk)",
+)
+def chunked(chunk: int = 1024, base: str = "knorm") -> Pipeline:
+    """Chunk-wise compression (FINCH's chunking, Corallo & Papotti, TACL 2024): a quota per chunk of positions;
+    the default scorer is KNorm's (Devoto et al., arXiv 2406.11430)."""
+    inner = _plain_method("base", base, "chunked", "knorm")
+    return parts(inner.scorer, UniformBudget(), ChunkQuotaSelector(chunk=chunk))

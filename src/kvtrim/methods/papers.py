@@ -62,3 +62,19 @@ DUO_ATTENTION = (
     "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, "
     "ICLR 2025 (arXiv 2410.10819)"
 )
+CURDKV = (
+    "Sengupta et al., Value-Guided KV Compression for LLMs via Approximated CUR Decomposition (arXiv 2509.15038); "
+    "kvpress CURPress"
+)
+COMPACTOR = (
+    "Chari & Van Durme, Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores "
+    "(arXiv 2507.08143); kvpress LeverageScorePress, NonCausalAttnPress, CompactorPress"
+)
+DMS = (
+    "Łańcucki et al., Inference-Time Hyper-Scaling with KV Cache Compression (arXiv 2506.05345); kvpress DMSPress "
+    "(threshold eviction without the trained evictor)"
+)
+FINCH = (
+    "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024; "
+    "kvpress ChunkPress"
+)

@@ -1,0 +1,365 @@
+"""kvpress's presses → kvtrim's methods: the table of ``docs/kvpress.md``, generated from this module and the registry.
+
+:data:`MAPPINGS` holds one :class:`PressMapping` per export of the kvpress release listed in
+``kvtrim/data/kvpress_exports.json`` (written by ``tools/kvpress_exports.py`` from the wheel; kvpress itself is not
+a dependency): the registry method that does the press's job with the parameters that follow the press's defaults,
+or the reason there is none. :func:`markdown_table` renders the rows, reading each method's family and paper from
+the registry, so a method that is renamed or removed breaks the table's generation (and its test) instead of
+leaving a stale row. ``python -m kvtrim.methods.kvpress_map --write docs/kvpress.md`` rewrites the block between
+:data:`START` and :data:`END`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from ..errors import InvalidParameterError
+from .registry import get_method, method_info
+from .table import cite
+
+START = "<!-- kvpress-table:start -->"
+END = "<!-- kvpress-table:end -->"
+
+EXPORTS_FILE = "kvpress_exports.json"
+
+
+@dataclass(frozen=True)
+class PressMapping:
+    """One kvpress export and what stands for it in kvtrim.
+
+    Attributes:
+        press: the kvpress name (``SnapKVPress``)
+        method: the registry method (``"snapkv"``; ``"snapkv@every:512"`` with a schedule), or None when there is
+            no kvtrim method yet; a wrapper press that takes any scorer names the method it is shown with
+        params: method parameters that follow the press's defaults (``get_method(method, **params)`` builds it)
+        spelling: how the press's own parameters are spelled in kvtrim (``compression_ratio`` → ``ratio`` …)
+        note: what differs from the press, or why there is no method
+    """
+
+    press: str
+    method: str | None
+    note: str
+    params: dict = field(default_factory=dict)
+    spelling: str = "`compression_ratio` → `ratio`"
+
+
+_SNAPKV_PRESS = {"window": 64, "kernel": 5, "pooling": "avg"}
+_WRAPS = "wraps any ScorerPress; shown with"
+_CALIBRATED = "needs weights trained for each model and published on the Hub; a `kvtrim calibrate` that trains them "
+_NOT_YET = "not yet built"
+
+MAPPINGS: tuple[PressMapping, ...] = (
+    PressMapping(
+        "AdaKVPress", "adakv", f"{_WRAPS} SnapKV's scorer; kvtrim's AdaKV is SnapKV + head-adaptive budgets",
+        {**_SNAPKV_PRESS, "alpha": 0.2}, "`alpha_safeguard` → `alpha`; `press` → the scorer of the method",
+    ),
+    PressMapping(
+        "BlockPress", "keydiff@every:128",
+        "kvpress scores one full prefill block by block; kvtrim really prefills in blocks: `prefill_chunk=128` "
+        "with any method `@every:128`. kvpress's target is the final `int(n·(1−ratio))`; with `ratio` kvtrim's "
+        "target grows with the tokens seen, `budget=` gives kvpress's fixed target",
+        spelling="`block_size` → `prefill_chunk` and `@every:N`; `press` → the method",
+    ),
+    PressMapping(
+        "CAMPress", None,
+        f"{_NOT_YET}: merges evicted values into their neighbours while decoding (CaM); the stores hold only "
+        "kept entries, merged entries need a value-updating compaction",
+    ),
+    PressMapping(
+        "CURPress", "curdkv",
+        "windows are windows of positions (kvpress: of slots, the same without padding or earlier eviction); the "
+        "sinks are protected by the selector instead of scored 1; `use_random_leverage` (a random projection) is "
+        "not offered",
+        {"kind": "kv_product", "window": 16, "n_sink": 4},
+        "`leverage_type` → `kind`; `local_window_size` → `window`; `num_sinks` → `n_sink`",
+    ),
+    PressMapping(
+        "CapPress", None,
+        f"{_NOT_YET}: CAPKV's weighted leverage of values under a query-anchor weighting",
+    ),
+    PressMapping(
+        "ChunkKVPress", "chunkkv", f"{_WRAPS} window attention (`w=8`, no pooling)",
+        {"chunk": 20}, "`chunk_length` → `chunk`; `press` → the scorer of the method",
+    ),
+    PressMapping(
+        "ChunkPress", "chunked",
+        "a wrapper: `base=` names the registry method whose scorer runs (default `knorm`); kvpress scores each "
+        "chunk on its own (a window scorer then looks at the chunk's last tokens), kvtrim scores the whole cache "
+        "once and takes each chunk's quota from it, identical for per-key scores such as `knorm`; chunks are "
+        "chunks of positions",
+        {"chunk": 1024, "base": "knorm"}, "`chunk_length` → `chunk`; `press` → `base`",
+    ),
+    PressMapping(
+        "CompactorPress", "compactor",
+        "exact leverage instead of a random sketch; kvpress's default blending is the compression ratio, kvtrim's "
+        "parts do not see the ratio: pass `blending=RATIO` (0.35 is kvpress's value without one); z-scores per "
+        "batch row (kvpress: over the whole batch); padded positions take no part in chunks",
+        {"chunk": 256, "sink_start": 8, "sink_end": 4},
+        "`sink_size_start` → `sink_start`; `sink_size_end` → `sink_end`; `chunk_size` → `chunk`; `blending`; "
+        "`sketch_dimension` → none (exact)",
+    ),
+    PressMapping(
+        "CompressionRatioDecodingPress", "snapkv@every:512",
+        "any method `@every:N` with `ratio`: kvtrim re-compresses to `int(seen·(1−ratio))` every N tokens, which is "
+        "this press's target; kvtrim also compresses once after prefill (kvpress's decoding presses do not)",
+        spelling="`compression_interval` → `@every:N`; `target_compression_ratio` → `ratio`; `base_press` → the "
+        "method",
+    ),
+    PressMapping(
+        "CriticalAdaKVPress", "critical_adakv", f"{_WRAPS} SnapKV's scorer",
+        {**_SNAPKV_PRESS, "alpha": 0.5, "eps": 1e-4, "safeguard": 0.2},
+        "`first_stage_ratio` → `alpha`; `epsilon` → `eps`; `alpha_safeguard` → `safeguard`",
+    ),
+    PressMapping(
+        "CriticalKVPress", "critical_snapkv", f"{_WRAPS} SnapKV's scorer",
+        {**_SNAPKV_PRESS, "alpha": 0.5, "eps": 1e-4}, "`first_stage_ratio` → `alpha`; `epsilon` → `eps`",
+    ),
+    PressMapping(
+        "DMSPress", "dms",
+        "a wrapper: `scorer=` names the registry method whose scorer is thresholded (no KVzap surrogate yet); "
+        "`ratio=0` for the threshold alone (a ratio or budget caps each head); kvpress scores a token once, when "
+        "it arrives, kvtrim re-scores the cache at each compression (the same for per-key scores like `knorm`); "
+        "kvpress masks evicted entries, kvtrim frees them (per-head counts, stored ragged)",
+        {"recent": 128, "scorer": "knorm"},
+        "`threshold`; `sliding_window_size` → `recent`; `decoding=True` → `dms@every:N`; `press` → `scorer`",
+    ),
+    PressMapping(
+        "DecodingPress", "snapkv@every:512",
+        "any method `@every:N` with `budget=target_size`: re-compresses to a fixed size every N new tokens; kvtrim "
+        "also compresses once after prefill, a no-op when the prompt fits the budget",
+        spelling="`compression_interval` → `@every:N`; `target_size` → `budget`; `base_press` → the method",
+    ),
+    PressMapping(
+        "DuoAttentionPress", "duo_attention",
+        "streaming heads keep sinks + recent, retrieval heads everything; kvtrim calibrates its own head patterns "
+        "(`kvtrim calibrate duo`) instead of downloading the authors'",
+        spelling="`head_compression_ratio` → none: kvtrim streams as many of the lowest-gate heads as `ratio` "
+        "(entries removed) needs",
+    ),
+    PressMapping(
+        "EntropyGatedChunkKVPress", None,
+        f"{_NOT_YET}: ChunkKV whose low-entropy chunks shrink to their top tokens",
+    ),
+    PressMapping(
+        "ExpectedAttentionPress", "expected_attention", "same statistics from the recorded prompt queries",
+        {"n_future": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "eps": 0.0},
+        "`n_future_positions` → `n_future`; `epsilon` → `eps`",
+    ),
+    PressMapping(
+        "ExpectedAttentionStatsPress", None,
+        f"{_NOT_YET}: expected attention from query statistics computed offline on a dataset; {_CALIBRATED}"
+        "is not built (kvtrim's `expected_attention` takes the statistics from the prompt itself)",
+    ),
+    PressMapping(
+        "FastKVzipPress", None, f"{_NOT_YET}: KVzip scores predicted by a learned gate; {_CALIBRATED}is not built",
+    ),
+    PressMapping(
+        "FinchPress", None,
+        f"{_NOT_YET}: SnapKV whose window is the question after a delimiter token, with key re-rotation; the "
+        "window part needs the question boundary as an observation",
+    ),
+    PressMapping(
+        "KVComposePress", None,
+        f"{_NOT_YET}: composite tokens aligned across heads from aggregated attention, global budget",
+    ),
+    PressMapping(
+        "KVgradPress", None,
+        f"{_NOT_YET}: KVzip's reconstruction scores weighted by input × gradient attribution (needs a backward "
+        "pass at compression)",
+    ),
+    PressMapping(
+        "KVzapPress", None, f"{_NOT_YET}: a surrogate model predicting KVzip scores from hidden states; "
+        f"{_CALIBRATED}is not built",
+    ),
+    PressMapping(
+        "KVzipPress", "kvzip", "one reconstruction pass over the whole cache instead of 2K-token chunks",
+        {"n_sink": 4, "layerwise": False}, "`chunk_size` → `chunk` (attention recomputation, not re-read chunks)",
+    ),
+    PressMapping(
+        "KeyDiffPress", "keydiff", "one shot after prefill, as kvpress",
+    ),
+    PressMapping(
+        "KeyRerotationPress", None,
+        "conflicts with a kvtrim invariant: positions are logical (docs/architecture.md) — kept keys keep the "
+        "rotation of their true position and new tokens their true position, so there is nothing to re-rotate; "
+        "re-rotating to contiguous slots changes the model's relative distances, which kvtrim does not do",
+        spelling="—",
+    ),
+    PressMapping(
+        "KnormPress", "knorm", "same score (lowest key norm kept)",
+    ),
+    PressMapping(
+        "LUKVPress", None,
+        f"{_NOT_YET}: per-(layer, head) budget curves computed offline with the LU-KV code; a calibration that "
+        "produces them is not built",
+    ),
+    PressMapping(
+        "LagKVPress", "lagkv", "kvtrim follows the paper's defaults (16 sinks) and compresses recursively",
+        {"sink": 4, "lag": 128}, "`n_sink` → `sink`; `lag_size` → `lag`",
+    ),
+    PressMapping(
+        "LeverageScorePress", "leverage",
+        "exact leverage of the centred pre-RoPE keys; kvpress approximates it with a random 48-column Gaussian "
+        "sketch (so its kept set changes from run to run); the z-normalization kvpress applies does not change "
+        "a per-head top-k",
+        spelling="`sketch_dimension` → none (exact)",
+    ),
+    PressMapping(
+        "MergingPress", None,
+        f"{_NOT_YET}: evicted values folded into their most similar kept entry; needs a value-updating compaction",
+    ),
+    PressMapping(
+        "NonCausalAttnPress", "noncausal_attention",
+        "chunks are chunks of positions; kvpress's padded last chunk lets its zero padding queries and keys take "
+        "part (its key mask adds −1e-9, not −∞), kvtrim's last chunk holds only real tokens",
+        {"chunk": 256}, "`chunk_size` → `chunk`",
+    ),
+    PressMapping(
+        "ObservedAttentionPress", "h2o", "kvpress divides each entry's summed prompt attention by the number of "
+        "queries that see it (a mean, which favours late entries); kvtrim's H2O keeps the sum (the paper's "
+        "accumulated attention); no recent window, as kvpress",
+        {"recent_fraction": 0.0},
+    ),
+    PressMapping(
+        "PerLayerCompressionPress", "per_layer_ratio",
+        "a wrapper: `base=` names the registry method whose scorer and selector run (default `snapkv`, kvtrim's "
+        "settings); as in kvpress the request's own ratio is not used once `ratios` is given; kvpress needs flash "
+        "attention for it, kvtrim stores the per-layer counts densely per layer",
+        {"base": "snapkv"}, "`compression_ratios` → `ratios` (one per layer); `press` → `base`",
+    ),
+    PressMapping(
+        "PrefillDecodingPress", "snapkv@every:512",
+        "one method compresses after prefill and `@every:N` while decoding, under one budget; two different "
+        "presses for the two phases are not supported",
+        spelling="`prefilling_press`, `decoding_press` → one method and its schedule",
+    ),
+    PressMapping(
+        "PyramidKVPress", "pyramidkv", "kvpress's SnapKV window and pooling",
+        {**_SNAPKV_PRESS, "beta": 20.0}, "`window_size` → `window`; `kernel_size` → `kernel`",
+    ),
+    PressMapping(
+        "QFilterPress", None, f"{_NOT_YET}: scores keys against learned query directions; {_CALIBRATED}is not built",
+    ),
+    PressMapping(
+        "RandomPress", "random", "kvtrim seeds by default (`seed=0`); kvpress draws unseeded by default",
+    ),
+    PressMapping(
+        "RestoreKVPress", None,
+        f"{_NOT_YET}: KVzip plus learned restore tokens filling part of the budget; {_CALIBRATED}is not built",
+    ),
+    PressMapping(
+        "SimLayerKVPress", None,
+        f"{_NOT_YET}: a layer whose last query pays more than `lazy_threshold` of its attention to the first 4 "
+        "and last 1024 tokens keeps only those, the others keep everything; the layers, not a ratio or budget, "
+        "decide the amount (kvpress makes its ratio read-only), which needs a request without a ratio; kvpress "
+        "decides once per batch, a kvtrim version would decide per row",
+    ),
+    PressMapping(
+        "SnapKVPress", "snapkv", "kvtrim's default is KVCache-Factory's `w=8`, max-pool 7; these are kvpress's",
+        _SNAPKV_PRESS, "`window_size` → `window`; `kernel_size` → `kernel`",
+    ),
+    PressMapping(
+        "StreamingLLMPress", "streaming_llm", "same rule", {"sink": 4}, "`n_sink` → `sink`",
+    ),
+    PressMapping(
+        "TOVAPress", "tova", "same rule (last query, head-averaged)",
+    ),
+    PressMapping(
+        "ThinKPress", "think", "prunes key channels, not tokens",
+        {"window": 32}, "`key_channel_compression_ratio` → `ratio`; `window_size` → `window`",
+    ),
+)
+
+BASES: tuple[PressMapping, ...] = (
+    PressMapping(
+        "BasePress", None, "the part interfaces (`kvtrim.scoring.Scorer`, budget allocator, selector) and "
+        "`Pipeline` play its role", spelling="—",
+    ),
+    PressMapping(
+        "ComposedPress", None, "presses applied one after another; a kvtrim method is one pipeline (scorer, budget, "
+        "selector, optional key-channel pruning as in `think_snapkv`), arbitrary chains are not built",
+        spelling="—",
+    ),
+    PressMapping(
+        "KVPressTextGenerationPipeline", None, "`kvtrim.hf_pipeline`'s `kvtrim-text-generation` pipeline "
+        "(context + questions, one compression)", spelling="—",
+    ),
+    PressMapping(
+        "ScorerPress", None, "any scorer with `UniformBudget` and `TopKSelector` (`kvtrim.methods.registry.parts`)",
+        spelling="—",
+    ),
+)
+
+
+def kvpress_exports() -> dict:
+    """The checked-in export list: ``{"version", "presses", "bases", "other"}`` (names sorted)."""
+    text = resources.files("kvtrim").joinpath("data", EXPORTS_FILE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def unmapped(rows: tuple[PressMapping, ...] | None = None) -> list[str]:
+    """kvpress presses of the export list without a row in ``rows`` (default :data:`MAPPINGS`), sorted."""
+    rows = MAPPINGS if rows is None else rows
+    return sorted(set(kvpress_exports()["presses"]) - {row.press for row in rows})
+
+
+def _method_cell(row: PressMapping) -> str:
+    if row.method is None:
+        return "—"
+    info = method_info(row.method)  # an unknown method raises here
+    get_method(row.method, **row.params)  # and so do parameters it does not take
+    params = ", ".join(f"{k}={v!r}" for k, v in row.params.items())
+    call = f"`{row.method}`" + (f" with `{params}`" if params else "")
+    return f"{call} ({info.family}; {cite(info.paper)})"
+
+
+def markdown_table() -> str:
+    """The press table in Markdown (ends with a newline): presses first, then base classes and the pipeline."""
+    lines = [
+        "| kvpress export | kvtrim method | parameters | notes |",
+        "|---|---|---|---|",
+    ]
+    for row in sorted(MAPPINGS, key=lambda r: r.press) + list(BASES):
+        lines.append(f"| `{row.press}` | {_method_cell(row)} | {row.spelling} | {row.note} |")
+    return "\n".join(lines) + "\n"
+
+
+def replace_block(text: str, table: str) -> str:
+    """``text`` with the block between :data:`START` and :data:`END` replaced by ``table``.
+
+    Raises:
+        InvalidParameterError: the markers are missing, repeated or out of order
+    """
+    starts, ends = text.count(START), text.count(END)
+    if starts != 1 or ends != 1 or text.index(START) > text.index(END):
+        raise InvalidParameterError(f"the file must hold {START!r} then {END!r}, once each")
+    head, rest = text.split(START)
+    _, tail = rest.split(END)
+    return f"{head}{START}\n{table}{END}{tail}"
+
+
+def read_block(text: str) -> str:
+    """The text between the markers."""
+    replace_block(text, "")
+    return text.split(START)[1].split(END)[0].removeprefix("\n")
+
+
+def write_doc(path: str | Path) -> bool:
+    """Rewrite the table block of the file at ``path``; returns whether it changed."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    new = replace_block(text, markdown_table())
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+if __name__ == "__main__":  # python -m kvtrim.methods.kvpress_map --write docs/kvpress.md
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        print("changed" if write_doc(sys.argv[2]) else "unchanged")
+    else:
+        sys.stdout.write(markdown_table())
