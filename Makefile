@@ -56,7 +56,7 @@ bench: model
 	$(PY) benchmarks/bench_speed_memory.py
 
 # What benchmarks/gpu_issue14.sh needs on a GPU machine that only has torch and transformers: SmolLM2's tokenizer
-# and config (no weights) and the jargon haystack, in .gpu/kvtrim_home (git-ignored; carry `.gpu` with the device tool)
+# and config (no weights) and the jargon haystack, in .gpu/kvtrim_home (git-ignored; copy `.gpu` to the GPU machine)
 gpu-bundle: model
 	rm -rf .gpu && mkdir -p .gpu/kvtrim_home/models/smollm2-135m .gpu/kvtrim_home/haystacks
 	cd $$($(PY) -c "import kvtrim.models as m; print(m.kvtrim_home())") && \

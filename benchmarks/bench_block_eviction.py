@@ -4,7 +4,7 @@
 different slice of the haystack). Then the per-head budget M steps down from 900 to 116 tokens by 16, and each
 step evicts every sequence down to it:
 
-* ``per_sequence``: ``compress_sequence`` on each sequence in turn (what the engine did before issue 14); the
+* ``per_sequence``: ``compress_sequence`` on each sequence in turn (what the engine did before batched eviction); the
   block ranking (``schedule_evictions``) and MoveCache (``apply_evictions``) of the first sequence are also timed
   separately, as the earlier version of this benchmark did;
 * ``batched``: one ``compress_sequences`` call over all sequences (one ranking and one MoveCache for the batch).
