@@ -225,7 +225,7 @@ def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "smollm2-135m",
     samples: Annotated[int, typer.Option(help="prompts per task")] = 2,
     length: Annotated[int, typer.Option(help="prompt length in tokens")] = 1000,
-    ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5,0.75",
+    ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5",
     methods_: Annotated[
         str | None, typer.Option("--methods", help="comma-separated methods (default: kvtrim.demo.DEFAULT_METHODS)")
     ] = None,

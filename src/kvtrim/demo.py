@@ -64,7 +64,7 @@ def run_demo(
     runs, leaving out the first prompt, which warms up every method (lazy imports, artifact loading, first-call
     allocations). With one torch thread, CPU time is the time the work takes on an idle core.
     """
-    ratios = ratios or [0.5, 0.75]
+    ratios = ratios or [0.5]
     methods = methods or DEFAULT_METHODS
     for name in methods:
         get_method(name)  # fail fast on unknown names
