@@ -132,23 +132,22 @@ def run_demo(
             }
         )
     header = (
-        "| method | ratio | passkey (ctx-only) | needle (ctx-only) | passkey (q-aware) | needle (q-aware) "
-        "| KV MiB kept | kept % | compress CPU ms | decode CPU ms/token |"
+        "| method | ratio | passkey ctx | needle ctx | passkey q | needle q | kept % | compress ms | decode ms/tok |"
     )
     print(
         f"\nkvtrim demo: {model} on {device} ({dtype}), {samples} prompts per task of ~{length} tokens, "
         f"{prompt_format} prompt layout, greedy decoding, {torch.get_num_threads()} torch thread(s)"
     )
-    print("scores are % (passkey: exact key; needle: recall of the needle's words)")
-    print("times: process CPU time, median over the prompts after the first (warm-up) one\n")
+    print("scores are % (passkey: exact key; needle: recall of the needle's words); ctx: context-only, the question")
+    print(f"comes after compression; q: question-aware; kept %: of the {table[0]['kv_mib']:.2f} MiB of K/V entries;")
+    print("times: process CPU milliseconds, median over the prompts after the first (warm-up) one\n")
     print(header)
-    print("|" + "|".join(["---"] * 10) + "|")
+    print("|" + "|".join(["---"] * 2 + ["---:"] * 7) + "|")
     for r in table:
         print(
             f"| {r['method']} | {'-' if r['ratio'] is None else r['ratio']} | {_fmt(r['passkey_co'], '.0f')} "
             f"| {_fmt(r['needle_co'], '.0f')} | {_fmt(r['passkey_qa'], '.0f')} | {_fmt(r['needle_qa'], '.0f')} "
-            f"| {r['kv_mib']:.2f} | {r['kept_pct']:.0f} | {_fmt(r['compress_ms'], '.1f')} "
-            f"| {_fmt(r['decode_ms'], '.1f')} |"
+            f"| {r['kept_pct']:.0f} | {_fmt(r['compress_ms'], '.0f')} | {_fmt(r['decode_ms'], '.0f')} |"
         )
     print(f"\nfinished in {time.perf_counter() - started:.0f} s")
     return table
