@@ -1,7 +1,7 @@
 """Engine checks that need a CUDA device (skipped elsewhere; CI has none). They close what the CPU tests cannot:
 that the static decode step captures into CUDA graphs and replays to the eager tokens, that the decode kernels run
-on real hardware, and that the two compose. Run them in one device call with ``bash benchmarks/gpu_issue14.sh``
-(docs/serving-engine.md)."""
+on real hardware, and that the two compose. On a GPU machine they run in the ``tests`` stage of
+``benchmarks/gpu_check.sh`` (docs/gpu-check.md)."""
 
 from __future__ import annotations
 
