@@ -10,8 +10,8 @@ step evicts every sequence down to it:
 * ``batched``: one ``compress_sequences`` call over all sequences (one ranking and one MoveCache for the batch).
 
 Both modes start from the same prefilled state (the prefill is run once per mode). Times are CPU seconds of this
-process (``time.process_time``), one torch thread. Run against code without ``compress_sequences`` (before issue
-14) only the per-sequence mode runs.
+process (``time.process_time``), one torch thread. Run against code without ``compress_sequences`` (before batched
+eviction) only the per-sequence mode runs.
 
 Usage::
 

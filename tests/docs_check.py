@@ -462,7 +462,7 @@ def path_problems(text: str, root: Path = ROOT) -> list[str]:
 # ------------------------------------------------------------------------------------------------ wording
 
 ORGANISATION = re.compile(
-    r"\bsessions? ?\d|\bissues? ?#?\d+|\bhelpers?\b(?! (?:function|module|class|method)s?\b)|\bthe lead\b|"
+    r"\bsessions?\s?\d|\bissues?\s?#?\d+|\bhelpers?\b(?! (?:function|module|class|method)s?\b)|\bthe lead\b|"
     r"\bworktree|\bdevice tool\b|\bdevice call\b|\bwas filed\b|\bwere lent\b|\bwas lent\b",
     re.IGNORECASE,
 )
@@ -470,7 +470,7 @@ ORGANISATION = re.compile(
 
 # In code, "helper" is a word of the trade (a helper function); the rest of the list applies.
 CODE_ORGANISATION = re.compile(
-    r"\bsessions? ?\d|\bissues? ?#?\d+|\bthe lead\b|\bworktree|\bdevice tool\b|\bdevice call\b|\bwas filed\b",
+    r"\bsessions?\s?\d|\bissues?\s?#?\d+|\bthe lead\b|\bworktree|\bdevice tool\b|\bdevice call\b|\bwas filed\b",
     re.IGNORECASE,
 )
 
@@ -483,17 +483,18 @@ def code_files(root: Path = ROOT) -> list[Path]:
     return sorted(p for p in files if p.resolve() not in here)
 
 
-def code_wording_problems(text: str) -> list[str]:
+def _matches(pattern: re.Pattern, text: str) -> list[str]:
+    """One problem per match, found in the whole text (a phrase may wrap a line), named by its first line."""
     return [
-        f"line {n}: {m.group(0)!r} speaks of how the work was organised"
-        for n, line in enumerate(text.splitlines(), 1)
-        for m in CODE_ORGANISATION.finditer(line)
+        f"line {text.count(chr(10), 0, m.start()) + 1}: {' '.join(m.group(0).split())!r} speaks of how the work was "
+        "organised"
+        for m in pattern.finditer(text)
     ]
+
+
+def code_wording_problems(text: str) -> list[str]:
+    return _matches(CODE_ORGANISATION, text)
 
 
 def wording_problems(text: str) -> list[str]:
-    return [
-        f"line {n}: {m.group(0)!r} speaks of how the work was organised"
-        for n, line in enumerate(text.splitlines(), 1)
-        for m in ORGANISATION.finditer(line)
-    ]
+    return _matches(ORGANISATION, text)

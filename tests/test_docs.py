@@ -183,7 +183,8 @@ def test_table_check_ignores_tables_without_numbers(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "line", ["as measured in issue 14", "the run of session 6", "six other helpers shared it", "Issue #19's sweep"]
+    "line",
+    ["as measured in issue 14", "the run of session 6", "six other helpers shared it", "Issue #19's sweep", "issue\n1"],
 )
 def test_wording_check_fails_on_organisational_words(line):
     assert len(wording_problems(f"# Page\n\n{line}.\n")) == 1
