@@ -380,7 +380,7 @@ NUMBER_CELL = re.compile(
     r"^[*_~<>≤≥≈~+−-]*\s*[-+−]?\d[\d,.]*\s*(%|×|x|ms|s|µs|us|MiB|GiB|KiB|MB|GB|tok/s|ms/token|B|k)?[*_]*$"
 )
 RESULTS_PATH = re.compile(r"(?<![\w/.])(?:benchmarks/)?results/[^\s`'\")\]|]*")
-WILDCARD = re.compile(r"[*…<{]")
+WILDCARD = re.compile(r"[*…{]")
 SOURCE = re.compile(
     r"benchmarks/results/|`(?:\.venv/bin/)?kvtrim [a-z]|`(?:\.venv/bin/)?python[^`]* (?:benchmarks|tools)/|"
     r"`make [a-z]|`bash benchmarks/|tests/\S+\.py"
@@ -434,7 +434,9 @@ def table_problems(text: str, root: Path = ROOT) -> list[str]:
         for path in RESULTS_PATH.findall(line):
             path = path.rstrip(".,;:")
             path = path if path.startswith("benchmarks/") else "benchmarks/" + path  # `results/x` on a page
-            if WILDCARD.search(path):  # `…/kvpress_methods_*`, `bench_gpu_<shape>.json`, `x.{json,md}`
+            if "<" in path:  # a template (`…/bench_gpu_<shape>_<device>.json`): where a run writes, not a citation
+                continue
+            if WILDCARD.search(path):  # `…/kvpress_methods_*`, `x.{json,md}`
                 prefix = WILDCARD.split(path)[0]
                 hits = list(root.glob(prefix.rstrip("/") + "*")) if prefix.strip("/") else [root]
                 if not hits:
