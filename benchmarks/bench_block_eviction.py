@@ -4,14 +4,14 @@
 different slice of the haystack). Then the per-head budget M steps down from 900 to 116 tokens by 16, and each
 step evicts every sequence down to it:
 
-* ``per_sequence``: ``compress_sequence`` on each sequence in turn (what the engine did before issue 14); the
+* ``per_sequence``: ``compress_sequence`` on each sequence in turn (what the engine did before batched eviction); the
   block ranking (``schedule_evictions``) and MoveCache (``apply_evictions``) of the first sequence are also timed
   separately, as the earlier version of this benchmark did;
 * ``batched``: one ``compress_sequences`` call over all sequences (one ranking and one MoveCache for the batch).
 
 Both modes start from the same prefilled state (the prefill is run once per mode). Times are CPU seconds of this
-process (``time.process_time``), one torch thread. Run against code without ``compress_sequences`` (before issue
-14) only the per-sequence mode runs.
+process (``time.process_time``), one torch thread. Run against code without ``compress_sequences`` (before batched
+eviction) only the per-sequence mode runs.
 
 Usage::
 

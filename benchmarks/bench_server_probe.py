@@ -1,4 +1,4 @@
-"""Re-runs the five findings of issue 17 against real ``kvtrim serve`` processes (SmolLM2-135M, 127.0.0.1).
+"""Five security and robustness probes (docs/server.md) against real ``kvtrim serve`` processes (SmolLM2-135M).
 
 1. A huge request while a stream runs: a 5 MB prompt (refused by size), a 90,000-character prompt (under the
    character cap: tokenized, then refused by the model's context), 17 prompts in one request. Per probe: status,
@@ -307,7 +307,7 @@ def main() -> None:
                 s.proc.kill()
     results["load average at end"] = round(os.getloadavg()[0], 1)
     (OUT_DIR / "probe.json").write_text(json.dumps(results, indent=2) + "\n")
-    lines = [f"# kvtrim serve probe (issue 17), {results['date']}", "", f"{results['machine']}; model {args.model}, "
+    lines = [f"# kvtrim serve probe, {results['date']}", "", f"{results['machine']}; model {args.model}, "
              f"--threads {args.threads}", ""]  # fmt: skip
     for key, value in results.items():
         if isinstance(value, dict):

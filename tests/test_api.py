@@ -108,6 +108,11 @@ def test_stats_are_measured(llama, tokenizer):
     assert s.prefill_s > 0 and s.compress_s > 0
     assert s.decode_tokens > 0 and math.isfinite(s.decode_ms_per_token)
     assert s.as_dict()["decode_ms_per_token"] == s.decode_ms_per_token
+    # CPU time of both questions' decoding and of the compression (a process cannot use more than its threads)
+    assert 0 < s.decode_cpu_s <= s.decode_s * torch.get_num_threads() + 0.05
+    assert 0 < s.compress_cpu_s <= s.compress_s * torch.get_num_threads() + 0.05
+    assert s.as_dict()["decode_cpu_ms_per_token"] == s.decode_cpu_ms_per_token
+    assert s.decode_cpu_ms_per_token == 1000 * s.decode_cpu_s / s.decode_tokens
 
 
 def test_context_only_questions_do_not_see_each_other(llama, tokenizer):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -92,6 +94,14 @@ def test_on_step_can_end_a_row(model, ids):
     pre = _prefill(model, ids)
     out = _decode(model, pre, 12, on_step=lambda step, tokens, attentions: step == 3)
     assert len(out.tokens[0]) == 4 and out.tokens == [_decode(model, pre, 4).tokens[0]]
+
+
+def test_decode_cpu_time_leaves_out_time_the_process_waits(model, ids):
+    """cpu_seconds counts this process's CPU work, not time it waits (as when other jobs hold a shared CPU)."""
+    pre = _prefill(model, ids)
+    out = _decode(model, pre, 4, on_step=lambda step, tokens, attentions: time.sleep(0.25))
+    assert out.seconds >= 4 * 0.25
+    assert 0 < out.cpu_seconds < out.seconds - 0.75
 
 
 def test_feed_uses_logical_positions_under_left_padding(model):

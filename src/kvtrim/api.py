@@ -27,6 +27,9 @@ class GenerationStats:
     of the key and value tensors. ``before`` is right after prefill, ``after`` right after compression.
     ``peak_kv_bytes`` is the largest K/V size held at any forward-pass boundary (prefill chunks and decoding
     included); ``compressions`` counts compressions of one answer (more than 1 with a decoding-time schedule).
+    ``decode_s`` / ``compress_s`` are wall times, ``decode_cpu_s`` / ``compress_cpu_s`` the CPU time this process
+    spent (steady on a shared CPU, where wall time also counts what other jobs took; host work only on an
+    accelerator).
     """
 
     method: str
@@ -51,10 +54,17 @@ class GenerationStats:
     compression_metadata: dict = field(default_factory=dict)
     prompt_format: str = "kvtrim"
     separator: str = "\n\n"
+    decode_cpu_s: float = 0.0
+    compress_cpu_s: float = 0.0
 
     @property
     def decode_ms_per_token(self) -> float:
         return 1000.0 * self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
+
+    @property
+    def decode_cpu_ms_per_token(self) -> float:
+        """Process CPU milliseconds per decoding step (see :class:`kvtrim.runtime.Decoded`'s ``cpu_seconds``)."""
+        return 1000.0 * self.decode_cpu_s / self.decode_tokens if self.decode_tokens else float("nan")
 
     @property
     def kept_fraction(self) -> float:
@@ -63,6 +73,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["decode_ms_per_token"] = self.decode_ms_per_token
+        out["decode_cpu_ms_per_token"] = self.decode_cpu_ms_per_token
         return out
 
 
@@ -223,7 +234,7 @@ class Session:
             cache, report, compress_s = compressed.cache, compressed.report, compressed.seconds
             after = cache.stats()
             answers: list[list[str]] = [[] for _ in range(len(pre.mask))]
-            timings = {"qprefill": 0.0, "decode": 0.0, "steps": 0}
+            timings = {"qprefill": 0.0, "decode": 0.0, "decode_cpu": 0.0, "steps": 0}
             peak, compressions = cache.peak_kv_bytes, cache.compressions
             if self.question_aware:
                 outcome = greedy_decode(
@@ -276,6 +287,8 @@ class Session:
             compression_metadata={} if report is None else dict(report.metadata),
             prompt_format=self.template.format,
             separator=self.template.separator,
+            decode_cpu_s=timings["decode_cpu"],
+            compress_cpu_s=compressed.cpu_seconds,
         )
         return Result(answers=answers if self.batched else answers[0], stats=stats)
 
@@ -380,7 +393,15 @@ def generate(
         )
     stats = results[0].stats
     for r in results[1:]:
-        for name in ("prefill_s", "compress_s", "question_prefill_s", "decode_s", "decode_tokens"):
+        for name in (
+            "prefill_s",
+            "compress_s",
+            "question_prefill_s",
+            "decode_s",
+            "decode_tokens",
+            "decode_cpu_s",
+            "compress_cpu_s",
+        ):
             setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
     if batched:
         answers = [[r.answers[row][0] for r in results] for row in range(len(contexts))]
@@ -406,6 +427,7 @@ def _collect(
         answers[row].append(sampling.cut(tokenizer.decode(toks, skip_special_tokens=True)).strip())
     timings["qprefill"] += question_s
     timings["decode"] += outcome.seconds
+    timings["decode_cpu"] += outcome.cpu_seconds
     timings["steps"] += outcome.steps
 
 

@@ -233,17 +233,28 @@ def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "smollm2-135m",
     samples: Annotated[int, typer.Option(help="prompts per task")] = 2,
     length: Annotated[int, typer.Option(help="prompt length in tokens")] = 1000,
-    ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5,0.75",
+    ratios: Annotated[str, typer.Option(help="comma-separated ratios")] = "0.5",
     methods_: Annotated[
         str | None, typer.Option("--methods", help="comma-separated methods (default: kvtrim.demo.DEFAULT_METHODS)")
     ] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    prompt_format: Annotated[
+        str,
+        typer.Option(help="prompt layout: kvpress (default: the full cache's best here) or kvtrim"),
+    ] = "kvpress",
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
 ) -> None:
     """Compress the embedded model's cache with several methods on passkey and needle prompts; print a table."""
     from .demo import run_demo
 
     try:
+        if threads is not None:
+            if threads <= 0:
+                raise KVTrimError(f"--threads must be positive, got {threads}")
+            import torch
+
+            torch.set_num_threads(threads)
         run_demo(
             model=model,
             samples=samples,
@@ -252,6 +263,7 @@ def demo(
             methods=None if methods_ is None else [m.strip() for m in methods_.split(",") if m.strip()],
             device=device,
             dtype=dtype,
+            prompt_format=prompt_format,
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)

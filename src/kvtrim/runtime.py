@@ -195,11 +195,12 @@ def _record_prompt_logprobs(cache: KVTrimCache, logits, input_ids, input_mask, w
 @dataclass
 class Compressed:
     """A compressed copy of a prefill: the cache, the method's report (None for ``"full"``) and the seconds the
-    compression took."""
+    compression took (wall, and CPU time of this process as in :class:`Decoded`)."""
 
     cache: KVTrimCache
     report: CompressionReport | None
     seconds: float
+    cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -297,9 +298,9 @@ class Prefill:
             cache = self.cache.clone(pipeline, spec, kv_quant)
         if pipeline is None:
             return Compressed(cache, None, 0.0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         report = cache.compress(logits=self.logits)
-        return Compressed(cache, report, time.perf_counter() - t0)
+        return Compressed(cache, report, time.perf_counter() - t0, time.process_time() - c0)
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -317,11 +318,15 @@ class Decoded:
         tokens: per row, the answer's token ids (EOS excluded)
         seconds: wall time of decoding
         steps: decoding forward passes (tokens fed back into the cache)
+        cpu_seconds: CPU time this process spent decoding (all its threads). On a CPU shared with other jobs it is
+            the steady measure of the work, where wall time also counts the time others held the cores; on an
+            accelerator it counts only the host's side
     """
 
     tokens: list[list[int]]
     seconds: float
     steps: int
+    cpu_seconds: float = 0.0
 
 
 def greedy_decode(
@@ -362,7 +367,7 @@ def greedy_decode(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     emitted: list[torch.Tensor] = []  # [batch] per step; -1 where the row emitted nothing
     next_token = sampling.pick(seq, logits)
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, c0 = 0, time.perf_counter(), time.process_time()
     for step in range(sampling.max_new_tokens):
         is_eos = torch.isin(next_token, eos_ids_)
         emitted.append(next_token.masked_fill(done | is_eos, -1))
@@ -384,4 +389,5 @@ def greedy_decode(
         next_token = sampling.pick(seq, fed.logits)
         steps += 1
     rows = torch.stack(emitted, dim=1).tolist()
-    return Decoded([[t for t in row if t >= 0] for row in rows], time.perf_counter() - t0, steps)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    return Decoded([[t for t in row if t >= 0] for row in rows], seconds, steps, cpu_seconds)

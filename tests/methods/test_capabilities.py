@@ -15,7 +15,7 @@ from kvtrim.scoring.key_norm import KeyNormScorer
 from kvtrim.selection.topk import TopKSelector
 
 # the list kvtrim.vllm.config held by hand before the parts declared it (docs/vllm.md's table), plus pyramidkv
-# (per-layer counts, session 5)
+# (per-layer counts)
 VLLM_METHODS = {"streaming_llm", "snapkv", "tova", "knorm", "random", "lagkv", "localkv", "lag_knorm", "pyramidkv"}
 
 

@@ -1,7 +1,8 @@
 """Engine checks that need a CUDA device (skipped elsewhere; CI has none). They close what the CPU tests cannot:
 that the static decode step captures into CUDA graphs and replays to the eager tokens, that the decode kernels run
 on real hardware, and that the two compose. Everything built here (model, options) is built on the CPU by
-tests/serve/test_engine_cuda_cases.py, so these tests can fail only because of CUDA."""
+tests/serve/test_engine_cuda_cases.py, so these tests can fail only because of CUDA. On a GPU machine they run in
+the ``tests`` stage of ``benchmarks/gpu_check.sh`` (docs/gpu-check.md)."""
 
 from __future__ import annotations
 

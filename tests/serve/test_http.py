@@ -477,7 +477,7 @@ def test_serve_command(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--dtype", "bfloat8"])
     assert result.exit_code == 2 and "dtype" in result.output
 
-    # without --protected-window each method keeps its preset's window (issue 15: the CLI used to force 32)
+    # without --protected-window each method keeps its preset's window (the CLI used to force 32)
     for method, window in (("kvc_w8", 8), ("kvcompress", 32)):
         result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--kv-blocks", "256", "--method", method])
         assert result.exit_code == 0, result.output

@@ -179,7 +179,7 @@ def test_surrogate_pairs_are_fine(default_url):
 
 
 def test_keep_alive_survives_errors(default_url):
-    """Issue 17: after a 500 the keep-alive connection was reset on the next request in 3 of 8 tries."""
+    """After a 500 the keep-alive connection was reset on the next request in 3 of 8 tries."""
     host, port = default_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     headers = {"content-type": "application/json"}

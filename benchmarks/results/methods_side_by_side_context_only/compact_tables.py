@@ -1,7 +1,8 @@
-"""Compact markdown tables of the issue-19 sweep, as quoted in docs/methods-kvpress.md and docs/methods-think-duo.md.
+"""Compact markdown tables of the side-by-side sweep of the newer methods, as quoted in docs/methods-kvpress.md
+and docs/methods-think-duo.md.
 
-Run from the repository root: ``python benchmarks/results/issue19_methods_context_only/compact_tables.py``.
-Reads ``records.jsonl`` of ``issue19_methods_context_only`` and ``issue19_methods_question_aware``. A prompt
+Run from the repository root: ``python benchmarks/results/methods_side_by_side_context_only/compact_tables.py``.
+Reads ``records.jsonl`` of ``methods_side_by_side_context_only`` and ``methods_side_by_side_question_aware``. A prompt
 (task, index) counts only when every (method, ratio) of ``MAIN`` and the full cache has a record for it, so every
 cell of a column rests on the same prompts. Cells are mean score x100; ``avg`` is the macro average over tasks;
 KV bytes % = bytes kept / full.
@@ -34,7 +35,7 @@ RATIOS = [0.5, 0.75, 0.9]
 
 
 def _load(mode: str) -> list[dict]:
-    path = ROOT / f"issue19_methods_{mode}" / "records.jsonl"
+    path = ROOT / f"methods_side_by_side_{mode}" / "records.jsonl"
     return [json.loads(line) for line in path.open(encoding="utf-8") if line.strip()]
 
 
