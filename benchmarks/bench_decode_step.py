@@ -1,4 +1,4 @@
-"""Engine decode-step time vs. decode batch (issue 14's second target: a step at batch 32 <= 1.5x the step at 4).
+"""Engine decode-step time vs. decode batch (the engine's H100 target: a step at batch 32 <= 1.5x the step at 4).
 
 For each batch size ``b`` a fresh :class:`kvtrim.serve.engine.Engine` gets ``b`` prompts of ``--context`` tokens
 (prose from the jargon haystack, as ``bench_serving_throughput.py``) and a pool that holds all of them uncompressed,

@@ -48,7 +48,7 @@ from kvtrim.serve.engine import Engine
 from kvtrim.serve.types import SamplingParams
 
 MODEL = "smollm2-135m"
-# Random-weight shapes (Llama-3.x configs; the lead unifies this table with benchmarks/bench_gpu.py's at merge).
+# Random-weight shapes (Llama-3.x configs).
 SHAPES = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0),

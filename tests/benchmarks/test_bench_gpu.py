@@ -67,7 +67,8 @@ def test_shapes_match_the_named_models(bench):
 
 
 def test_defaults_bound_the_run(bench):
-    """The default run is sized for one device call: a bounded method set, one prefill per configuration."""
+    """The default run fits one stage of benchmarks/gpu_check.sh: a bounded method set, one prefill per
+    configuration."""
     args = bench.parse_args([])
     assert args.methods == list(bench.DEFAULT_METHODS) and len(args.methods) <= 8
     assert (args.contexts, args.batches, args.generate, args.prefill_chunk) == ([4096, 32768], [1, 8], False, 4096)

@@ -2,7 +2,7 @@
 
 On CUDA, PyTorch's SDPA may pick the cuDNN backend, which builds an execution plan for every new shape. kvtrim's
 caches change length every decoding step and, with per-layer budgets (PyramidKV) or ragged stores, differ per
-layer, so every call re-plans (measured at 54 ms a call on an H100, issue 13). Here CUDA calls go to:
+layer, so every call would re-plan (decision 10, docs/decisions.md). Here CUDA calls go to:
 
 * ``flash-attn``'s ``flash_attn_func`` when that optional package is importable and the call allows it
   (fp16/bf16, head_dim a multiple of 8 and at most 256, no explicit mask, causal only when queries and keys have
