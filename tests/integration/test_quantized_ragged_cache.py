@@ -3,6 +3,7 @@ random model: bytes, closeness to the unquantized ragged store, and the padded s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,10 +12,10 @@ import torch
 import kvtrim
 from conftest import random_text
 from kvtrim.cache.quant import KVQuant
+from kvtrim.cache.quantized_dense import QuantizedDenseStore
 from kvtrim.cache.quantized_ragged import QuantizedRaggedStore
 from kvtrim.cache.ragged import RaggedStore
 from kvtrim.compression.compressor import BudgetSpec
-from kvtrim.compression.pipeline import Pipeline
 from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.integration.cache import KVTrimCache
 from kvtrim.methods import get_method
@@ -23,9 +24,11 @@ CTX = random_text(300, seed=1)
 STEPS = 8
 
 
-def _prefill(model, ids, kv_quant, method=None, ratio=None, keep_observing=False):
-    """A cache holding ``ids[:, :-STEPS]``, compressed with ``method`` when given."""
+def _prefill(model, ids, kv_quant, method=None, ratio=None, keep_observing=False, layout=None):
+    """A cache holding ``ids[:, :-STEPS]``, compressed with ``method`` (its storage ``layout`` when given)."""
     pipeline, spec = (None, None) if method is None else (get_method(method), BudgetSpec(ratio=ratio))
+    if layout is not None:
+        pipeline = dataclasses.replace(pipeline, layout=layout)
     cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, kv_quant=kv_quant)
     with torch.no_grad(), kvtrim_attention_enabled(model):
         model(ids[:, :-STEPS], past_key_values=cache, use_cache=True)
@@ -88,7 +91,7 @@ def test_nothing_evicted_int8_matches_the_unquantized_cache(llama, tokenizer):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tokenizer, monkeypatch):
+def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tokenizer):
     """The bytes of the entries AdaKV keeps, int4 in the ragged store, against the same entries held padded in the
     quantized dense store (every head padded to the longest, a full-precision window up to a group)."""
     ids = tokenizer(CTX, return_tensors="pt").input_ids
@@ -98,8 +101,8 @@ def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tok
     assert all(isinstance(s, QuantizedRaggedStore) and s.tail.length == 0 for s in stores)
     ragged = cache.kv_nbytes()
     assert ragged == sum(_ragged_bytes(s, fmt, d) for s in stores)  # exact: codes + scales of the kept entries
-    monkeypatch.setattr(Pipeline, "stores_dense", lambda self, uniform: True)  # the layout before this store
-    padded = _prefill(llama, ids, "int4", "adakv", 0.875)
+    padded = _prefill(llama, ids, "int4", "adakv", 0.875, layout="dense")  # how the entries were held before
+    assert isinstance(padded.layers[0].store, QuantizedDenseStore)
     assert padded.stats().entries == cache.stats().entries
     unquantized = _prefill(llama, ids, None, "adakv", 0.875).kv_nbytes()
     # measured: 3,136 bytes ragged, 27,392 padded, 18,432 unquantized ragged (float32)
