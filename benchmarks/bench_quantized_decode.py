@@ -1,7 +1,8 @@
 """Bytes held and decode speed of quantized entries (int8 / int4) vs the model's dtype, SmolLM2-135M on CPU.
 
 One ~1k-token prompt is prefilled once. For every entry format (``none`` = float32 as the model runs, ``int8``,
-``int4``) and every method (``full``: nothing evicted; ``snapkv`` at ratio 0.875), a copy of the prefilled cache
+``int4``) and every method (``full``: nothing evicted; ``snapkv`` and ``adakv`` at ratio 0.875; ``adakv`` also with
+``layout="dense"``, its per-head counts padded to the longest head in a dense store), a copy of the prefilled cache
 is quantized, compressed, and decodes ``--tokens`` greedy tokens with end-of-sequence ignored, so every run holds
 the same number of entries per step as the others of its method. Reported per run: key/value bytes held after
 compression (measured from the store tensors) and their ratio to a float16 cache of the same context, decode
@@ -14,7 +15,7 @@ attention buffer, and the attention call itself (CPU time, the median of 300 cal
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_quantized_decode.py            # ~3 min
+    OMP_NUM_THREADS=1 python benchmarks/bench_quantized_decode.py            # ~6 min
     OMP_NUM_THREADS=1 python benchmarks/bench_quantized_decode.py --quick    # smoke run
     OMP_NUM_THREADS=1 python benchmarks/bench_quantized_decode.py --layer-only   # per-layer costs, seconds
 """
@@ -22,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -43,7 +45,13 @@ from kvtrim.runtime import Prefill, greedy_decode
 
 MODEL = "smollm2-135m"
 FORMATS = (None, "int8", "int4")
-METHODS = (("full", None), ("snapkv", 0.875))
+# (label, method, ratio, layout)
+METHODS = (
+    ("full", None, None, None),
+    ("snapkv", "snapkv", 0.875, None),
+    ("adakv", "adakv", 0.875, None),
+    ("adakv padded", "adakv", 0.875, "dense"),
+)
 
 
 def prompt_ids(tokenizer, length: int) -> torch.Tensor:
@@ -116,8 +124,10 @@ def main() -> None:
     rows = []
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         pre = Prefill.plain(model, ids, torch.ones_like(ids), get_method("snapkv").observation)
-        for method, ratio in METHODS:
-            pipeline = None if ratio is None else get_method(method)
+        for label, method, ratio, layout in METHODS:
+            pipeline = None if method is None else get_method(method)
+            if layout is not None:
+                pipeline = dataclasses.replace(pipeline, layout=layout)
             spec = None if ratio is None else BudgetSpec(ratio=ratio)
             reference = None
             for fmt in FORMATS:
@@ -133,8 +143,9 @@ def main() -> None:
                 tokens = outcome.tokens[0]
                 reference = tokens if reference is None else reference
                 row = {
-                    "method": method,
+                    "method": label,
                     "ratio": ratio,
+                    "store": type(cache.layers[0].store).__name__,
                     "kv_quant": fmt or "none",
                     "entries": stats.entries,
                     "kv_bytes": stats.kv_bytes,
@@ -174,13 +185,14 @@ def _markdown(result: dict) -> str:
         f"{result['threads']} thread(s), best of {result['reps']} runs; float16 full cache = "
         f"{result['fp16_full_cache_bytes']:,} B",
         "",
-        "| method | kv_quant | entries | K/V bytes | B/entry | of fp16 full | decode ms/token (wall) | (cpu) "
+        "| method | kv_quant | store | entries | K/V bytes | B/entry | of fp16 full | decode ms/token (wall) | (cpu) "
         "| tokens = unquantized |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['method']} {r['ratio'] or ''} | {r['kv_quant']} | {r['entries']:,} | {r['kv_bytes']:,} | "
+            f"| {r['method']} {r['ratio'] or ''} | {r['kv_quant']} | {r['store']} | {r['entries']:,} | "
+            f"{r['kv_bytes']:,} | "
             f"{r['bytes_per_entry']} | {r['fraction_of_fp16_full']} | {r['decode_wall_ms_per_token']} | "
             f"{r['decode_cpu_ms_per_token']} | {r['tokens_equal_to_unquantized']}/{r['decoded_tokens']} |"
         )

@@ -155,7 +155,9 @@ def test_channel_pruning_with_quantized_entries_raises(llama, tokenizer):
     [
         {"prefill_chunk": 64},  # quantized from the first chunk, compressed between chunks
         {"question_aware": True},
-        {"method": "adakv"},  # per-head counts: held padded dense while quantized
+        {"method": "adakv"},  # per-head counts: the quantized ragged store
+        {"method": "adakv", "prefill_chunk": 64},  # a ragged store compressed again after every chunk
+        {"method": "adakv", "question_aware": True},  # the question appended to a ragged store's tail
     ],
 )
 def test_modes_compose_with_int4(llama, tokenizer, kwargs):

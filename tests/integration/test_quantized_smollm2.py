@@ -54,3 +54,17 @@ def test_passkey_with_snapkv_and_int4(smollm2):
     assert METRICS["passkey_match"](res.answers[0], sample.answers) == 1.0, (res.answers, sample.answers)
     # half the entries, most of them at 72 bytes instead of float32's 512 (the window stays float32)
     assert res.stats.kv_bytes_after * 6 < res.stats.kv_bytes_before
+
+
+def test_passkey_with_adakv_and_int4_in_the_ragged_store(smollm2):
+    """AdaKV keeps a count per head: its int4 entries live in the quantized ragged store, unpadded."""
+    model, tokenizer = smollm2
+    sample = generate_task("passkey", tokenizer, 600, 1, seed=7)[0]
+    args = dict(
+        method="adakv", ratio=0.5, question_aware=True, answer_prefix=sample.answer_prefix, max_new_tokens=10
+    )  # fmt: skip
+    res = kvtrim.generate(model, tokenizer, sample.context, sample.question, kv_quant="int4", **args)
+    plain = kvtrim.generate(model, tokenizer, sample.context, sample.question, **args)
+    assert METRICS["passkey_match"](res.answers[0], sample.answers) == 1.0, (res.answers, sample.answers)
+    assert res.stats.kv_entries_after == plain.stats.kv_entries_after
+    assert res.stats.kv_bytes_after * 6 < plain.stats.kv_bytes_after, (res.stats.kv_bytes_after, plain.stats)

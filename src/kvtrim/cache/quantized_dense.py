@@ -138,11 +138,19 @@ class QuantizedDenseStore:
         shape = (*self._wk.shape[:2], self.length, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
         v = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
-        dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, out=k[:, :, :nq])
-        dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=v[:, :, :nq])
-        k[:, :, nq:] = self._wk
-        v[:, :, nq:] = self._wv
+        self.dequantize_into(k, v)
         return k, v
+
+    def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the entries, as attention sees them, into ``keys`` / ``values`` ``[batch, kv_heads, length,
+        head_dim]`` (views of a larger buffer allowed): the quantized part dequantized, then the window."""
+        fmt, nq = self.kv_quant, self.quantized_length
+        if nq:
+            dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, out=keys[:, :, :nq])
+            dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, :nq])
+        if self.window_length:
+            keys[:, :, nq:] = self._wk
+            values[:, :, nq:] = self._wv
 
     def stat(self, name: str) -> torch.Tensor:
         """A per-slot statistic ``[batch, kv_heads, length]``, created as zeros on first use."""

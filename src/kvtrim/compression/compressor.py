@@ -11,6 +11,7 @@ import torch
 
 from ..budgets.base import BudgetRequest
 from ..cache.channel_pruned import ChannelPrunedStore
+from ..cache.quantized_ragged import QuantizedRaggedStore
 from ..cache.ragged import RaggedStore
 from ..errors import InvalidParameterError
 from ..scoring.base import LayerView
@@ -175,10 +176,10 @@ def compress_cache(
         uniform = bool((counts == counts.max()).all())
         if sel.compressed_until is not None:
             layer.compressed_until = sel.compressed_until
-        # Quantized entries live in dense stores only for now: a per-head count is padded (docs/quantization.md).
-        quantized = getattr(layer.store, "kv_quant", None) is not None
-        if keep_dense or quantized or pipeline.stores_dense(uniform):
+        if keep_dense or pipeline.stores_dense(uniform):
             layer.store.keep(sel.indices, sel.keep_mask)
+        elif getattr(layer.store, "kv_quant", None) is not None:  # per-head counts of quantized entries
+            layer.store = QuantizedRaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)
         else:  # a different number of entries per head: store exactly that many
             layer.store = RaggedStore.from_selection(layer.store, sel.indices, sel.keep_mask)
         if pipeline.channels is not None:  # ThinK: the kept keys lose channels too
