@@ -1,5 +1,5 @@
 """ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS, per-layer
-ratios, block-wise compression and SimLayerKV in the registry: papers, exactness, real compaction, both modes."""
+ratios, block-wise compression, SimLayerKV and CapKV in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ PAPERS = {
     "per_layer_ratio": "2404.14469",
     "block": "2504.15364",
     "simlayerkv": "2410.13846",
+    "capkv": "2604.25975",
 }
 WRAPPERS = {"per_layer_ratio", "chunked"}  # kvpress wrappers whose cited paper is their default parts' or none
 CTX = random_text(300, seed=3)

@@ -1,5 +1,5 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
-leverage scores (CurDKV, Compactor), block-wise compression, lazy layers (SimLayerKV)."""
+leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..budgets.uniform import UniformBudget
 from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
 from ..scoring.base import Scorer
+from ..scoring.capacity import CapacityScorer
 from ..scoring.expected_attention import ExpectedAttentionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
@@ -264,3 +265,19 @@ def simlayerkv(threshold: float = 0.9, n_initial: int = SINKS, n_recent: int = 1
     scorer = WindowAttentionScorer(window=n_last, kernel=1, pooling="none", aggregate="mean", group_reduce="mean")
     budget = LazyLayerBudget(threshold=threshold, n_initial=n_initial, n_recent=n_recent)
     return parts(scorer, budget, TopKSelector(sink=n_initial, recent=n_recent))
+
+
+@register(
+    "capkv",
+    family=FAMILY,
+    summary="Leverage of the values weighted by exp(5·cos(key, query anchor)): entries a future query attends "
+    "and whose value adds a direction the others lack; the anchor is the mean prompt query moved 512 positions "
+    "ahead; 4 sinks kept. Query-agnostic.",
+    paper=papers.CAPKV,
+    preset="kvpress CapPress defaults: τ=5, 512 future positions, 4 sinks, ε=1e-6, keys and anchor unit-normalized, "
+    "weights max-shifted, u_i = v_i",
+)
+def capkv(tau: float = 5.0, n_future: int = 512, n_sink: int = SINKS, eps: float = 1e-6) -> Pipeline:
+    """CapKV (arXiv 2604.25975): capacity-aware eviction by query-weighted value leverage, top-k per KV head."""
+    scorer = CapacityScorer(tau=tau, n_future=n_future, n_sink=n_sink, eps=eps)
+    return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))

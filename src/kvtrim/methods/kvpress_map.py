@@ -80,8 +80,12 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "`leverage_type` → `kind`; `local_window_size` → `window`; `num_sinks` → `n_sink`",
     ),
     PressMapping(
-        "CapPress", None,
-        f"{_NOT_YET}: CAPKV's weighted leverage of values under a query-anchor weighting",
+        "CapPress", "capkv",
+        "the anchor's queries are the prompt's recorded post-RoPE queries un-rotated (kvpress recomputes them "
+        "from the hidden states); the sinks are protected by the selector instead of scored max + 1 (as in kvpress "
+        "they take no part in the weights or the capacity matrix); padded positions take no part either",
+        {"tau": 5.0, "n_future": 512, "n_sink": 4, "eps": 1e-6},
+        "`n_future_positions` → `n_future`; `epsilon` → `eps`; `tau`, `n_sink`",
     ),
     PressMapping(
         "ChunkKVPress", "chunkkv", f"{_WRAPS} window attention (`w=8`, no pooling)",
