@@ -262,8 +262,9 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "kvpress's default `lazy_threshold=1.0` marks no layer lazy; kvtrim's default 0.9 is the paper's Llama-3 "
         "value; the layers decide the amount: use `ratio=0` (a ratio or budget caps every layer, lazy or not); "
         "decided per row (kvpress: once per batch, mean over the batch); a lazy layer keeps the last `n_recent` "
-        "tokens (kvpress: `n_recent − n_last`); no warning below `n_initial + n_recent` tokens, the ends are "
-        "then the whole context",
+        "tokens (kvpress: `n_recent − n_last`) and the mass is measured on exactly those entries, the last query's "
+        "own included (kvpress's window attention drops the last `n_last` keys and sums the `n_recent` before "
+        "them); no warning below `n_initial + n_recent` tokens, the ends are then the whole context",
         {"threshold": 1.0, "n_initial": 4, "n_recent": 1024, "n_last": 1},
         "`lazy_threshold` → `threshold`; `n_initial`, `n_recent`, `n_last`; no `compression_ratio` (use `ratio=0`)",
     ),
