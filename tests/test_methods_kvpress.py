@@ -1,5 +1,5 @@
-"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS and
-per-layer ratios in the registry: papers, exactness, real compaction, both modes."""
+"""ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS, per-layer
+ratios, block-wise compression, SimLayerKV and CapKV in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ PAPERS = {
     "compactor": "2507.08143",
     "dms": "2506.05345",
     "per_layer_ratio": "2404.14469",
+    "block": "2504.15364",
+    "simlayerkv": "2410.13846",
+    "capkv": "2604.25975",
 }
 WRAPPERS = {"per_layer_ratio", "chunked"}  # kvpress wrappers whose cited paper is their default parts' or none
 CTX = random_text(300, seed=3)
@@ -177,3 +180,39 @@ def test_chunked_is_knorm_inside_each_chunk(tokenizer):
     assert res.stats.kv_entries_after == sum(max(1, q) for q in quotas) * 2 * 2  # 2 layers, 2 KV heads
     info = method_info("chunked")
     assert "FINCH" in info.paper and "ChunkPress" in info.paper
+
+
+@pytest.mark.parametrize("question_aware", [False, True])
+def test_simlayerkv_lazy_layers_keep_their_ends_and_busy_layers_everything(question_aware, tokenizer):
+    model = tiny_model("qwen2", layers=3)
+    lazy = kvtrim.generate(model, tokenizer, CTX, "q?", method="simlayerkv", ratio=0.0, max_new_tokens=2,
+                           question_aware=question_aware, method_params={"threshold": 0.0, "n_recent": 16})
+    assert lazy.stats.kv_entries_after == (4 + 16) * 2 * 3  # every layer lazy: 4 + 16 tokens, 2 KV heads
+    assert lazy.stats.kv_bytes_after == lazy.stats.kv_entries_after * (
+        lazy.stats.kv_bytes_before // lazy.stats.kv_entries_before)
+    busy = kvtrim.generate(model, tokenizer, CTX, "q?", method="simlayerkv", ratio=0.0, max_new_tokens=8,
+                           question_aware=question_aware, method_params={"threshold": 1.0, "n_recent": 16})
+    assert busy.stats.kv_entries_after == busy.stats.kv_entries_before  # no layer's mass exceeds 1
+    full = kvtrim.generate(model, tokenizer, CTX, "q?", method="full", max_new_tokens=8,
+                           question_aware=question_aware)
+    assert busy.answers == full.answers
+
+
+def test_simlayerkv_and_block_refuse_bad_parameters():
+    for params in ({"n_last": 0}, {"threshold": 2.0}, {"n_recent": -1}):
+        with pytest.raises(InvalidParameterError, match=next(iter(params))):
+            get_method("simlayerkv", **params)
+    for params in ({"base": "nope"}, {"base": "block"}, {"base": "kvzip"}, {"base": "think"}):
+        with pytest.raises(InvalidParameterError, match="base"):
+            get_method("block", **params)
+    with pytest.raises(InvalidParameterError, match="block"):
+        get_method("block", block=0)
+
+
+def test_block_with_knorm_keeps_what_knorm_keeps(tokenizer):
+    model = tiny_model("qwen2", layers=2)
+    kw = {"ratio": 0.6, "max_new_tokens": 6}
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="block", method_params={"base": "knorm", "block": 32},
+                          **kw)
+    ref = kvtrim.generate(model, tokenizer, CTX, "q?", method="knorm", **kw)
+    assert res.answers == ref.answers and res.stats.kv_entries_after == ref.stats.kv_entries_after

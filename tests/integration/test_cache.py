@@ -54,7 +54,13 @@ def test_budget_at_or_above_context_is_token_identical(family_model, method, mon
                 past_key_values=cache,
             )
         assert torch.equal(out, ref), (method, spec)
-        assert cache.last_report is not None and cache.last_report.skipped
+        report = cache.last_report
+        assert report is not None
+        # A budget that may keep less than the request (a threshold, lazy layers) has to run; it evicts nothing here
+        if get_method(method).budget.keeps_below_request:
+            assert report.entries_after == report.entries_before, (method, spec)
+        else:
+            assert report.skipped, (method, spec)
 
 
 def test_compressing_restores_attention_implementation(llama):

@@ -1,5 +1,5 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
-leverage scores (CurDKV, Compactor)."""
+leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import math
 
 from ..budgets.global_threshold import GlobalThresholdBudget
 from ..budgets.layer_ratios import LayerRatioBudget
+from ..budgets.lazy_layers import LazyLayerBudget
 from ..budgets.score_threshold import ScoreThresholdBudget
 from ..budgets.uniform import UniformBudget
 from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
+from ..scoring.base import Scorer
+from ..scoring.capacity import CapacityScorer
 from ..scoring.expected_attention import ExpectedAttentionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.window_attention import WindowAttentionScorer
+from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
 from ..selection.chunk_quota import ChunkQuotaSelector
 from ..selection.topk import TopKSelector
@@ -220,3 +224,60 @@ def chunked(chunk: int = 1024, base: str = "knorm") -> Pipeline:
     the default scorer is KNorm's (Devoto et al., arXiv 2406.11430)."""
     inner = _plain_method("base", base, "chunked", "knorm")
     return parts(inner.scorer, UniformBudget(), ChunkQuotaSelector(chunk=chunk))
+
+
+@register(
+    "block",
+    family=FAMILY,
+    summary="The context compressed block by block in one pass: the entries kept so far and the next 128 are "
+    "scored together by another registry method's scorer (default keydiff) and the best keep their place.",
+    paper=papers.BLOCK,
+    preset="kvpress BlockPress: block 128; `base` names the method whose scorer runs (default keydiff, the paper's "
+    "method); the first `budget` entries start the kept set; an attention scorer's window stays the prompt's last "
+    "queries (kvpress: each step's last tokens)",
+)
+def block(block: int = 128, base: str = "keydiff") -> Pipeline:
+    """Block-wise compression (KeyDiff's block prompt processing, Park et al., arXiv 2504.15364) over the scorer
+    of the registry method ``base``."""
+    inner = _plain_method("base", base, "block", "keydiff")
+    if type(inner.scorer).prepare is not Scorer.prepare:
+        raise InvalidParameterError(
+            f"base={base!r} scores with quantities computed over the whole cache, which a block of candidates "
+            "cannot reuse; name a method that scores one layer's entries, e.g. 'keydiff'"
+        )
+    return parts(inner.scorer, UniformBudget(), BlockIterativeSelector(scorer=inner.scorer, block=block))
+
+
+@register(
+    "simlayerkv",
+    family=FAMILY,
+    summary="Lazy layers: a layer whose last query pays more than 0.9 of its attention to the first 4 and last "
+    "1024 tokens keeps only those; the others keep the request (all of it at ratio 0). Decided per row.",
+    paper=papers.SIMLAYERKV,
+    preset="threshold 0.9 (the paper's value for Llama-3; 0.65 Llama-2, 0.8 Mistral, 0.85 Qwen), 4 initial and "
+    "1024 recent tokens, the last query only (kvpress's n_last=1); a lazy layer keeps 1024 recent tokens (kvpress: "
+    "1024 − n_last)",
+)
+def simlayerkv(threshold: float = 0.9, n_initial: int = SINKS, n_recent: int = 1024, n_last: int = 1) -> Pipeline:
+    """SimLayerKV (Zhang et al., arXiv 2410.13846): lazy layers keep their initial and recent tokens."""
+    if isinstance(n_last, bool) or not isinstance(n_last, int) or n_last < 1:
+        raise InvalidParameterError(f"n_last must be an integer >= 1 (last queries read), got {n_last!r}")
+    scorer = WindowAttentionScorer(window=n_last, kernel=1, pooling="none", aggregate="mean", group_reduce="mean")
+    budget = LazyLayerBudget(threshold=threshold, n_initial=n_initial, n_recent=n_recent)
+    return parts(scorer, budget, TopKSelector(sink=n_initial, recent=n_recent))
+
+
+@register(
+    "capkv",
+    family=FAMILY,
+    summary="Leverage of the values weighted by exp(5·cos(key, query anchor)): entries a future query attends "
+    "and whose value adds a direction the others lack; the anchor is the mean prompt query moved 512 positions "
+    "ahead; 4 sinks kept. Query-agnostic.",
+    paper=papers.CAPKV,
+    preset="kvpress CapPress defaults: τ=5, 512 future positions, 4 sinks, ε=1e-6, keys and anchor unit-normalized, "
+    "weights max-shifted, u_i = v_i",
+)
+def capkv(tau: float = 5.0, n_future: int = 512, n_sink: int = SINKS, eps: float = 1e-6) -> Pipeline:
+    """CapKV (arXiv 2604.25975): capacity-aware eviction by query-weighted value leverage, top-k per KV head."""
+    scorer = CapacityScorer(tau=tau, n_future=n_future, n_sink=n_sink, eps=eps)
+    return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))

@@ -58,11 +58,13 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {**_SNAPKV_PRESS, "alpha": 0.2}, "`alpha_safeguard` → `alpha`; `press` → the scorer of the method",
     ),
     PressMapping(
-        "BlockPress", "keydiff@every:128",
-        "kvpress scores one full prefill block by block; kvtrim really prefills in blocks: `prefill_chunk=128` "
-        "with any method `@every:128`. kvpress's target is the final `int(n·(1−ratio))`; with `ratio` kvtrim's "
-        "target grows with the tokens seen, `budget=` gives kvpress's fixed target",
-        spelling="`block_size` → `prefill_chunk` and `@every:N`; `press` → the method",
+        "BlockPress", "block",
+        f"{_WRAPS} KeyDiff's scorer: one full prefill, then the kept entries and each next block are scored "
+        "together and the best `int(n·(1−ratio))` stay (kvpress's simulation of block prompt processing); blocks "
+        "follow each head's own budget and count stored entries; an attention scorer's window stays the prompt's "
+        "last queries (kvpress: each step's last tokens). A real block-wise prefill is `prefill_chunk=128` with "
+        "any method `@every:128` (its target grows with the tokens seen; `budget=` fixes it)",
+        {"block": 128, "base": "keydiff"}, "`block_size` → `block`; `press` → `base`",
     ),
     PressMapping(
         "CAMPress", None,
@@ -78,8 +80,12 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "`leverage_type` → `kind`; `local_window_size` → `window`; `num_sinks` → `n_sink`",
     ),
     PressMapping(
-        "CapPress", None,
-        f"{_NOT_YET}: CAPKV's weighted leverage of values under a query-anchor weighting",
+        "CapPress", "capkv",
+        "the anchor's queries are the prompt's recorded post-RoPE queries un-rotated (kvpress recomputes them "
+        "from the hidden states); the sinks are protected by the selector instead of scored max + 1 (as in kvpress "
+        "they take no part in the weights or the capacity matrix); padded positions take no part either",
+        {"tau": 5.0, "n_future": 512, "n_sink": 4, "eps": 1e-6},
+        "`n_future_positions` → `n_future`; `epsilon` → `eps`; `tau`, `n_sink`",
     ),
     PressMapping(
         "ChunkKVPress", "chunkkv", f"{_WRAPS} window attention (`w=8`, no pooling)",
@@ -252,11 +258,15 @@ MAPPINGS: tuple[PressMapping, ...] = (
         f"{_NOT_YET}: KVzip plus learned restore tokens filling part of the budget; {_CALIBRATED}is not built",
     ),
     PressMapping(
-        "SimLayerKVPress", None,
-        f"{_NOT_YET}: a layer whose last query pays more than `lazy_threshold` of its attention to the first 4 "
-        "and last 1024 tokens keeps only those, the others keep everything; the layers, not a ratio or budget, "
-        "decide the amount (kvpress makes its ratio read-only), which needs a request without a ratio; kvpress "
-        "decides once per batch, a kvtrim version would decide per row",
+        "SimLayerKVPress", "simlayerkv",
+        "kvpress's default `lazy_threshold=1.0` marks no layer lazy; kvtrim's default 0.9 is the paper's Llama-3 "
+        "value; the layers decide the amount: use `ratio=0` (a ratio or budget caps every layer, lazy or not); "
+        "decided per row (kvpress: once per batch, mean over the batch); a lazy layer keeps the last `n_recent` "
+        "tokens (kvpress: `n_recent − n_last`) and the mass is measured on exactly those entries, the last query's "
+        "own included (kvpress's window attention drops the last `n_last` keys and sums the `n_recent` before "
+        "them); no warning below `n_initial + n_recent` tokens, the ends are then the whole context",
+        {"threshold": 1.0, "n_initial": 4, "n_recent": 1024, "n_last": 1},
+        "`lazy_threshold` → `threshold`; `n_initial`, `n_recent`, `n_last`; no `compression_ratio` (use `ratio=0`)",
     ),
     PressMapping(
         "SnapKVPress", "snapkv", "kvtrim's default is KVCache-Factory's `w=8`, max-pool 7; these are kvpress's",

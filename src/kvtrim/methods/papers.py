@@ -74,6 +74,15 @@ DMS = (
     "Łańcucki et al., Inference-Time Hyper-Scaling with KV Cache Compression (arXiv 2506.05345); kvpress DMSPress "
     "(threshold eviction without the trained evictor)"
 )
+CAPKV = (
+    "CapKV: Rethinking KV Cache Eviction via a Unified Information-Theoretic Objective (arXiv 2604.25975); kvpress "
+    "CapPress"
+)
+SIMLAYERKV = (
+    "Zhang et al., SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction (arXiv 2410.13846); kvpress "
+    "SimLayerKVPress"
+)
+BLOCK = f"{KEYDIFF}, block prompt processing; kvpress BlockPress"
 FINCH = (
     "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024; "
     "kvpress ChunkPress"
