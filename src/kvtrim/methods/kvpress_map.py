@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ..errors import InvalidParameterError
+from . import table
 from .registry import get_method, method_info
 from .table import cite
 
@@ -338,34 +338,14 @@ def markdown_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, table: str) -> str:
-    """``text`` with the block between :data:`START` and :data:`END` replaced by ``table``.
-
-    Raises:
-        InvalidParameterError: the markers are missing, repeated or out of order
-    """
-    starts, ends = text.count(START), text.count(END)
-    if starts != 1 or ends != 1 or text.index(START) > text.index(END):
-        raise InvalidParameterError(f"the file must hold {START!r} then {END!r}, once each")
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{table}{END}{tail}"
-
-
 def read_block(text: str) -> str:
-    """The text between the markers."""
-    replace_block(text, "")
-    return text.split(START)[1].split(END)[0].removeprefix("\n")
+    """The text between this table's markers."""
+    return table.read_block(text, START, END)
 
 
 def write_doc(path: str | Path) -> bool:
     """Rewrite the table block of the file at ``path``; returns whether it changed."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    new = replace_block(text, markdown_table())
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-    return new != text
+    return table.write_block(path, markdown_table(), START, END)
 
 
 if __name__ == "__main__":  # python -m kvtrim.methods.kvpress_map --write docs/kvpress.md

@@ -59,34 +59,39 @@ def markdown_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, table: str) -> str:
-    """``text`` with everything between the markers replaced by ``table``.
+def replace_block(text: str, table: str, start: str = START, end: str = END) -> str:
+    """``text`` with everything between the markers ``start`` and ``end`` replaced by ``table``.
 
     Raises:
         InvalidParameterError: the markers are missing, repeated or out of order
     """
-    starts, ends = text.count(START), text.count(END)
-    if starts != 1 or ends != 1 or text.index(START) > text.index(END):
+    starts, ends = text.count(start), text.count(end)
+    if starts != 1 or ends != 1 or text.index(start) > text.index(end):
         raise InvalidParameterError(
-            f"the file must hold {START!r} then {END!r}, once each (found {starts} and {ends}); add them around the "
-            "method table"
+            f"the file must hold {start!r} then {end!r}, once each (found {starts} and {ends}); add them around the "
+            "generated table"
         )
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{table}{END}{tail}"
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{table}{end}{tail}"
 
 
-def read_block(text: str) -> str:
+def read_block(text: str, start: str = START, end: str = END) -> str:
     """The text between the markers (what :func:`replace_block` put there)."""
-    replace_block(text, "")  # validates the markers
-    return text.split(START)[1].split(END)[0].removeprefix("\n")
+    replace_block(text, "", start, end)  # validates the markers
+    return text.split(start)[1].split(end)[0].removeprefix("\n")
 
 
-def write_table(path: str | Path) -> bool:
-    """Replace the table block in the file at ``path``; returns whether the file changed."""
+def write_block(path: str | Path, table: str, start: str = START, end: str = END) -> bool:
+    """Replace the block between the markers in the file at ``path`` by ``table``; returns whether it changed."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
-    new = replace_block(text, markdown_table())
+    new = replace_block(text, table, start, end)
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text
+
+
+def write_table(path: str | Path) -> bool:
+    """Replace the method table block in the file at ``path``; returns whether the file changed."""
+    return write_block(path, markdown_table())
