@@ -16,7 +16,63 @@ from .packed_attention import attend_padded
 INVALID = -1
 
 
-class DenseStore:
+class SlotBookkeeping:
+    """The store protocol's bookkeeping shared by the stores that keep one ``[batch, kv_heads, capacity]`` slot
+    layout: logical positions ``_pos`` (``-1`` for an empty slot), ``length`` filled slots, per-slot statistics
+    ``_stats``. A subclass provides ``batch_size`` and ``truncate``."""
+
+    _pos: torch.Tensor
+    _stats: dict[str, torch.Tensor]
+    length: int
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[batch, kv_heads, length]`` logical positions, ``-1`` for empty slots."""
+        return self._pos[:, :, : self.length]
+
+    def stat(self, name: str) -> torch.Tensor:
+        """A per-slot statistic ``[batch, kv_heads, length]``, created as zeros on first use."""
+        if name not in self._stats:
+            self._stats[name] = torch.zeros(self._pos.shape, dtype=torch.float32, device=self._pos.device)
+        return self._stats[name][:, :, : self.length]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.length == 0
+
+    @property
+    def causal_prefill_ready(self) -> bool:
+        return self.length == 0
+
+    def latest_positions(self) -> torch.Tensor:
+        """``[batch]`` the largest stored position per row (``-1`` while nothing is stored)."""
+        if self.length:
+            return self.positions.amax(dim=(1, 2))
+        return torch.full((self.batch_size,), -1, device=self._pos.device)
+
+    def mark(self) -> int:
+        return self.length
+
+    def drop_last(self, n: int) -> None:
+        self.truncate_to(self.mark() - n)
+
+    def truncate_to(self, mark: int) -> None:
+        self.truncate(mark)
+
+    def entries(self) -> int:
+        """Number of filled slots that hold a real token, over batch and heads."""
+        return int((self.positions >= 0).sum())
+
+    def entries_per_head(self) -> torch.Tensor:
+        """``[batch, kv_heads]`` number of real tokens held per head."""
+        return (self.positions >= 0).sum(-1)
+
+    def index_nbytes(self) -> int:
+        """Bytes of bookkeeping (positions and slot statistics)."""
+        return self._pos.untyped_storage().nbytes() + sum(s.untyped_storage().nbytes() for s in self._stats.values())
+
+
+class DenseStore(SlotBookkeeping):
     """KV entries of one layer, GQA-native (never repeats KV heads).
 
     Attributes (views of the filled part):
@@ -51,10 +107,6 @@ class DenseStore:
         return self._v[:, :, : self.length]
 
     @property
-    def positions(self) -> torch.Tensor:
-        return self._pos[:, :, : self.length]
-
-    @property
     def capacity(self) -> int:
         return self._k.shape[2]
 
@@ -65,12 +117,6 @@ class DenseStore:
     @property
     def kv_heads(self) -> int:
         return self._k.shape[1]
-
-    def stat(self, name: str) -> torch.Tensor:
-        """A per-slot statistic ``[batch, kv_heads, length]``, created as zeros on first use."""
-        if name not in self._stats:
-            self._stats[name] = torch.zeros(self._pos.shape, dtype=torch.float32, device=self._pos.device)
-        return self._stats[name][:, :, : self.length]
 
     # ------------------------------------------------------------------ growth
     def _reserve(self, extra: int) -> None:
@@ -135,33 +181,10 @@ class DenseStore:
         self.length = indices.shape[2]
         self.all_valid = bool((self._pos >= 0).all())
 
-    @property
-    def is_empty(self) -> bool:
-        return self.length == 0
-
-    @property
-    def causal_prefill_ready(self) -> bool:
-        return self.length == 0
-
     rescorable = True
-
-    def latest_positions(self) -> torch.Tensor:
-        """``[batch]`` the largest stored position per row (``-1`` while nothing is stored)."""
-        if self.length:
-            return self.positions.amax(dim=(1, 2))
-        return torch.full((self.batch_size,), -1, device=self._pos.device)
 
     def to_dense(self) -> DenseStore:
         return self
-
-    def mark(self) -> int:
-        return self.length
-
-    def drop_last(self, n: int) -> None:
-        self.truncate_to(self.mark() - n)
-
-    def truncate_to(self, mark: int) -> None:
-        self.truncate(mark)
 
     def truncate(self, length: int) -> None:
         """Drop every slot at or after ``length`` (used to remove an answer before the next question)."""
@@ -183,21 +206,9 @@ class DenseStore:
         self._stats = {n: s[index] for n, s in self._stats.items()}
 
     # ------------------------------------------------------------------ accounting
-    def entries(self) -> int:
-        """Number of filled slots that hold a real token, over batch and heads."""
-        return int((self.positions >= 0).sum())
-
-    def entries_per_head(self) -> torch.Tensor:
-        """``[batch, kv_heads]`` number of real tokens held per head."""
-        return (self.positions >= 0).sum(-1)
-
     def nbytes(self) -> int:
         """Bytes held by the key and value tensors (including decode slack)."""
         return self._k.untyped_storage().nbytes() + self._v.untyped_storage().nbytes()
-
-    def index_nbytes(self) -> int:
-        """Bytes of bookkeeping (positions and slot statistics)."""
-        return self._pos.untyped_storage().nbytes() + sum(s.untyped_storage().nbytes() for s in self._stats.values())
 
     # ------------------------------------------------------------------ attention
     def attend(

@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 
 from .attention import grouped_attention
-from .dense import INVALID, DenseStore
+from .dense import INVALID, DenseStore, SlotBookkeeping
 from .packed_attention import attend_padded
 from .quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
 __all__ = ["QuantizedDenseStore"]
 
 
-class QuantizedDenseStore:
+class QuantizedDenseStore(SlotBookkeeping):
     """KV entries of one layer held quantized, GQA-native; the dense store's interface (``keys``, ``values``,
     ``positions``, ``stat``, ``keep``) so that every compression method composes with it.
 
@@ -111,11 +111,6 @@ class QuantizedDenseStore:
         return self._wk.shape[-1]
 
     @property
-    def positions(self) -> torch.Tensor:
-        """``[batch, kv_heads, length]`` logical positions, ``-1`` for empty slots."""
-        return self._pos[:, :, : self.length]
-
-    @property
     def keys(self) -> torch.Tensor:
         """``[batch, kv_heads, length, head_dim]`` the keys as attention sees them (a dequantized copy)."""
         return self.dequantized()[0]
@@ -151,12 +146,6 @@ class QuantizedDenseStore:
         if self.window_length:
             keys[:, :, nq:] = self._wk
             values[:, :, nq:] = self._wv
-
-    def stat(self, name: str) -> torch.Tensor:
-        """A per-slot statistic ``[batch, kv_heads, length]``, created as zeros on first use."""
-        if name not in self._stats:
-            self._stats[name] = torch.zeros(self._pos.shape, dtype=torch.float32, device=self._pos.device)
-        return self._stats[name][:, :, : self.length]
 
     # ------------------------------------------------------------------ growth
     def _reserve_positions(self, extra: int) -> None:
@@ -250,32 +239,9 @@ class QuantizedDenseStore:
         self._fresh = None
 
     # ------------------------------------------------------------------ KVStore protocol
-    @property
-    def is_empty(self) -> bool:
-        return self.length == 0
-
-    @property
-    def causal_prefill_ready(self) -> bool:
-        return self.length == 0
-
-    def latest_positions(self) -> torch.Tensor:
-        """``[batch]`` the largest stored position per row (``-1`` while nothing is stored)."""
-        if self.length:
-            return self.positions.amax(dim=(1, 2))
-        return torch.full((self.batch_size,), -1, device=self._pos.device)
-
     def to_dense(self) -> QuantizedDenseStore:
         """Itself: it offers the dense views (dequantized) and :meth:`keep`."""
         return self
-
-    def mark(self) -> int:
-        return self.length
-
-    def drop_last(self, n: int) -> None:
-        self.truncate(self.length - n)
-
-    def truncate_to(self, mark: int) -> None:
-        self.truncate(mark)
 
     def truncate(self, length: int) -> None:
         """Drop every slot at or after ``length``. Groups that straddle ``length`` return to the window as their
@@ -323,21 +289,9 @@ class QuantizedDenseStore:
         self._fresh = None
 
     # ------------------------------------------------------------------ accounting
-    def entries(self) -> int:
-        """Number of filled slots that hold a real token, over batch and heads."""
-        return int((self.positions >= 0).sum())
-
-    def entries_per_head(self) -> torch.Tensor:
-        """``[batch, kv_heads]`` number of real tokens held per head."""
-        return (self.positions >= 0).sum(-1)
-
     def nbytes(self) -> int:
         """Bytes held by the packed codes, their scales and zero points, and the full-precision window."""
         return sum(t.untyped_storage().nbytes() for t in self._tensors())
-
-    def index_nbytes(self) -> int:
-        """Bytes of bookkeeping (positions and slot statistics)."""
-        return self._pos.untyped_storage().nbytes() + sum(s.untyped_storage().nbytes() for s in self._stats.values())
 
     # ------------------------------------------------------------------ attention
     def attend(
