@@ -284,7 +284,7 @@ def stage_tests(args, result: dict, out_dir: Path) -> None:
     if missing:
         result["errors"].append(f"CUDA test files missing: {missing}")
         files = [f for f in files if f not in missing]
-    result["settings"] = {"files": files, "sync_debug_mode": args.sync_debug, "limit_s": SUBPROCESS_LIMIT_S}
+    result["settings"] = {"files": files, "sync_debug_mode": args.sync_debug, "limit_s": args.limit_s}
     junit = out_dir / "gpu_check_tests_junit.xml"
     sync_report = out_dir / "gpu_check_tests_sync.json"
     log = out_dir / "gpu_check_tests.log"
@@ -300,14 +300,14 @@ def stage_tests(args, result: dict, out_dir: Path) -> None:
             probe, env=env, capture_output=True, text=True, timeout=60
         ).stdout.strip()
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "gpu_sync_debug",
-               f"--junitxml={junit}", *files]  # fmt: skip
+               "--durations=15", f"--junitxml={junit}", *files]  # fmt: skip
         with log.open("w") as fh:
             try:
                 rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                    timeout=SUBPROCESS_LIMIT_S).returncode  # fmt: skip
+                                    timeout=args.limit_s).returncode  # fmt: skip
             except subprocess.TimeoutExpired:
                 rc = None
-                result["errors"].append(f"pytest stopped after {SUBPROCESS_LIMIT_S} s")
+                result["errors"].append(f"pytest stopped after {args.limit_s} s")
     result["files"] += [log.name]
     if junit.exists():
         result["rows"] = parse_junit(junit)
@@ -360,14 +360,14 @@ def stage_kernels(args, result: dict, out_dir: Path) -> None:
     with log.open("w") as fh:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                timeout=SUBPROCESS_LIMIT_S).returncode  # fmt: skip
+                                timeout=args.limit_s).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = None
     result["files"].append(log.name)
     if rc != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         result["errors"].append(
-            f"{script.name} {'ran past ' + str(SUBPROCESS_LIMIT_S) + ' s' if rc is None else 'exited ' + str(rc)}: "
+            f"{script.name} {'ran past ' + str(args.limit_s) + ' s' if rc is None else 'exited ' + str(rc)}: "
             + " / ".join(tail)
         )
     produced = sorted(sub.glob("*.json"))
@@ -589,6 +589,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--test-files", nargs="+", default=None, help="tests stage: instead of every CUDA test file")
     ap.add_argument("--sync-debug", choices=("error", "warn", "off"), default="error",
                     help="tests stage: torch.cuda.set_sync_debug_mode around decode forwards")  # fmt: skip
+    ap.add_argument("--limit-s", type=int, default=SUBPROCESS_LIMIT_S,
+                    help=f"tests and kernels stages: stop the pytest / benchmark run after this many seconds "
+                    f"(default {SUBPROCESS_LIMIT_S})")
     ap.add_argument("--install-wheels", action="store_true",
                     help="tests stage: install pytest from .gpu/wheels even when this interpreter has it")  # fmt: skip
     args = ap.parse_args(argv)
