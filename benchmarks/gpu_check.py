@@ -589,9 +589,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--test-files", nargs="+", default=None, help="tests stage: instead of every CUDA test file")
     ap.add_argument("--sync-debug", choices=("error", "warn", "off"), default="error",
                     help="tests stage: torch.cuda.set_sync_debug_mode around decode forwards")  # fmt: skip
-    ap.add_argument("--limit-s", type=int, default=SUBPROCESS_LIMIT_S,
-                    help=f"tests and kernels stages: stop the pytest / benchmark run after this many seconds "
-                    f"(default {SUBPROCESS_LIMIT_S})")
+    ap.add_argument(
+        "--limit-s",
+        type=int,
+        default=SUBPROCESS_LIMIT_S,
+        help=f"tests and kernels stages: stop the pytest / benchmark run after this many seconds "
+        f"(default {SUBPROCESS_LIMIT_S})",
+    )
     ap.add_argument("--install-wheels", action="store_true",
                     help="tests stage: install pytest from .gpu/wheels even when this interpreter has it")  # fmt: skip
     args = ap.parse_args(argv)
