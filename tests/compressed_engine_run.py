@@ -21,4 +21,7 @@ def run_compressed(
     handles = [engine.submit(random_text(90 + length_step * i, seed=i), params) for i in range(requests)]
     engine.run_until_idle()
     assert engine.pool.num_free == engine.pool.num_blocks
-    return [h.result(timeout=0).token_ids for h in handles], engine
+    results = [h.result(timeout=0) for h in handles]
+    failed = [r.error for r in results if r.finish_reason == "error"]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[0]}"  # not a token mismatch later
+    return [r.token_ids for r in results], engine

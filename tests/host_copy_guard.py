@@ -13,6 +13,8 @@ itself: this guard sees the ops that would make it.
 * a write whose value is a lifted scalar (``scalar_tensor`` or a lift): ``index_put_`` / ``_index_put_impl_`` /
   ``copy_`` / ``fill_.Tensor`` / ``index_fill_.int_Tensor`` / ``masked_fill_.Tensor`` / ``index_copy_`` /
   ``_to_copy``: on CUDA the value is on the host, so the write copies it to the device;
+* with ``reads=True``, an op handing a device value to the host (``.item()``, ``bool(tensor)``, ``torch.equal``,
+  ``nonzero``): on CUDA it waits for the stream;
 * any op reading a tensor registered as host data (:meth:`HostCopyGuard.host`, e.g. a static step's pinned staging
   buffer or the block tables' host block counts) together with other tensors (``copy_`` into a device tensor and
   indexing a device tensor with a host index included): on CUDA the host tensor would be copied to the device.
@@ -47,6 +49,9 @@ WRITES = frozenset({
     "index_put_", "index_put", "_index_put_impl_", "copy_", "fill_", "index_fill_", "index_fill", "masked_fill_",
     "masked_fill", "index_copy_", "index_copy", "_to_copy", "scatter_", "scatter",
 })  # fmt: skip
+# Ops that hand a device value to the host (``.item()``, ``bool(t)``, ``torch.equal``, ``nonzero``'s size): on CUDA
+# each waits for the stream. ``tolist()`` dispatches nothing and is covered on a GPU by the sync debug mode only.
+READS = frozenset({"_local_scalar_dense", "equal", "is_nonzero", "nonzero"})
 
 
 def _where() -> str:
@@ -69,8 +74,9 @@ class HostCopyGuard(TorchDispatchMode):
         ops: the number of ops seen outside exempted functions (a guard that saw nothing guards nothing)
     """
 
-    def __init__(self):
+    def __init__(self, reads: bool = False):
         super().__init__()
+        self.reads = reads  # also reject device→host reads (a decode forward's rule; an eviction reads on purpose)
         self.violations: list[str] = []
         self.ops = 0
         self._host: set[int] = set()  # storages of host data (lifted values, registered host tensors, results)
@@ -127,6 +133,8 @@ class HostCopyGuard(TorchDispatchMode):
             )
         elif host_inputs and len(host_inputs) < len(inputs) and name not in SCALARS:
             self.violations.append(f"{_where()} {func}: reads host data together with device tensors (host→device)")
+        if self.reads and name in READS and len(host_inputs) < len(inputs):
+            self.violations.append(f"{_where()} {func}: reads a device value on the host (device→host, a stream wait)")
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if name in SCALARS:  # a lift returns the tensor it was given: its storage is the new data
             self._remember(self._lifted, outs)

@@ -402,6 +402,8 @@ def test_auto_order_is_fork_then_triton_then_upstream(monkeypatch):
     resolve = paged_kernels.resolve_decode_kernel
     for name in ("_device_supported", "_dtype_supported", "_triton_on_cuda"):
         monkeypatch.setattr(paged_kernels, name, lambda *a: True)  # pretend the CPU pool is on CUDA
+    # every test call passes: this test is about the order (a CPU pool's real Triton call needs the interpreter)
+    monkeypatch.setattr(paged_kernels, "probe_kernel", lambda *a, **k: None)
     monkeypatch.setattr(paged_kernels, "_load_vllm_fork", lambda: ref.flash_attn_varlen_func)
     monkeypatch.setattr(paged_kernels, "_load_flash_attn", lambda: ref.flash_attn_with_kvcache)
     kw = dict(device="cpu", dtype=torch.float16, head_dim=64)

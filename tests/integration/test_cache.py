@@ -15,6 +15,7 @@ from conftest import (
     GLOBAL_TOKEN_METHODS,
     RATIO_ONLY_METHODS,
     WHOLE_CHUNK_METHODS,
+    byte_tokenizer,
     install_head_scores,
     random_text,
     tiny_model,
@@ -253,3 +254,33 @@ def test_cache_is_freed_without_the_cycle_collector(llama):
         assert all(r() is None for r in refs)  # freed by reference counting alone
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("method", [None, "snapkv"])
+def test_chunks_continuing_an_intact_prefix_run_as_lower_right_causal_attention(monkeypatch, method):
+    """The CUDA path (made to run here): a prompt chunk over a dense store nothing was evicted from is attended as
+    causal attention aligned at the end; the tokens equal the position-mask path, and it stops once entries are
+    evicted."""
+    from kvtrim.cache import attention
+    from kvtrim.integration import cache as integration_cache
+
+    model, tok = tiny_model("llama"), byte_tokenizer()
+    args = dict(method=method, prefill_chunk=48, max_new_tokens=6, **({"ratio": 0.5} if method else {}))
+    want = kvtrim.generate(model, tok, random_text(300, seed=3), "q?", **args)
+    calls = []
+    real = attention.continued_causal_attention
+
+    def counted(query, keys, *rest):
+        calls.append((query.shape[2], keys.shape[2]))
+        return real(query, keys, *rest)
+
+    monkeypatch.setattr(integration_cache, "lower_right_causal_on", lambda device: True)
+    monkeypatch.setattr(attention, "continued_causal_attention", counted)
+    got = kvtrim.generate(model, tok, random_text(300, seed=3), "q?", **args)
+    assert got.answers == want.answers
+    layers = model.config.num_hidden_layers
+    assert len(calls) % layers == 0 and all(q < s for q, s in calls)
+    if method is None:  # every chunk after the first continues the prefix
+        assert len(calls) // layers >= 300 // 48 - 1
+    else:  # snapkv evicts after every chunk: no chunk continues an intact prefix
+        assert not calls

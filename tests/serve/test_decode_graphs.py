@@ -165,14 +165,25 @@ def test_static_decode_step_is_graph_safe(model, cr):
         assert any("index_add" in op[0] for op in traced.traces[0][2].ops)
 
 
-def test_unsplit_bucketed_forward_is_not_graph_safe(model):
-    """The same recorder on the eager bucketed forward (allocation and checks inside it) flags what a graph could not
-    replay: tensors built from Python lists at layer 0 and the positions check that reads the device."""
+def test_unsplit_bucketed_forward_is_not_graph_safe(model, monkeypatch):
+    """The same recorder on the eager bucketed forward with its host preparation left to layer 0 (allocation and
+    checks inside the forward) flags what a graph could not replay: tensors built from Python lists at layer 0 and
+    the positions check that reads the device."""
+    monkeypatch.setattr(PagedBatchCache, "begin_forward", lambda self, n, q, **kw: None)
     _, traced = _traced_engine(model, static=False, cr=4.0)
     assert traced.traces
     for _, _, tracer in traced.traces:
         flagged = {v.split(".")[1] for v in tracer.violations}
         assert {"lift_fresh", "equal"} <= flagged, tracer.violations
+
+
+def test_eager_forward_prepared_before_it_runs_has_no_host_work_inside(model):
+    """The engine's eager decode step prepares the step (``PagedBatchCache.begin_forward``) before the forward, so
+    the forward itself builds nothing from Python data and reads nothing back."""
+    _, traced = _traced_engine(model, static=False, cr=4.0)
+    assert traced.traces
+    for key, _, tracer in traced.traces:
+        assert not tracer.violations, (key, tracer.violations)
 
 
 def _check_graph_safety(traced: TracedModel) -> None:

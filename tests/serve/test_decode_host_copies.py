@@ -4,17 +4,18 @@ Guarded regions, per engine step:
 
 * every decode forward (``[b, 1]`` input with a non-packed paged cache): the eager step (with and without decode
   buckets) and the static step that CUDA graphs capture, with each decode kernel reachable here (the gather path;
-  kvtrim's Triton kernel under Triton's interpreter). The eager step's layer-0 host preparation
-  (:meth:`PagedBatchCache._begin_forward`: block allocation, block-table writes and the upload of the step's slots
-  and positions) is outside the region; the static step's host preparation (``reserve_decode_step`` and
-  ``StaticDecodeCache.load``) runs before the forward, so its forward is guarded whole, with the pinned staging
-  buffer and the host block counts registered as host data;
+  kvtrim's Triton kernel under Triton's interpreter). Inside a forward a device value read on the host
+  (``.item()``, ``bool(t)``, ``torch.equal``) is rejected too. The eager step's host preparation
+  (:meth:`PagedBatchCache.begin_forward`: block allocation, block-table writes and the upload of the step's slots
+  and positions) runs before the forward, outside the region; the static step's host preparation
+  (``reserve_decode_step`` and ``StaticDecodeCache.load``) runs before the forward, so its forward is guarded
+  whole, with the pinned staging buffer and the host block counts registered as host data;
 * every batched eviction (:func:`compress_sequences`: ranking, MoveCache, the table shrink and the freeing of
   blocks), apart from its host bookkeeping and the one upload of its inputs (``sequences_over_budget``,
   ``upload_eviction_inputs``).
 
-Reading device values back on the host (the eviction's new lengths, the positions check of the eager step) is a
-different rule, checked by the op-count tests and on a GPU by ``torch.cuda.set_sync_debug_mode``.
+An eviction reads device values back on the host on purpose (its new lengths): the op-count tests bound those
+reads, and on a GPU ``torch.cuda.set_sync_debug_mode`` guards the decode forwards.
 """
 
 from __future__ import annotations
@@ -69,9 +70,8 @@ def guarded_run(monkeypatch, model, **options) -> tuple[HostCopyGuard, HostCopyG
     """A compressing engine run (cr 4, continual metric on) with every decode forward and eviction guarded.
     Returns the forwards' guard, the evictions' guard (host bookkeeping is registered only with the first: the
     eviction reads host block counts on purpose), the guarded model, one entry per eviction and the engine."""
-    forwards, evictions = HostCopyGuard(), HostCopyGuard()
+    forwards, evictions = HostCopyGuard(reads=True), HostCopyGuard()
     for guard in (forwards, evictions):
-        guard.exempt(monkeypatch, PagedBatchCache, "_begin_forward")
         guard.exempt(monkeypatch, block_eviction, "sequences_over_budget")
         guard.exempt(monkeypatch, block_eviction, "upload_eviction_inputs")
     calls = []

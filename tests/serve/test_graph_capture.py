@@ -1,8 +1,9 @@
 """How the decode graphs are captured (kvtrim.serve.decode_graphs), checked on CPU with the CUDA calls recorded.
 
 There is no GPU here, so ``torch.cuda``'s stream, graph and allocator calls are replaced by recorders and the
-forward runs on CPU: what is checked is the sequence of calls a capture makes. Every capture must share the
-runner's one memory pool and none may empty the allocator's cache (``torch.cuda.graph`` does so on entry, and a
+forward runs on CPU: what is checked is the sequence of calls a capture makes. The captures of one round share one
+memory pool, a round whose graphs are all gone is followed by a new pool (the allocator asserts on a capture into a
+pool no graph holds), and no capture empties the allocator's cache (``torch.cuda.graph`` does so on entry, and a
 recapture would then give its memory back to the driver and allocate it again).
 """
 
@@ -81,9 +82,15 @@ def model():
     return tiny_model("llama")
 
 
-def test_captures_share_one_pool_and_never_empty_the_cache(model, fake):
+def handles() -> decode_graphs.GraphMemPool:
+    """A graph pool whose handles are ``(1, 0)``, ``(2, 0)``, ... (``torch.cuda.graph_pool_handle`` on CUDA)."""
+    made = iter(range(1, 100))
+    return decode_graphs.GraphMemPool(lambda: (next(made), 0))
+
+
+def test_captures_of_a_round_share_a_pool_and_never_empty_the_cache(model, fake):
     """Two bucket keys captured, then both again after the graphs are dropped (as when the block table grows):
-    four captures, each into the runner's one pool, none emptying the allocator's cache."""
+    four captures, the two of each round into that round's pool, none emptying the allocator's cache."""
     runner = ModelRunner(model, kv_blocks=200, block_size=4, decode_buckets=True, static_decode=True)
     seqs = [runner.new_sequence() for _ in range(3)]
     logits = runner.prefill([PrefillChunk(s, [3 + i + j for j in range(10 + i)]) for i, s in enumerate(seqs)])
@@ -94,8 +101,7 @@ def test_captures_share_one_pool_and_never_empty_the_cache(model, fake):
     entries = list(graphs._entries.values())
     assert len(entries) == 2
 
-    pool = object()  # the runner's one graph pool (a handle from torch.cuda.graph_pool_handle on CUDA)
-    graphs._mempool = pool
+    graphs._mempool = handles()
     with torch.inference_mode():
         for _ in range(2):
             for entry in entries:
@@ -104,7 +110,8 @@ def test_captures_share_one_pool_and_never_empty_the_cache(model, fake):
 
     names = fake.names()
     assert graphs.captures == 4 and names.count("capture_begin") == names.count("capture_end") == 4
-    assert [c[1] for c in fake.calls if c[0] == "capture_begin"] == [pool] * 4
+    assert [c[1] for c in fake.calls if c[0] == "capture_begin"] == [(1, 0), (1, 0), (2, 0), (2, 0)]
+    assert graphs._mempool.rounds == 2
     assert "empty_cache" not in names and "host_empty_cache" not in names
     for s in seqs:
         s.release()
@@ -127,7 +134,13 @@ def test_a_failing_capture_ends_the_capture_and_reports_the_forward_error(model,
         return forward()
 
     entry.forward = failing_forward
+    graphs._mempool = handles()
     with torch.inference_mode(), pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
         graphs._capture(entry, [seq])
     assert fake.names()[-2:] == ["capture_begin", "capture_end"] and entry.graph is None and graphs.captures == 0
+    # the failed graph was the only one captured into its pool: the next capture starts a new pool
+    entry.forward = forward
+    with torch.inference_mode():
+        graphs._capture(entry, [seq])
+    assert [c[1] for c in fake.calls if c[0] == "capture_begin"] == [(1, 0), (2, 0)] and graphs.captures == 1
     seq.release()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .packed_attention import attend_padded
-from .sdpa import sdpa
+from .sdpa import sdpa, sdpa_lower_right_causal
 
 
 def grouped_attention(
@@ -22,14 +22,30 @@ def grouped_attention(
         query: ``[batch, q_heads, q, head_dim]``; query head ``h`` belongs to KV head ``h // group``.
         keys, values: ``[batch, kv_heads, s, head_dim]``
         mask: ``[batch, kv_heads, q, s]`` boolean (True = visible) or None
-        causal: apply a causal mask aligned at the end (only when ``q == s`` and ``mask`` is None)
+        causal: apply a causal mask aligned at the end (the queries are the last ``q`` of the ``s`` keys; only
+            when ``mask`` is None)
     Returns:
         ``[batch, q, q_heads, head_dim]``
     """
-    if causal and mask is None and query.shape[2] > 1:
+    q, s = query.shape[2], keys.shape[2]
+    if causal and mask is None and q > 1:
         group = query.shape[1] // keys.shape[1]
-        return sdpa(query, keys, values, is_causal=True, scale=scaling, enable_gqa=group > 1).transpose(1, 2)
+        if q == s:
+            return sdpa(query, keys, values, is_causal=True, scale=scaling, enable_gqa=group > 1).transpose(1, 2)
+        if q > s:
+            raise ValueError(f"causal attention needs at most as many queries as keys, got {q} queries, {s} keys")
+        return continued_causal_attention(query, keys, values, scaling)
     return attend_padded(query, keys, values, mask, scaling)
+
+
+def continued_causal_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Causal attention of the last ``q`` positions over ``s >= q`` keys (a prompt chunk continuing a cache),
+    through torch's lower-right causal bias: on CUDA the flash or memory-efficient kernel takes the alignment
+    itself, so no ``[q, s]`` mask (let alone one per query head) is made. Shapes as :func:`grouped_attention`."""
+    group = query.shape[1] // keys.shape[1]
+    return sdpa_lower_right_causal(query, keys, values, scale=scaling, enable_gqa=group > 1).transpose(1, 2)
 
 
 def low_precision_matmul(*tensors: torch.Tensor) -> bool:

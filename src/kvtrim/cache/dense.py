@@ -90,6 +90,10 @@ class DenseStore(SlotBookkeeping):
         self.length = length
         self._stats: dict[str, torch.Tensor] = {}
         self.all_valid = bool((positions[..., :length] >= 0).all()) if length else True
+        # Host flag: every slot holds the token of its own position, in order, with nothing evicted or padded
+        # (only chunks checked by the caller were appended: ``mark_prefix_broken`` otherwise). A prompt chunk is
+        # then the last queries of a plain causal attention over the slots.
+        self.prefix_intact = length == 0
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> DenseStore:
@@ -180,6 +184,7 @@ class DenseStore(SlotBookkeeping):
         self._stats = {n: torch.gather(s[:, :, : self.length], 2, indices).contiguous() for n, s in self._stats.items()}
         self.length = indices.shape[2]
         self.all_valid = bool((self._pos >= 0).all())
+        self.prefix_intact = False
 
     rescorable = True
 
@@ -193,11 +198,13 @@ class DenseStore(SlotBookkeeping):
         self._pos[:, :, length : self.length].fill_(INVALID)
         self.length = length
         self.all_valid = bool((self.positions >= 0).all())
+        self.prefix_intact = False
 
     def copy(self) -> DenseStore:
         """An independent copy holding exactly the filled slots."""
         out = DenseStore(self.keys.clone(), self.values.clone(), self.positions.clone(), self.length)
         out._stats = {n: s[:, :, : self.length].clone() for n, s in self._stats.items()}
+        out.prefix_intact = self.prefix_intact
         return out
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -217,10 +224,11 @@ class DenseStore(SlotBookkeeping):
         """Attention of ``query`` ``[batch, q_heads, q, head_dim]`` over the stored entries.
 
         A slot is visible to a query when it holds a token whose position is not after the query's position.
-        ``fresh_causal`` says the store held nothing before the current tokens and none is padding, so a plain
-        causal kernel gives the same result. Returns ``[batch, q, q_heads, head_dim]``.
+        ``fresh_causal`` says a plain causal kernel gives the same result: the store held nothing before the
+        current tokens, or it holds an intact prefix (``prefix_intact``) they continue; none is padding.
+        Returns ``[batch, q, q_heads, head_dim]``.
         """
-        if fresh_causal:
+        if fresh_causal:  # bottom-right aligned: the queries are the last ``q`` of the stored tokens
             return grouped_attention(query, self.keys, self.values, None, scaling, causal=True)
         kpos = self.positions
         if query.shape[2] == 1:

@@ -73,7 +73,8 @@ def attend_padded(
         # A query that sees nothing gets NaN from the softmax; zero it on the device (no host check).
         seen = m.any(-1, keepdim=True)  # [b, hkv, group*tq or 1, 1]
         out = out.masked_fill(~seen, 0.0)
-    return out.view(b, hq, tq, values.shape[-1]).transpose(1, 2)  # values may be wider than pruned keys
+    # reshape, not view: CUDA's SDPA kernels return [b, h, q, d] as a transposed view of a [b, q, h, d] buffer
+    return out.reshape(b, hq, tq, values.shape[-1]).transpose(1, 2)  # values may be wider than pruned keys
 
 
 def gather_index(start: torch.Tensor, width: int, total: int) -> torch.Tensor:

@@ -211,7 +211,10 @@ class PagedLayer(CacheLayerMixin):
             "run the model with attn_implementation='kvtrim' (kvtrim.integration.attention.kvtrim_attention_enabled)",
         )
         if self.layer_idx == 0:
-            self.cache._begin_forward(key_states.shape[0], key_states.shape[2])
+            if self.cache._prepared:  # begin_forward ran before the forward
+                self.cache._prepared = False
+            else:
+                self.cache._begin_forward(key_states.shape[0], key_states.shape[2])
         hand_over(self, key_states, value_states)
         return key_states, value_states
 
@@ -354,7 +357,8 @@ class PagedBatchCache(Cache):
         self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.scaling: float | None = None
         self._unconsumed: int | None = None
-        self._step: dict | None = None  # per-forward state set at layer 0
+        self._step: dict | None = None  # per-forward state set at layer 0 (or by begin_forward)
+        self._prepared = False
 
     # ------------------------------------------------------------------ transformers protocol
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -367,6 +371,23 @@ class PagedBatchCache(Cache):
         return self.get_seq_length() + q, 0
 
     # ------------------------------------------------------------------ forward
+    def begin_forward(self, n: int, q: int, *, positions_checked: bool = False) -> None:
+        """Do the next forward's host preparation now, before the forward (else layer 0 does it): allocate its
+        blocks, write the block tables and upload the step's slots and positions. A decode step prepared this way
+        runs its forward without a host-device synchronisation (the uploads are blocking copies from host memory).
+
+        Args:
+            n, q: the forward's input rows and tokens per row (``input_ids`` is ``[n, q]``)
+            positions_checked: the caller built ``position_ids`` from each sequence's ``seen``, so the forward does
+                not compare them on the device (that comparison reads a device value back)
+        Raises:
+            OutOfBlocks: the blocks do not fit (nothing changed)
+        """
+        self._begin_forward(n, q)
+        if positions_checked:
+            self._step["checked"] = True
+        self._prepared = True
+
     def _begin_forward(self, n: int, q: int) -> None:
         """Layer 0: allocate every block this forward needs (all sequences, all layers) in one batch, or raise."""
         packed = self.chunk_lengths is not None

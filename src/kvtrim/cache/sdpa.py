@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import InvalidParameterError
 
@@ -154,3 +155,17 @@ def sdpa(
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
+
+
+def sdpa_lower_right_causal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None, enable_gqa: bool = False
+) -> torch.Tensor:
+    """Causal attention aligned at the end: query ``i`` of ``q`` sees keys ``0 .. s - q + i`` (a prompt chunk
+    continuing a cache). Through torch's lower-right causal bias, so on CUDA the flash or memory-efficient kernel
+    takes the alignment itself and no ``[q, s]`` mask is made; the CUDA backends are kvtrim's choice, as in
+    :func:`sdpa`. Shapes as :func:`sdpa`; needs ``q <= s``."""
+    bias = causal_lower_right(query.shape[-2], key.shape[-2])
+    if query.device.type != "cuda":
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)
+    with sdpa_kernel(sdpa_backends(get_attention_backend()), set_priority=True):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)

@@ -39,6 +39,12 @@ def _policy(name: str, doc: str) -> property:
     )
 
 
+def lower_right_causal_on(device: torch.device) -> bool:
+    """Where a prompt chunk continuing an intact dense prefix runs as lower-right causal attention (CUDA: flash
+    or memory-efficient, no mask made) rather than through a position mask (CPU: unchanged numerics)."""
+    return device.type == "cuda"
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """Entries and bytes held by a cache, measured from its tensors."""
@@ -362,12 +368,24 @@ class CompressibleLayer(CacheLayerMixin):
         positions = positions.long() if valid is None else positions.long().masked_fill(~valid, INVALID)
         store = self.store
         fresh = store.causal_prefill_ready and valid is None and bool((positions.diff(dim=1) == 1).all())
+        if getattr(store, "prefix_intact", False):  # a dense store nothing was evicted from
+            fresh = fresh or self._continues_prefix(store, positions, q, valid)
+            store.prefix_intact = fresh
         store.append(keys, values, positions, padded=valid is not None)
         out = store.attend(query, positions, scaling, fresh_causal=fresh)
         self.seen += q
         if self.cache.observing:
             record(self.cache.observation_spec, self.observation, store, query, positions, scaling)
         return out
+
+    def _continues_prefix(self, store, positions: torch.Tensor, q: int, valid: torch.Tensor | None) -> bool:
+        """Whether this chunk of ``q > 1`` unpadded tokens continues an intact prefix on CUDA: the store holds
+        exactly the ``seen`` earlier tokens in order and the chunk's positions are ``seen .. seen + q - 1`` (one
+        host read, in a prefill only). A decoding step (``q == 1``) is not read back, so it ends the prefix."""
+        if q == 1 or valid is not None or store.length != self.seen or not lower_right_causal_on(positions.device):
+            return False
+        expected = torch.arange(self.seen, self.seen + q, device=positions.device)
+        return bool((positions == expected).all())
 
     # ------------------------------------------------------------------ transformers Cache protocol
     def get_seq_length(self) -> int:

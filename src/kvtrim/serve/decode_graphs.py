@@ -8,7 +8,9 @@ sequence and add nothing to any metric; the real step is then a replay. Elsewher
 forward run eagerly, which is what the CPU tests exercise.
 
 A graph bakes in the addresses of what it reads. The pool and the weights never move; the shared block table is
-reallocated when it grows (more sequences, wider tables), so every graph is dropped and recaptured then.
+reallocated when it grows (more sequences, wider tables), so every graph is dropped and recaptured then. The
+recaptured graphs get a new memory pool (:class:`GraphMemPool`): the allocator keeps a graph pool only while a graph
+captured into it lives.
 """
 
 from __future__ import annotations
@@ -25,6 +27,36 @@ from ..cache.static_decode import StaticDecodeCache, batch_bucket, reserve_decod
 from ..errors import InvalidParameterError
 
 WARMUP_STEPS = 2  # eager runs on a side stream before a capture (lazy initialisation, allocator warm-up)
+
+
+class GraphMemPool:
+    """The memory pool the graphs of one capture round share.
+
+    A pool handle is only an id: PyTorch's caching allocator keeps the pool behind it while at least one graph
+    captured into it lives, and a capture into a handle whose graphs are all gone fails its internal check
+    (``use_count > 0`` in ``CUDACachingAllocator``). So once every graph of a round is dropped (the block table grew,
+    or the round's only capture failed), the next capture starts a new round with a new handle; the old pool's
+    memory goes back to the allocator's cache.
+
+    Args:
+        new_handle: makes a handle (default :func:`torch.cuda.graph_pool_handle`)
+    """
+
+    def __init__(self, new_handle: Callable[[], tuple] | None = None):
+        self._new_handle = new_handle or torch.cuda.graph_pool_handle
+        self._handle: tuple | None = None
+        self.rounds = 0
+
+    def for_capture(self) -> tuple:
+        """The handle the next capture allocates from (a new round's when the last round's graphs are gone)."""
+        if self._handle is None:
+            self._handle = self._new_handle()
+            self.rounds += 1
+        return self._handle
+
+    def all_graphs_dropped(self) -> None:
+        """No graph captured into the current handle lives any more: the next capture starts a new round."""
+        self._handle = None
 
 
 class _Entry:
@@ -77,7 +109,7 @@ class DecodeGraphRunner:
         self.decode_kernel = decode_kernel
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._table: torch.Tensor | None = None  # the shared block table the graphs read
-        self._mempool = torch.cuda.graph_pool_handle() if capture else None
+        self._mempool = GraphMemPool() if capture else None
         self.captures = self.replays = self.eager_steps = self.invalidations = 0
 
     def handles(self, n: int) -> bool:
@@ -158,12 +190,15 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):  # a capture runs on a side stream, never the default one
-            graph.capture_begin(pool=self._mempool)
+            graph.capture_begin(pool=self._mempool.for_capture())
             try:
                 logits = entry.forward()
             except BaseException:
                 with contextlib.suppress(RuntimeError):  # end the broken capture; the forward's error is reported
                     graph.capture_end()
+                del graph
+                if not any(e.graph is not None for e in self._entries.values()):
+                    self._mempool.all_graphs_dropped()  # the failed graph was the round's only user of the pool
                 raise
             graph.capture_end()
         torch.cuda.synchronize(device)
@@ -174,3 +209,5 @@ class DecodeGraphRunner:
         self.invalidations += 1
         for entry in self._entries.values():
             entry.graph, entry.logits = None, None
+        if self._mempool is not None:
+            self._mempool.all_graphs_dropped()

@@ -198,6 +198,8 @@ class ModelRunner:
             bucketed=self.decode_buckets,
             decode_kernel=self._attention_kernel,
         )
+        # the step's host preparation before the forward, so the forward itself never waits for the host
+        cache.begin_forward(n + pad, 1, positions_checked=True)
         out = self.model(
             input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
         )
