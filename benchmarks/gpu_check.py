@@ -9,7 +9,8 @@ limit and met / not met). On ``--device cuda`` the model is a random-weight llam
 directly on the GPU in bfloat16; ``--device cpu`` runs the same code at the ``tiny`` shape in float32 (Triton's
 interpreter for Triton kernels), so every stage can be run end to end without a GPU.
 
-H100 time per stage, estimated from arithmetic (never measured: no GPU has run this yet). Assumed: bf16 matrix
+H100 time per stage, estimated from arithmetic before the first run (measured on one H100, 2026-11-26: tests 89 s,
+kernels 13 s, methods 155 s for seven methods, step 58 s; docs/gpu-check.md). Assumed: bf16 matrix
 work at ~500 TFLOP/s in linear layers and ~350 TFLOP/s in flash attention, 3 TB/s of HBM, ~14 GFLOP per token for
 llama-8b's linear layers (7 B non-embedding parameters; only the last position's logits), ~15 s to build the model.
 
