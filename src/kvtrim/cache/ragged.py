@@ -23,6 +23,7 @@ from .packed_attention import (
     gather_rows,
     ragged_mask,
 )
+from .ragged_paged import BLOCK, decode_kernel_for, ragged_paged_attention
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,7 @@ class RaggedStore:
         self.start, self.length, self.capacity = start, length, capacity
         self.batch_size, self.kv_heads = batch, kv_heads
         self._stats: dict[str, torch.Tensor] = {}
+        self._block: int | None = None  # rows start on multiples of this (a block-table kernel reads them)
         self._sync_layout()
 
     def _sync_layout(self) -> None:
@@ -118,6 +120,8 @@ class RaggedStore:
     def _repack(self, row_order: torch.Tensor, new_capacity: torch.Tensor) -> None:
         """Move rows (in ``row_order``) into fresh buffers with ``new_capacity`` slots each."""
         lengths = self.length[row_order]
+        if self._block is not None:  # keep every row on a block boundary
+            new_capacity = (new_capacity + self._block - 1) // self._block * self._block
         new_start = new_capacity.cumsum(0) - new_capacity
         src = _ranges(self.start[row_order], lengths)
         dst = _ranges(new_start, lengths)
@@ -134,6 +138,13 @@ class RaggedStore:
         self._stats = {n: move(s) for n, s in self._stats.items()}
         self.start, self.length, self.capacity = new_start, lengths.clone(), new_capacity.clone()
         self._sync_layout()
+
+    def _align_rows(self) -> None:
+        """Start every row on a multiple of :data:`~kvtrim.cache.ragged_paged.BLOCK` slots (one repack, the first
+        time a block-table kernel reads this store; later repacks keep the alignment)."""
+        if self._block is None:
+            self._block = BLOCK
+            self._repack(torch.arange(len(self.length), device=self.length.device), self.capacity)
 
     def _make_room(self, q: int) -> None:
         """Give every row at least ``q`` free slots: rows with less grow geometrically (≥ 1/8 of the row, at least
@@ -203,6 +214,7 @@ class RaggedStore:
             self.kv_heads,
         )
         out._stats = {n: s.clone() for n, s in self._stats.items()}
+        out._block = self._block
         return out
 
     # ------------------------------------------------------------------ views
@@ -259,8 +271,14 @@ class RaggedStore:
         chunk sees the entries whose position is not after its own. Returns ``[batch, q, q_heads, head_dim]``.
         """
         b, h, tq = self.batch_size, self.kv_heads, query.shape[2]
-        if tq == 1 and query.shape[-1] == self._v.shape[-1] and flash_varlen_available(query):
-            return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._width, scaling)
+        if tq == 1 and query.shape[-1] == self._v.shape[-1] == self._k.shape[-1]:
+            if flash_varlen_available(query):
+                return flash_varlen_attention(query, self._k, self._v, self.start, self.length, self._width, scaling)
+            kernel = decode_kernel_for(query, query.shape[-1])
+            if kernel is not None:
+                self._align_rows()
+                return ragged_paged_attention(kernel, query, self._k, self._v, self.start, self.length, self._width,
+                                              scaling, may_be_empty=self._min_len == 0)  # fmt: skip
         width = self._max_len  # columns past every row's length are left out of the padded view
         index = self._index[:, :width]
         keys = gather_rows(self._k, index, b, h)
