@@ -97,3 +97,28 @@ vllm-test: $(VLLM_STAMP)
 	$(VPY) -c "import vllm, vllm.entrypoints.openai.api_server, openai; from kvtrim.vllm.plugin import check_version; \
 		check_version(vllm.__version__); print('vllm-test: vllm', vllm.__version__, 'from', vllm.__file__)"
 	$(VPY) -m pytest tests/vllm -q -p no:cacheprovider -rs
+
+# kvpress itself, as a peer to compare with (docs/kvpress-parity.md): its own venv, because kvpress 0.5.5 pins
+# transformers <5.3. Not used by kvtrim or its tests.
+KVP_VENV := .venv-kvpress
+KVP_PY := $(KVP_VENV)/bin/python
+KVP_STAMP := $(KVP_VENV)/.kvpress-installed
+KVP_OUT ?= benchmarks/results/kvpress_parity
+
+.PHONY: peer-kvpress kvpress-parity
+
+$(KVP_STAMP):
+	test -x $(KVP_PY) || $(PYTHON) -m venv $(KVP_VENV)
+	$(KVP_PY) -m pip install -q --upgrade pip
+	$(KVP_PY) -m pip install -q torch==2.13.0
+	$(KVP_PY) -m pip install -q "kvpress==0.5.5" "transformers>=5.2,<5.3"
+	touch $(KVP_STAMP)
+
+peer-kvpress: $(KVP_STAMP)
+
+# Both halves of tools/kvpress_parity.py: kvpress's presses in .venv-kvpress, kvtrim's methods in .venv.
+kvpress-parity: model $(KVP_STAMP)
+	HOME_DIR=$$($(PY) -c "import kvtrim.models as m; print(m.kvtrim_home())") && \
+	$(KVP_PY) tools/kvpress_parity.py kvpress --model-dir $$HOME_DIR/models/smollm2-135m \
+		--context-file $$HOME_DIR/haystacks/jargon.txt --out $(KVP_OUT) && \
+	$(PY) tools/kvpress_parity.py kvtrim --context-file $$HOME_DIR/haystacks/jargon.txt --out $(KVP_OUT)

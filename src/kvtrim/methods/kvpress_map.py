@@ -54,8 +54,12 @@ _NOT_YET = "not yet built"
 
 MAPPINGS: tuple[PressMapping, ...] = (
     PressMapping(
-        "AdaKVPress", "adakv", f"{_WRAPS} SnapKV's scorer; kvtrim's AdaKV is SnapKV + head-adaptive budgets",
-        {**_SNAPKV_PRESS, "alpha": 0.2}, "`alpha_safeguard` → `alpha`; `press` → the scorer of the method",
+        "AdaKVPress", "adakv",
+        f"{_WRAPS} SnapKV's scorer; kvtrim's AdaKV is SnapKV + head-adaptive budgets; `rule='kvpress'` is kvpress's "
+        "safeguard (each head's own top α·keep forced in before the layer-wide top-k; kvtrim's default is the "
+        "paper's floor of α·B per head)",
+        {**_SNAPKV_PRESS, "alpha": 0.2, "rule": "kvpress"},
+        "`alpha_safeguard` → `alpha`; `press` → the scorer of the method",
     ),
     PressMapping(
         "BlockPress", "block",
@@ -116,8 +120,8 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "method",
     ),
     PressMapping(
-        "CriticalAdaKVPress", "critical_adakv", f"{_WRAPS} SnapKV's scorer",
-        {**_SNAPKV_PRESS, "alpha": 0.5, "eps": 1e-4, "safeguard": 0.2},
+        "CriticalAdaKVPress", "critical_adakv", f"{_WRAPS} SnapKV's scorer; `rule='kvpress'` as for AdaKVPress",
+        {**_SNAPKV_PRESS, "alpha": 0.5, "eps": 1e-4, "safeguard": 0.2, "rule": "kvpress"},
         "`first_stage_ratio` → `alpha`; `epsilon` → `eps`; `alpha_safeguard` → `safeguard`",
     ),
     PressMapping(
