@@ -502,13 +502,15 @@ class PagedBatchCache(Cache):
         # Gather every (sequence, head)'s entries through its block table: [n, H, S, d].
         length = base + q
         slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, nb * bs)
-        k = pool.read_keys(slots)  # a quantized pool dequantizes this layer's entries of the batch only
-        v = pool.read_values(slots)
         kpos = pool.positions.view(-1)[slots]
         stored = torch.arange(nb * bs, device=table.device)[None, None, :] < length[:, :, None]  # [n, H, S]
         mask = stored[:, :, None, :] & (kpos[:, :, None, :] <= qpos[:, None, :, None])  # [n, H, q, S]
         hq = query.shape[1]
         group = hq // h
+        if q == 1 and getattr(pool, "per_token_scale", False):
+            return self._decode_packed(query, slots, stored, kpos, mask, qpos, scaling)
+        k = pool.read_keys(slots)  # a quantized pool dequantizes this layer's entries of the batch only
+        v = pool.read_values(slots)
         if not (self.accumulate_decode_metric and q == 1):
             # Every query sees at least its own new key, so no row is empty (no NaN check, no host sync).
             qg = query.reshape(n, h, group * q, d)
@@ -525,6 +527,23 @@ class PagedBatchCache(Cache):
         # Slots beyond a row's length add exactly 0 (no boolean indexing: its size would need a host read).
         pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
         return out.to(query.dtype).transpose(1, 2)
+
+    def _decode_packed(self, query, slots, stored, kpos, mask, qpos, scaling) -> torch.Tensor:
+        """One decode step over a quantized pool's packed entries, never dequantized: logits from the key codes and
+        the output from the value codes (:meth:`QuantizedBlockPool.key_logits
+        <kvtrim.cache.quantized_block_pool.QuantizedBlockPool.key_logits>`), float32, the continual metric added
+        when asked for. ``query [n, q_heads, 1, d]``, ``slots [n, H, S]``; returns ``[n, 1, q_heads, d]``."""
+        n, hq, _, d = query.shape
+        h = slots.shape[1]
+        qg = query.reshape(n, h, hq // h, d).float() * scaling
+        logits = self.pool.key_logits(qg, slots).masked_fill_(~mask, float("-inf"))  # [n, H, G, S]
+        probs = torch.softmax(logits, dim=-1)  # no empty row: every query sees its own new key
+        out = self.pool.weighted_values(probs, slots)  # [n, H, G, d]
+        if self.accumulate_decode_metric:
+            sq = probs.square().sum(dim=2)  # [n, H, S]
+            counted = stored & (kpos <= qpos[:, -1:, None] - self.buffer) if self.buffer else stored
+            self.pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
+        return out.reshape(n, hq, 1, d).to(query.dtype).transpose(1, 2)
 
     def _attend_kernel(self, query, table, length, qpos, scaling) -> torch.Tensor:
         """Decode through the block-table kernel (one call for the layer); ``length [n, H]`` after the write."""

@@ -19,8 +19,12 @@ Bytes of one entry (key + value of one KV head): ``2 * head_dim * bits / 8 + 2 *
 (int8 at head_dim 64: 136 B; int4: 72 B; against 256 B in float16, 512 B in float32). :meth:`nbytes` sums the
 storages of the codes, scales and zero points; :meth:`block_nbytes` is ``block_size`` entries.
 
-Reads dequantize only the slots asked for, into a new tensor of the pool's dtype: decode attention reads one
-layer of the batch at a time (:class:`~kvtrim.cache.paged.PagedBatchCache`), never the whole pool.
+Reads dequantize only the slots asked for, into a new tensor of the pool's dtype: prefill attention reads one
+layer of the batch at a time (:class:`~kvtrim.cache.paged.PagedBatchCache`), never the whole pool. Decode
+attention does not dequantize at all when a token has one scale (``value_group`` None, the default): with a key
+``k = z + s * c`` and a value ``v = z' + s' * c'`` per slot, :meth:`key_logits` computes
+``q . k = s * (q . c) + z * sum(q)`` and :meth:`weighted_values` ``sum p * v = (p * s') @ c' + p . z'`` from the
+codes read as numbers (one pass, as a float pool's gather), the scales applied to ``[S]`` vectors, not ``[S, d]``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidParameterError
-from .block_pool import BlockPool, _positive_int, blocks_for_bytes
-from .quant import SCALE_DTYPE, KVQuant, dequantize_values, quantize_values, resolve_kv_quant
+from .block_pool import BlockPool, _positive_int, blocks_for_bytes, take
+from .quant import SCALE_DTYPE, KVQuant, dequantize_values, quantize_values, resolve_kv_quant, unpack_codes_as
 
 __all__ = ["QuantizedBlockPool", "pool_kv_quant"]
 
@@ -133,11 +137,46 @@ class QuantizedBlockPool(BlockPool):
 
     def read_keys(self, slot: torch.Tensor) -> torch.Tensor:
         codes, scale, zero = self._key_parts()
-        return dequantize_values(codes[slot], scale[slot], zero[slot], self.quant, self.dtype)
+        return dequantize_values(take(codes, slot), take(scale, slot), take(zero, slot), self.quant, self.dtype)
 
     def read_values(self, slot: torch.Tensor) -> torch.Tensor:
         codes, scale, zero = self._value_parts()
-        return dequantize_values(codes[slot], scale[slot], zero[slot], self.quant, self.dtype)
+        return dequantize_values(take(codes, slot), take(scale, slot), take(zero, slot), self.quant, self.dtype)
+
+    @property
+    def per_token_scale(self) -> bool:
+        """One scale per entry (``value_group`` None): :meth:`key_logits` / :meth:`weighted_values` apply."""
+        return self.key_scale.shape[-1] == 1
+
+    def key_logits(self, query: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """``query @ keys^T`` over the keys at ``slot`` without dequantizing them (needs :attr:`per_token_scale`).
+
+        Args:
+            query: ``[..., M, head_dim]`` float32 (already scaled); slot: ``[..., S]`` flat slots
+        Returns:
+            ``[..., M, S]`` float32
+        """
+        codes, scale, zero = self._key_parts()
+        c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32)  # [..., S, d]
+        s, z = take(scale, slot)[..., 0].float(), take(zero, slot)[..., 0].float()  # [..., S]
+        return (
+            torch.matmul(query, c.transpose(-1, -2))
+            .mul_(s[..., None, :])
+            .add_(query.sum(-1, keepdim=True) * z[..., None, :])
+        )
+
+    def weighted_values(self, probs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """``probs @ values`` over the values at ``slot`` without dequantizing them (needs :attr:`per_token_scale`).
+
+        Args:
+            probs: ``[..., M, S]`` float32; slot: ``[..., S]`` flat slots
+        Returns:
+            ``[..., M, head_dim]`` float32
+        """
+        codes, scale, zero = self._value_parts()
+        c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32)  # [..., S, d]
+        s, z = take(scale, slot).float(), take(zero, slot).float()  # [..., S, 1]
+        return torch.matmul(probs * s[..., 0][..., None, :], c).add_(torch.matmul(probs, z))
 
     def _key_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Key codes, scales and zero points as ``[slots, ...]`` views."""
