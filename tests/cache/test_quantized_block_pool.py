@@ -128,3 +128,19 @@ def test_compression_moves_packed_entries_like_the_plain_pool(fmt):
             if p >= 0:
                 assert torch.equal(b["keys"].reshape(4, -1, 8)[r, i], by_pos[(r, p)])
     assert pools[1].num_used == pools[0].num_used
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_decode_from_codes_equals_attention_over_dequantized_entries(fmt):
+    g = torch.Generator().manual_seed(2)
+    pool = QuantizedBlockPool(12, 4, 16, torch.float32, fmt)
+    assert pool.per_token_scale
+    slot = torch.randperm(48, generator=g)[:30].view(2, 15)  # [rows, S], out of order
+    pool.write(slot.reshape(-1), torch.randn(30, 16, generator=g) * 2, torch.randn(30, 16, generator=g))
+    query = torch.randn(2, 3, 16, generator=g)  # [rows, M, d]
+    keys, values = pool.read_keys(slot), pool.read_values(slot)  # [rows, S, d]
+    logits = pool.key_logits(query, slot)
+    torch.testing.assert_close(logits, query @ keys.transpose(-1, -2), atol=1e-4, rtol=1e-4)
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(pool.weighted_values(probs, slot), probs @ values, atol=1e-5, rtol=1e-4)
+    assert not QuantizedBlockPool(2, 4, 16, torch.float32, KVQuant(fmt, value_group=8)).per_token_scale
