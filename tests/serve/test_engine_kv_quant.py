@@ -128,3 +128,23 @@ def test_serve_cli_rejects_a_bad_kv_quant_before_loading():
     result = CliRunner().invoke(app, ["serve", "--model", "no-such-model", "--kv-quant", "int3"])
     assert result.exit_code != 0
     assert "kv_quant must be one of" in result.output
+
+
+def test_serve_cli_builds_a_quantized_pool(tmp_path, monkeypatch):
+    import gc
+
+    import kvtrim.serve.http as http_module
+    from kvtrim.cli import app
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    seen = {}
+    monkeypatch.setattr(http_module, "serve", lambda engine, **kw: seen.update(engine=engine))
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+    args = ["serve", "--model", str(tmp_path), "--kv-memory", "1MiB", "--compression-rate", "8", "--kv-quant", "int4"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    pool = seen["engine"].pool
+    assert isinstance(pool, QuantizedBlockPool) and pool.quant.name == "int4"
+    assert pool.num_blocks == 2**20 // (16 * (2 * 8 + 8)) and pool.nbytes() <= 2**20  # head_dim 16: 24 B per entry
+    assert "packed as int4" in result.output
