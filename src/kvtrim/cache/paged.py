@@ -507,7 +507,7 @@ class PagedBatchCache(Cache):
         mask = stored[:, :, None, :] & (kpos[:, :, None, :] <= qpos[:, None, :, None])  # [n, H, q, S]
         hq = query.shape[1]
         group = hq // h
-        if q == 1 and getattr(pool, "per_token_scale", False):
+        if q == 1 and pool.quant is not None and pool.per_token_scale:
             return self._decode_packed(query, slots, stored, kpos, mask, qpos, scaling)
         k = pool.read_keys(slots)  # a quantized pool dequantizes this layer's entries of the batch only
         v = pool.read_values(slots)
