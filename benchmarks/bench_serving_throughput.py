@@ -19,12 +19,20 @@ decode attention (``auto``: vLLM's flash-attention fork, else kvtrim's Triton ke
 flash-attn, when one can run, else gather + SDPA; ``triton`` names the Triton kernel); the one
 that ran is recorded per row (``decode_kernel``) and in the markdown.
 
+``--kv-quant none int8 int4`` runs every (input length, compression rate) once per KV format at the same pool
+bytes: the pool is sized in bytes (``--kv-memory``, or ``--fit`` / ``--pool-blocks`` times the bytes of an
+unquantized block) and a quantized pool packs more blocks into them
+(:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`). Rows record the format, the blocks and the bytes
+measured from the pool's tensors, and the throughput against the unquantized row of the same length and rate.
+
 Usage::
 
     python benchmarks/bench_serving_throughput.py             # full run (see NOTES.md for time and command)
     python benchmarks/bench_serving_throughput.py --quick     # smoke run: short prompts, ~1-2 min
     python benchmarks/bench_serving_throughput.py --shape llama-8b --device cuda --dtype bfloat16 \
         --lengths 2048 --prompts 32 --output-tokens 128 --fit 4 --rates 1 4 8
+    python benchmarks/bench_serving_throughput.py --lengths 500 --prompts 16 --rates 8 --kv-quant none int8 \
+        --fit 1 --decode-kernel gather                                  # cr 8 vs cr 8 + int8 at equal memory
 """
 
 from __future__ import annotations
@@ -112,11 +120,12 @@ def pool_blocks(model, longest: int, output_tokens: int, fit: float, block_size:
     return int(fit * tables * math.ceil((longest + output_tokens) / block_size))
 
 
-def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: int, args) -> dict:
+def run_setting(model, tok, prompts, output_tokens: int, rate: float, kv_bytes: int, args, kv_quant=None) -> dict:
     engine = Engine(
         model,
         tok,
-        kv_blocks=blocks,
+        kv_memory_bytes=kv_bytes,
+        kv_quant=kv_quant,
         block_size=args.block_size,
         compression_rate=rate,
         method=args.method,
@@ -146,8 +155,11 @@ def run_setting(model, tok, prompts, output_tokens: int, rate: float, blocks: in
         "compression_rate": rate,
         "prompts": len(prompts),
         "output_tokens": output_tokens,
-        "pool_blocks": blocks,
-        "pool_mib": blocks * engine.pool.block_nbytes() / 2**20,
+        "kv_quant": kv_quant or "none",
+        "pool_blocks": engine.pool.num_blocks,
+        "pool_mib": engine.pool.nbytes() / 2**20,
+        "pool_bytes_measured": engine.pool.nbytes(),
+        "entry_bytes": engine.pool.entry_nbytes(),
         "generated_tokens": generated,
         "wall_s": wall,
         "cpu_s": cpu,
@@ -177,9 +189,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [
         "# Serving throughput vs. compression rate (KV-Compress, fixed KV memory)",
         "",
-        f"Model {meta['model']}, {meta['method']}, pool {meta['pool_blocks']} blocks of {meta['block_size']} tokens "
-        f"({meta['pool_mib']:.0f} MiB of K/V, {meta['dtype']}, {meta['device']}) = {meta['fit']:.2f} uncompressed "
-        "sequences of the longest input; "
+        f"Model {meta['model']}, {meta['method']}, pool of {meta['pool_mib']:.1f} MiB of K/V "
+        f"({meta['pool_blocks']} unquantized blocks of {meta['block_size']} tokens, {meta['dtype']}, "
+        f"{meta['device']}) = {meta['fit']:.2f} uncompressed sequences of the longest input, the same bytes for "
+        "every KV format (a quantized pool packs more blocks into them); "
         f"{meta['output_tokens']} output tokens per request (EOS ignored), protected window "
         f"{meta['protected_window']}, min cache tokens {meta['min_cache_tokens']}, continual compression; "
         f"torch threads {meta['threads']}; prefill chunk {meta['prefill_chunk']}, "
@@ -192,17 +205,27 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         "Throughput counts generated tokens over the whole run (prefills included); `decode tok/s` counts only "
         "the batched decode forwards.",
         "",
-        "| input | cr | prompts | out tok/s (wall) | out tok/s (CPU) | vs 1x | decode tok/s | max batch | mean batch "
+        "`vs 1x` compares with cr 1 of the same KV format and input (wall); `vs none` with the unquantized row of the "
+        "same input and cr, by CPU time (the steadier column on a shared machine).",
+        "",
+        "| input | cr | kv_quant | pool blocks | B/entry | prompts | out tok/s (wall) | out tok/s (CPU) | vs 1x "
+        "| vs none (CPU) | decode tok/s | max batch | mean batch "
         "| preempt | compressions | evicted blocks | prefill s | decode s | compress s | wall s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    base = {r["input_len"]: r["out_tok_per_s_wall"] for r in rows if r["compression_rate"] == 1}
+    quant = lambda r: r.get("kv_quant", "none")  # noqa: E731
+    base = {(r["input_len"], quant(r)): r["out_tok_per_s_wall"] for r in rows if r["compression_rate"] == 1}
+    plain = {(r["input_len"], r["compression_rate"]): r["out_tok_per_s_cpu"] for r in rows if quant(r) == "none"}
     for r in rows:
-        ref = base.get(r["input_len"])
+        ref = base.get((r["input_len"], quant(r)))
         speedup = f"{r['out_tok_per_s_wall'] / ref:.2f}x" if ref else "-"
+        ref = plain.get((r["input_len"], r["compression_rate"]))
+        vs_none = f"{r['out_tok_per_s_cpu'] / ref:.2f}x" if ref and quant(r) != "none" else "-"
         lines.append(
-            f"| {r['input_len']} | {r['compression_rate']:g} | {r['prompts']} | {r['out_tok_per_s_wall']:.1f} "
-            f"| {r['out_tok_per_s_cpu']:.1f} | {speedup} | {r['decode_tok_per_s']:.1f} | {r['max_decode_batch']} "
+            f"| {r['input_len']} | {r['compression_rate']:g} | {quant(r)} | {r['pool_blocks']} "
+            f"| {r.get('entry_bytes', '-')} | {r['prompts']} | {r['out_tok_per_s_wall']:.1f} "
+            f"| {r['out_tok_per_s_cpu']:.1f} | {speedup} | {vs_none} | {r['decode_tok_per_s']:.1f} "
+            f"| {r['max_decode_batch']} "
             f"| {r['mean_decode_batch']:.1f} | {r['preemptions']} | {r['compressions']} | {r['blocks_evicted']} "
             f"| {r['prefill_s']:.1f} | {r['decode_s']:.1f} | {r['compress_s']:.1f} | {r['wall_s']:.1f} |"
         )
@@ -243,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-tokens", type=int, default=256)
     ap.add_argument("--fit", type=float, default=2.0, help="uncompressed longest sequences the pool holds")
     ap.add_argument("--pool-blocks", type=int, default=None, help="pool size in blocks (overrides --fit)")
+    ap.add_argument("--kv-memory", type=int, default=None, help="pool size in bytes (overrides the two above)")
+    ap.add_argument(
+        "--kv-quant", nargs="+", choices=["none", "int8", "int4"], default=["none"],
+        help="KV formats, each run at the same pool bytes",
+    )  # fmt: skip
     ap.add_argument("--method", default="kvcompress")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--protected-window", type=int, default=32)
@@ -279,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load(args.shape, args.device, dtype)
     blocks = args.pool_blocks or pool_blocks(model, max(args.lengths), args.output_tokens, args.fit, args.block_size)
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    block_mib = 2 * args.block_size * head_dim * torch.empty((), dtype=dtype).element_size() / 2**20
+    block_bytes = 2 * args.block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    kv_bytes = args.kv_memory or blocks * block_bytes
+    blocks = kv_bytes // block_bytes  # unquantized blocks in those bytes
     meta = {
         "model": MODEL if args.shape is None else f"random {args.shape}",
         "device": args.device,
@@ -293,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         "method": args.method,
         "block_size": args.block_size,
         "pool_blocks": blocks,
-        "pool_mib": blocks * block_mib,
+        "pool_bytes": kv_bytes,
+        "pool_mib": kv_bytes / 2**20,
+        "kv_quant": args.kv_quant,
         "fit": blocks / pool_blocks(model, max(args.lengths), args.output_tokens, 1.0, args.block_size),
         "output_tokens": args.output_tokens,
         "protected_window": args.protected_window,
@@ -313,17 +345,20 @@ def main(argv: list[str] | None = None) -> int:
     for length, count in zip(args.lengths, args.prompts, strict=True):
         prompts = to_vocab(make_prompts(tok, length, count), model.config.vocab_size)
         for rate in args.rates:
-            row = run_setting(model, tok, prompts, args.output_tokens, rate, blocks, args)
-            rows.append(row)
-            print(
-                f"input {length:5d} cr {rate:4g}: {row['out_tok_per_s_wall']:6.1f} out tok/s wall "
-                f"({row['out_tok_per_s_cpu']:.1f} CPU), max batch {row['max_decode_batch']:2d}, "
-                f"preemptions {row['preemptions']}, decode attention {row['decode_kernel']}, {row['wall_s']:.0f} s",
-                flush=True,
-            )
-            meta["total_wall_s"] = time.perf_counter() - t0
-            (out_dir / "serving_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-            write_markdown(out_dir / "serving_throughput.md", meta, rows)
+            for fmt in args.kv_quant:
+                quant = None if fmt == "none" else fmt
+                row = run_setting(model, tok, prompts, args.output_tokens, rate, kv_bytes, args, quant)
+                rows.append(row)
+                print(
+                    f"input {length:5d} cr {rate:4g} kv {fmt}: {row['out_tok_per_s_wall']:6.1f} out tok/s wall "
+                    f"({row['out_tok_per_s_cpu']:.1f} CPU), pool {row['pool_blocks']} blocks, max batch "
+                    f"{row['max_decode_batch']:2d}, preemptions {row['preemptions']}, decode attention "
+                    f"{row['decode_kernel']}, {row['wall_s']:.0f} s",
+                    flush=True,
+                )
+                meta["total_wall_s"] = time.perf_counter() - t0
+                (out_dir / "serving_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                write_markdown(out_dir / "serving_throughput.md", meta, rows)
     plot(out_dir / "serving_throughput.png", rows)
     print(f"total {meta['total_wall_s']:.0f} s; results in {out_dir}")
     return 0

@@ -402,6 +402,14 @@ def serve(
         ),
     ] = "gather",
     decode_buckets: Annotated[bool, typer.Option(help="pad decode batches to static shapes")] = False,
+    kv_quant: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-quant",
+            help="hold the pool's K/V blocks packed as int8 or int4 with their scales; --kv-memory counts packed "
+            "bytes (docs/quantization.md)",
+        ),
+    ] = None,
     cuda_graphs: Annotated[
         bool, typer.Option(help="replay decode steps from CUDA graphs (CUDA; implies --decode-buckets)")
     ] = False,
@@ -447,6 +455,9 @@ def serve(
         if kv_memory is not None and kv_blocks is not None:
             raise KVTrimError("give at most one of --kv-memory and --kv-blocks")
         kv_bytes = _parse_bytes(kv_memory or "256MiB") if kv_blocks is None else None
+        from .cache.quantized_block_pool import pool_kv_quant
+
+        pool_kv_quant(kv_quant)  # a bad --kv-quant fails before the model loads
         if threads is not None:
             if threads <= 0:
                 raise KVTrimError(f"--threads must be positive, got {threads}")
@@ -470,12 +481,14 @@ def serve(
             decode_kernel=decode_kernel,
             decode_buckets=decode_buckets or cuda_graphs,
             cuda_graphs=cuda_graphs,
+            kv_quant=kv_quant,
         )
     except (KVTrimError, ValueError) as exc:
         _fail(exc)
     typer.echo(
         f"kvtrim: serving {model} on http://{host}:{port}/v1 "
-        f"(KV pool {engine.pool.num_blocks} blocks of {block_size} tokens, compression rate {compression_rate:g}, "
+        f"(KV pool {engine.pool.num_blocks} blocks of {block_size} tokens"
+        f"{f' packed as {kv_quant}' if kv_quant else ''}, compression rate {compression_rate:g}, "
         f"decode attention {engine.decode_kernel}{', CUDA graphs' if cuda_graphs else ''})",
         err=True,
     )

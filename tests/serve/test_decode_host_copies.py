@@ -101,6 +101,8 @@ CASES = [
     pytest.param({}, id="eager"),
     pytest.param({"decode_buckets": True}, id="eager-buckets"),
     pytest.param({"decode_buckets": True, "static_decode": True}, id="static"),
+    pytest.param({"kv_quant": "int8"}, id="eager-int8"),
+    pytest.param({"decode_buckets": True, "static_decode": True, "kv_quant": "int4"}, id="static-int4"),
     pytest.param(
         {"decode_kernel": "triton"}, id="eager-triton",
         marks=pytest.mark.skipif(not INTERPRETED, reason="Triton's interpreter is off (CUDA runs the GPU check)"),

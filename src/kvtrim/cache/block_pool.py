@@ -3,6 +3,10 @@
 A block holds ``block_size`` slots of one (sequence, layer, KV head): a key and a value of ``head_dim`` each, the
 token's logical position and its KV-Compress eviction metric. Blocks are handed out and taken back in O(n) for n
 blocks through a free list; nothing is ever copied when a sequence grows.
+
+Entries are written, read and moved through :meth:`BlockPool.write`, :meth:`BlockPool.read_keys` /
+:meth:`BlockPool.read_values` and :meth:`BlockPool.move`, so a pool that holds them packed
+(:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`) serves the same callers.
 """
 
 from __future__ import annotations
@@ -30,11 +34,28 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def take(t: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``t[slot]`` for a ``[slots, ...]`` tensor and an index of any shape, through ``index_select`` (on CPU
+    several times faster than advanced indexing with a multi-dimensional index)."""
+    return t.index_select(0, slot.reshape(-1)).view(*slot.shape, *t.shape[1:])
+
+
+def blocks_for_bytes(kv_bytes, per_block: int, what: str) -> int:
+    """Whole blocks of ``per_block`` bytes in ``kv_bytes`` (at least one, else a clear error naming ``what``)."""
+    if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < per_block:
+        raise InvalidParameterError(
+            f"kv_bytes must be an integer of at least one block ({per_block} bytes for {what}), got {kv_bytes!r}"
+        )
+    return kv_bytes // per_block
+
+
 class BlockPool:
     """One physical pool shared by all sequences, layers and KV heads.
 
     Attributes:
         keys, values: ``[num_blocks, block_size, head_dim]``
+        quant: how entries are held: None (in ``dtype``, this class) or a
+            :class:`~kvtrim.cache.quant.KVQuant` (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`)
         positions: ``[num_blocks, block_size]`` long, ``-1`` for an empty slot
         metric: ``[num_blocks, block_size]`` float32, the KV-Compress eviction metric of each slot
     """
@@ -50,13 +71,20 @@ class BlockPool:
         # batch write into and read from (block id ``num_blocks``).
         self.scratch_block = num_blocks if scratch else None
         physical = num_blocks + int(scratch)
-        self.keys = torch.zeros(physical, block_size, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self._dtype = dtype
+        self._make_entries(physical, dtype, device)
         self.positions = torch.full((physical, block_size), EMPTY, dtype=torch.long, device=device)
         self.metric = torch.zeros(physical, block_size, dtype=torch.float32, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._allocated = torch.zeros(num_blocks, dtype=torch.bool, device="cpu")  # host bookkeeping
         self._tables: dict[int, BlockTables] = {}
+
+    quant = None
+
+    def _make_entries(self, physical: int, dtype: torch.dtype, device) -> None:
+        """The key and value tensors of ``physical`` blocks."""
+        self.keys = torch.zeros(physical, self.block_size, self.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
 
     def block_tables(self, rows: int) -> BlockTables:
         """The shared device-resident block tables of the sequences with ``rows`` tables on this pool."""
@@ -73,20 +101,17 @@ class BlockPool:
         _positive_int("block_size", block_size)
         _positive_int("head_dim", head_dim)
         per_block = 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
-        if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < per_block:
-            raise InvalidParameterError(
-                f"kv_bytes must be an integer of at least one block ({per_block} bytes for block_size={block_size}, "
-                f"head_dim={head_dim}, {dtype}), got {kv_bytes!r}"
-            )
-        return cls(kv_bytes // per_block, block_size, head_dim, dtype, device, scratch)
+        what = f"block_size={block_size}, head_dim={head_dim}, {dtype}"
+        return cls(blocks_for_bytes(kv_bytes, per_block, what), block_size, head_dim, dtype, device, scratch)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.keys.dtype
+        """The dtype entries are written from and read back in (the model's)."""
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.keys.device
+        return self.positions.device
 
     @property
     def num_free(self) -> int:
@@ -142,14 +167,48 @@ class BlockPool:
     def is_allocated(self, block_id: int) -> bool:
         return bool(self._allocated[block_id])
 
+    # ------------------------------------------------------------------ entries
+    def write(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` ``[m, head_dim]`` at flat slots ``slot`` ``[m]`` (``block * block_size +
+        offset``); positions and metrics are the caller's."""
+        d = self.head_dim
+        self.keys.view(-1, d)[slot] = keys.to(self.dtype)
+        self.values.view(-1, d)[slot] = values.to(self.dtype)
+
+    def read_keys(self, slot: torch.Tensor) -> torch.Tensor:
+        """The keys at flat slots ``slot`` (any shape ``[...]``) as ``[..., head_dim]`` in :attr:`dtype` (a copy)."""
+        return take(self.keys.view(-1, self.head_dim), slot)
+
+    def read_values(self, slot: torch.Tensor) -> torch.Tensor:
+        """The values at flat slots ``slot`` as ``[..., head_dim]`` in :attr:`dtype` (a copy)."""
+        return take(self.values.view(-1, self.head_dim), slot)
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the entries (key, value, position, metric) at flat slots ``src`` ``[m]`` to ``dst`` ``[m]``."""
+        for t in self._slot_tensors():
+            t[dst] = t[src]
+
+    def _entry_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding keys and values (what :meth:`nbytes` counts)."""
+        return (self.keys, self.values)
+
+    def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every per-slot tensor as ``[slots, ...]`` views (what :meth:`move` carries)."""
+        d = self.head_dim
+        return (self.keys.view(-1, d), self.values.view(-1, d), self.positions.view(-1), self.metric.view(-1))
+
     # ------------------------------------------------------------------ accounting
     def block_nbytes(self) -> int:
         """Key and value bytes of one block."""
-        return 2 * self.block_size * self.head_dim * self.keys.element_size()
+        return self.block_size * self.entry_nbytes()
+
+    def entry_nbytes(self) -> int:
+        """Key and value bytes of one slot (one entry of one KV head)."""
+        return 2 * self.head_dim * self.keys.element_size()
 
     def nbytes(self) -> int:
         """Key and value bytes held by the pool tensors (all blocks, free or not)."""
-        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
+        return sum(t.untyped_storage().nbytes() for t in self._entry_tensors())
 
     def index_nbytes(self) -> int:
         """Bytes of the per-slot positions and metrics."""

@@ -103,7 +103,7 @@ class PagedSequence:
 
     def kv_nbytes(self) -> int:
         """Key and value bytes of the entries actually stored (no slack)."""
-        return self.entries() * 2 * self.pool.head_dim * self.pool.keys.element_size()
+        return self.entries() * self.pool.entry_nbytes()
 
     def held_nbytes(self) -> int:
         """Key and value bytes of the blocks this sequence holds (entries plus partial-block slack)."""
@@ -153,8 +153,8 @@ class PagedSequence:
     def slots(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat pool slot ids of every logical slot: ``([rows, max_blocks * block_size], valid mask)``.
 
-        ``slot = block * block_size + offset`` indexes ``pool.keys.view(-1, head_dim)`` and the flattened
-        ``pool.positions`` / ``pool.metric``.
+        ``slot = block * block_size + offset`` is what ``pool.read_keys`` / ``pool.write`` take and indexes the
+        flattened ``pool.positions`` / ``pool.metric``.
         """
         table = self.table_tensor()
         lengths = self.store.length[self.slot]
@@ -173,8 +173,8 @@ class PagedSequence:
         shape = (self.num_layers, self.kv_heads, slot.shape[1])
         pos = self.pool.positions.view(-1)[slot].masked_fill(~valid, EMPTY)
         return {
-            "keys": self.pool.keys.view(-1, d)[slot].view(*shape, d),
-            "values": self.pool.values.view(-1, d)[slot].view(*shape, d),
+            "keys": self.pool.read_keys(slot).view(*shape, d),
+            "values": self.pool.read_values(slot).view(*shape, d),
             "positions": pos.view(shape),
             "metric": self.pool.metric.view(-1)[slot].view(shape),
             "valid": valid.view(shape),
@@ -293,6 +293,9 @@ class PagedBatchCache(Cache):
             both raise :class:`InvalidParameterError` saying why when they cannot); ``"auto"`` a kernel when one
             can run, else the gather path; or a :class:`~kvtrim.cache.paged_kernels.PagedKernel` the caller already
             resolved for this pool (an engine resolves once, not per forward). :attr:`decode_kernel_name` says which.
+            A pool holding packed entries (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`) decodes
+            on the gather path only: it dequantizes the gathered entries of one layer of the batch inside the
+            attention call; ``"flash"``, ``"triton"`` and a kernel object raise, ``"auto"`` picks the gather path.
     """
 
     def __init__(
@@ -346,12 +349,18 @@ class PagedBatchCache(Cache):
         if bucketed and (pool.scratch_block is None or chunk_lengths is not None):
             raise InvalidParameterError("bucketed decode needs a BlockPool(scratch=True) and no chunk_lengths")
         self.bucketed = bucketed
+        quant = None if pool.quant is None else pool.quant.name
         if isinstance(decode_kernel, PagedKernel):
+            if quant is not None:
+                raise InvalidParameterError(
+                    f"the {decode_kernel.name} kernel cannot read a pool with kv_quant={quant!r}: use the gather path"
+                )
             self._kernel = decode_kernel
         else:
             self._kernel = resolve_decode_kernel(
-                decode_kernel, device=pool.device, dtype=pool.dtype, block_size=pool.block_size, head_dim=head_dim
-            )
+                decode_kernel, device=pool.device, dtype=pool.dtype, block_size=pool.block_size, head_dim=head_dim,
+                kv_quant=quant,
+            )  # fmt: skip
         self.decode_kernel_name = "gather" if self._kernel is None else self._kernel.name
         # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill
         self.observations: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
@@ -496,8 +505,7 @@ class PagedBatchCache(Cache):
         logical = base[:, :, None] + torch.arange(q, device=base.device)  # [n, H, q]
         block = torch.gather(table, 2, logical // bs)
         slot = (block * bs + logical % bs).reshape(-1)
-        pool.keys.view(-1, d)[slot] = keys.to(pool.dtype).reshape(-1, d)
-        pool.values.view(-1, d)[slot] = values.to(pool.dtype).reshape(-1, d)
+        pool.write(slot, keys.reshape(-1, d), values.reshape(-1, d))
         pool.positions.view(-1)[slot] = qpos[:, None, :].expand(n, h, q).reshape(-1)
         pool.metric.view(-1).index_fill_(0, slot, 0.0)  # a scalar kernel argument, not a host tensor
 
@@ -515,13 +523,15 @@ class PagedBatchCache(Cache):
         # Gather every (sequence, head)'s entries through its block table: [n, H, S, d].
         length = base + q
         slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, nb * bs)
-        k = pool.keys.view(-1, d)[slots]
-        v = pool.values.view(-1, d)[slots]
         kpos = pool.positions.view(-1)[slots]
         stored = torch.arange(nb * bs, device=table.device)[None, None, :] < length[:, :, None]  # [n, H, S]
         mask = stored[:, :, None, :] & (kpos[:, :, None, :] <= qpos[:, None, :, None])  # [n, H, q, S]
         hq = query.shape[1]
         group = hq // h
+        if q == 1 and pool.quant is not None and pool.per_token_scale:
+            return self._decode_packed(query, slots, stored, kpos, mask, qpos, scaling)
+        k = pool.read_keys(slots)  # a quantized pool dequantizes this layer's entries of the batch only
+        v = pool.read_values(slots)
         if not (self.accumulate_decode_metric and q == 1):
             # Every query sees at least its own new key, so no row is empty (no NaN check, no host sync).
             qg = query.reshape(n, h, group * q, d)
@@ -538,6 +548,23 @@ class PagedBatchCache(Cache):
         # Slots beyond a row's length add exactly 0 (no boolean indexing: its size would need a host read).
         pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
         return out.to(query.dtype).transpose(1, 2)
+
+    def _decode_packed(self, query, slots, stored, kpos, mask, qpos, scaling) -> torch.Tensor:
+        """One decode step over a quantized pool's packed entries, never dequantized: logits from the key codes and
+        the output from the value codes (:meth:`QuantizedBlockPool.key_logits
+        <kvtrim.cache.quantized_block_pool.QuantizedBlockPool.key_logits>`), float32, the continual metric added
+        when asked for. ``query [n, q_heads, 1, d]``, ``slots [n, H, S]``; returns ``[n, 1, q_heads, d]``."""
+        n, hq, _, d = query.shape
+        h = slots.shape[1]
+        qg = query.reshape(n, h, hq // h, d).float() * scaling
+        logits = self.pool.key_logits(qg, slots).masked_fill_(~mask, float("-inf"))  # [n, H, G, S]
+        probs = torch.softmax(logits, dim=-1)  # no empty row: every query sees its own new key
+        out = self.pool.weighted_values(probs, slots)  # [n, H, G, d]
+        if self.accumulate_decode_metric:
+            sq = probs.square().sum(dim=2)  # [n, H, S]
+            counted = stored & (kpos <= qpos[:, -1:, None] - self.buffer) if self.buffer else stored
+            self.pool.metric.view(-1).index_add_(0, slots.reshape(-1), (sq * counted).reshape(-1))
+        return out.reshape(n, hq, 1, d).to(query.dtype).transpose(1, 2)
 
     def _attend_kernel(self, query, table, length, qpos, scaling) -> torch.Tensor:
         """Decode through the block-table kernel (one call for the layer); ``length [n, H]`` after the write."""
@@ -570,8 +597,7 @@ class PagedBatchCache(Cache):
         logical = base[tok_seq] + tok_j[:, None]  # [T, H]
         block = torch.gather(table[tok_seq], 2, (logical // bs)[..., None])[..., 0]
         slot = (block * bs + logical % bs).T.reshape(-1)  # [H * T], head-major like keys[0]
-        pool.keys.view(-1, d)[slot] = keys[0].to(pool.dtype).reshape(-1, d)
-        pool.values.view(-1, d)[slot] = values[0].to(pool.dtype).reshape(-1, d)
+        pool.write(slot, keys[0].reshape(-1, d), values[0].reshape(-1, d))
         pool.positions.view(-1)[slot] = pos.expand(h, -1).reshape(-1)
         pool.metric.view(-1).index_fill_(0, slot, 0.0)  # a scalar kernel argument, not a host tensor
 
@@ -584,8 +610,8 @@ class PagedBatchCache(Cache):
 
         length = base + step["lens"]  # [k, H] after the writes
         slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(k, h, nb * bs)
-        kk = pool.keys.view(-1, d)[slots].to(query.dtype)
-        vv = pool.values.view(-1, d)[slots].to(query.dtype)
+        kk = pool.read_keys(slots).to(query.dtype)
+        vv = pool.read_values(slots).to(query.dtype)
         kpos = pool.positions.view(-1)[slots]
         stored = torch.arange(nb * bs, device=table.device)[None, None, :] < length[:, :, None]  # [k, H, S]
         # Padding queries see every stored entry (no empty row, no NaN); their outputs are dropped.

@@ -341,14 +341,28 @@ class KernelChoice:
 
 
 def resolve_decode_kernel(
-    choice: str, *, device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int
+    choice: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    kv_quant: str | None = None,
 ) -> PagedKernel | None:
     """:func:`choose_decode_kernel`'s kernel (None: the gather + SDPA path)."""
-    return choose_decode_kernel(choice, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim).kernel
+    return choose_decode_kernel(
+        choice, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim, kv_quant=kv_quant
+    ).kernel
 
 
 def choose_decode_kernel(
-    choice: str, *, device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int
+    choice: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    kv_quant: str | None = None,
 ) -> KernelChoice:
     """The kernel decode attention runs with, and why every other candidate was refused.
 
@@ -361,6 +375,10 @@ def choose_decode_kernel(
             Triton kernel, or raise), ``"auto"`` (vLLM's fork, else the Triton kernel, else upstream flash-attn,
             the first that passes; else None)
         device, dtype, block_size, head_dim: the KV pool's
+        kv_quant: the name of the pool's packed format (``"int8"``, ``"int4"``) or None: the block-table kernels
+            read unquantized blocks only, so a quantized pool decodes on the gather path (which dequantizes one
+            layer of the batch inside the attention call); ``"auto"`` then picks it, ``"flash"`` and ``"triton"``
+            raise
     Raises:
         InvalidParameterError: an unknown ``choice``; ``"flash"`` or ``"triton"`` when no such kernel can serve
             this pool (the message says why, for each candidate)
@@ -369,6 +387,14 @@ def choose_decode_kernel(
         raise InvalidParameterError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}; got {choice!r}")
     if choice == "gather":
         return KernelChoice(None)
+    if kv_quant is not None:
+        why = (
+            f"kv_quant={kv_quant!r}: the block-table kernels read unquantized blocks (no dequantizing kernel is "
+            "built); decode_kernel='gather' dequantizes each layer inside the attention call"
+        )
+        if choice != "auto":
+            raise InvalidParameterError(f"decode_kernel={choice!r} cannot be used with {why}")
+        return KernelChoice(None, tuple((name, why) for name in ("vllm_flash_attn", "triton", "flash_attn")))
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
     device = torch.device(device)
@@ -508,7 +534,7 @@ def accumulate_metric_from_lse(
     h, width = table.shape[1], table.shape[2]
     bs = pool.block_size
     slots = (table[:, :, :, None] * bs + torch.arange(bs, device=table.device)).reshape(n, h, width * bs)
-    keys = pool.keys.view(-1, d)[slots]  # [n, H, S, d]: the keys only, no values
+    keys = pool.read_keys(slots)  # [n, H, S, d]: the keys only, no values
     q = query.to(pool.dtype).reshape(n, h, hq // h, d).float() * scaling
     logits = torch.matmul(q, keys.float().transpose(-1, -2))  # [n, H, G, S]
     sq = torch.exp(logits - lse[..., None]).square().sum(dim=2)  # [n, H, S]

@@ -34,6 +34,7 @@ __all__ = [
     "quantize_values",
     "resolve_kv_quant",
     "unpack_codes",
+    "unpack_codes_as",
 ]
 
 KV_QUANT_CHOICES = ("int8", "int4")
@@ -127,6 +128,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def unpack_codes_as(
+    packed: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[..., d * bits / 8]`` uint8 -> the codes as numbers ``[..., d]`` in ``dtype`` (written into ``out`` when
+    given), in one pass: what a caller that applies the scales itself (after a matmul) multiplies with."""
+    return _codes_into(packed, bits, dtype, out)
 
 
 def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,9 +206,7 @@ def move_cache(
     m_order = torch.argsort(m_row * width + mover_rank[m_row, m_col])
     d = slot[h_row, h_col][h_order]
     s_ = slot[m_row, m_col][m_order]
-    hd = pool.head_dim
-    for t in (pool.keys.view(-1, hd), pool.values.view(-1, hd), pool.positions.view(-1), pool.metric.view(-1)):
-        t[d] = t[s_]
+    pool.move(d, s_)
     vacated = slot[valid & (idx >= new_lengths[:, None])]
     pool.positions.view(-1).index_fill_(0, vacated, EMPTY)  # no Python number through an index (host→device)
     pool.metric.view(-1).index_fill_(0, vacated, 0.0)
@@ -379,7 +377,7 @@ def prefill_metric(
         w = queries.shape[2] if window is None else min(window, queries.shape[2])
         s, ok = slot[:, layer], valid[:, layer]  # [k, H, S]
         kpos = flat_pos[s].masked_fill(~ok, EMPTY)
-        keys = pool.keys.view(-1, pool.head_dim)[s]
+        keys = pool.read_keys(s)  # what attention sees (dequantized from a quantized pool)
         metric = squared_attention(
             queries[:, :, -w:], qpos[:, -w:], keys, kpos, scaling, buffer=buffer, kernel=kernel, chunk=chunk
         )

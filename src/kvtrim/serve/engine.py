@@ -121,7 +121,6 @@ class EngineStats:
         return self
 
 
-
 class Engine:
     """Continuous batching with a fixed KV memory budget and KV-Compress eviction.
 
@@ -164,6 +163,12 @@ class Engine:
             ``"auto"`` (vLLM's fork, else Triton, else upstream flash-attn, when one can run; else gather).
             ``"flash"``/``"triton"`` raise InvalidParameterError saying why when they cannot run.
             ``stats.decode_kernel`` and :attr:`decode_kernel` say which runs.
+        kv_quant: ``None`` (K/V blocks in the model's dtype), ``"int8"`` or ``"int4"``: the pool holds every entry
+            packed with its per-token scales (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`), so
+            ``kv_memory_bytes`` holds about 1.9x (int8) or 3.6x (int4) more entries than float16 blocks (3.8x and
+            7.1x more than float32); admission, preemption and compression count blocks of packed bytes. Decode
+            attention then runs on the gather path (``decode_kernel="auto"`` picks it; ``"flash"``/``"triton"``
+            raise). See docs/quantization.md.
     """
 
     def __init__(
@@ -190,6 +195,7 @@ class Engine:
         cuda_graphs: bool = False,
         static_decode: bool = False,
         cuda_graph_max_batch: int = 64,
+        kv_quant: str | None = None,
     ):
         _check_engine_args(kv_memory_bytes, kv_blocks, compression_rate, method, protected_window, min_cache_tokens)
         preset = PAGED_METHODS[method]
@@ -200,8 +206,9 @@ class Engine:
             model, kv_memory_bytes=kv_memory_bytes, kv_blocks=kv_blocks, block_size=block_size,
             eviction=preset if compress else None, continual_metric=compress and not compress_once,
             decode_buckets=decode_buckets, decode_kernel=decode_kernel, cuda_graphs=cuda_graphs,
-            static_decode=static_decode, cuda_graph_max_batch=cuda_graph_max_batch,
+            static_decode=static_decode, cuda_graph_max_batch=cuda_graph_max_batch, kv_quant=kv_quant,
         )  # fmt: skip
+        self.kv_quant = self.runner.kv_quant
         cfg = model.config
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model, "name_or_path", None) or cfg._name_or_path or "model"

@@ -24,6 +24,7 @@ import torch
 
 from ..cache.paged import BlockPool, PagedBatchCache, PagedSequence
 from ..cache.paged_kernels import choose_decode_kernel
+from ..cache.quantized_block_pool import QuantizedBlockPool, pool_kv_quant
 from ..cache.static_decode import batch_bucket
 from ..errors import InvalidParameterError
 from ..integration.attention import enable
@@ -75,6 +76,9 @@ class ModelRunner:
             compression; needs ``eviction``)
         decode_buckets, decode_kernel, cuda_graphs, static_decode, cuda_graph_max_batch: the decode step, as
             :class:`~kvtrim.serve.engine.Engine` documents them
+        kv_quant: ``None`` (entries in the model's dtype), ``"int8"`` or ``"int4"``: the pool holds packed entries
+            with their scales (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`) and
+            ``kv_memory_bytes`` counts the packed bytes
 
     Attributes:
         model, pool, geometry: the model, the block pool (KV memory) and its block arithmetic
@@ -97,8 +101,10 @@ class ModelRunner:
         cuda_graphs: bool = False,
         static_decode: bool = False,
         cuda_graph_max_batch: int = 64,
+        kv_quant: str | None = None,
     ):
         check_pool_size(kv_memory_bytes, kv_blocks)
+        quant = pool_kv_quant(kv_quant)
         if not isinstance(decode_buckets, bool):
             raise InvalidParameterError(f"decode_buckets must be True or False, got {decode_buckets!r}")
         if continual_metric and eviction is None:
@@ -108,9 +114,11 @@ class ModelRunner:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
+        # The decode kernel is chosen before anything changes.
         choice = choose_decode_kernel(
-            decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim
-        )  # before anything changes
+            decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim,
+            kv_quant=None if quant is None else quant.name,
+        )  # fmt: skip
         kernel = choice.kernel
         # Each block-table kernel looked at and not chosen -> why (engine stats report it).
         self.decode_kernel_refused: dict[str, str] = dict(choice.refused)
@@ -120,7 +128,16 @@ class ModelRunner:
         enable(model)  # raises UnsupportedModelError for unsupported architectures
         self.model = model
         self.decode_buckets = decode_buckets
-        if kv_blocks is not None:
+        self.kv_quant = None if quant is None else quant.name
+        if quant is not None:
+            quant.check_head_dim(head_dim)
+            if kv_blocks is not None:
+                self.pool = QuantizedBlockPool(kv_blocks, block_size, head_dim, dtype, quant, device, decode_buckets)
+            else:
+                self.pool = QuantizedBlockPool.for_bytes(
+                    kv_memory_bytes, block_size, head_dim, dtype, quant, device, decode_buckets
+                )
+        elif kv_blocks is not None:
             self.pool = BlockPool(kv_blocks, block_size, head_dim, dtype, device, scratch=decode_buckets)
         else:
             self.pool = BlockPool.for_bytes(kv_memory_bytes, block_size, head_dim, dtype, device, decode_buckets)
