@@ -1,4 +1,4 @@
-"""Bytes held and decode speed of quantized entries (int8 / int4) vs the model's dtype, SmolLM2-135M on CPU.
+"""Bytes held and decode speed of quantized entries (int8 / int4 / fp8) vs the model's dtype, SmolLM2-135M on CPU.
 
 One ~1k-token prompt is prefilled once. For every entry format (``none`` = float32 as the model runs, ``int8``,
 ``int4``) and every method (``full``: nothing evicted; ``snapkv`` and ``adakv`` at ratio 0.875; ``adakv`` also with
@@ -44,7 +44,7 @@ from kvtrim.prompts import prompt_template
 from kvtrim.runtime import Prefill, greedy_decode
 
 MODEL = "smollm2-135m"
-FORMATS = (None, "int8", "int4")
+FORMATS = (None, "int8", "int4", "fp8")
 # (label, method, ratio, layout)
 METHODS = (
     ("full", None, None, None),
@@ -83,7 +83,7 @@ def layer_costs(length: int) -> dict:
         "entries": length,
         "attention_us": round(_cpu_us(lambda: attend_padded(query, keys, values, None, 0.125)), 1),
     }
-    for name in ("int8", "int4"):
+    for name in ("int8", "int4", "fp8"):
         fmt = KVQuant(name)
         kq, vq = quantize_keys(keys, fmt), quantize_values(values, fmt)
 

@@ -51,6 +51,24 @@ def test_another_cache_type_inside_compressing_raises(llama, inputs):
         llama.generate(**inputs, past_key_values=DynamicCache(), max_new_tokens=2)
 
 
+def test_a_transformers_quantized_cache_is_refused_naming_kv_quant(llama, inputs):
+    """kvtrim holds quantized entries itself; a transformers QuantizedCache (given, or asked for by name) would
+    replace kvtrim's cache and compress nothing. Built without its backend (quanto / HQQ are not installed): only
+    its type is read before the refusal."""
+    from transformers.cache_utils import QuantizedCache
+
+    given = QuantizedCache.__new__(QuantizedCache)
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5):
+        with pytest.raises(InvalidParameterError, match=r"QuantizedCache; .*kv_quant='int8', 'int4' or 'fp8'"):
+            llama.generate(**inputs, past_key_values=given, max_new_tokens=2)
+        with pytest.raises(InvalidParameterError, match=r"cache_implementation='quantized'.*kv_quant="):
+            llama.generate(**inputs, cache_implementation="quantized", max_new_tokens=2)
+        with pytest.raises(InvalidParameterError, match=r"cache_implementation='static'.*leave it unset"):
+            llama.generate(**inputs, cache_implementation="static", max_new_tokens=2)
+        out = llama.generate(**inputs, max_new_tokens=2, do_sample=False)  # nothing was changed by the refusals
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 2
+
+
 def test_reusing_a_cache_raises_a_kvtrim_error(llama, inputs):
     with kvtrim.compressing(llama, "snapkv", ratio=0.5) as cache:
         llama.generate(**inputs, past_key_values=cache, max_new_tokens=3)

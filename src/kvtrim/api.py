@@ -205,7 +205,7 @@ class Session:
         Args:
             sampling: a decoding strategy already resolved by :func:`kvtrim.sampling.build_sampling`, instead of
                 the settings (``max_new_tokens`` ... ``stop``), which must then be left out
-            kv_quant: hold the copy's entries as ``"int8"`` / ``"int4"`` (None: the model's dtype)
+            kv_quant: hold the copy's entries as ``"int8"`` / ``"int4"`` / ``"fp8"`` (None: the model's dtype)
         """
         quant = resolve_kv_quant(kv_quant)
         pipeline, spec = resolve_method(method, ratio, budget, method_params, self.model)
@@ -355,7 +355,7 @@ def generate(
         do_sample, temperature, top_p, top_k: sampling settings overriding the configuration
         seed: seed of the sampler (same seed, same answers)
         stop: string(s) ending an answer; the answer is cut before the stop string
-        kv_quant: hold the kept entries quantized: ``"int8"`` or ``"int4"`` (KIVI's layout, see
+        kv_quant: hold the kept entries quantized: ``"int8"``, ``"int4"`` or ``"fp8"`` (KIVI's layout, see
             docs/quantization.md); None holds them in the model's dtype
     Returns:
         :class:`Result` with ``answers`` and ``stats``. In question-aware mode with several questions, sizes
@@ -441,7 +441,8 @@ def make_cache(
 ) -> KVTrimCache:
     """A cache for ``model.generate(..., past_key_values=cache)`` that compresses the prompt after prefill
     (question-aware). Installs kvtrim attention on ``model`` (plain causal attention for other caches).
-    One cache serves one ``generate`` call. ``kv_quant`` (``"int8"``/``"int4"``) holds its entries quantized."""
+    One cache serves one ``generate`` call. ``kv_quant`` (``"int8"``/``"int4"``/``"fp8"``) holds its entries
+    quantized."""
     quant = resolve_kv_quant(kv_quant)
     pipeline, spec = resolve_method(method, ratio, budget, method_params, model)
     enable(model)
@@ -455,6 +456,31 @@ REUSED_CACHE = (
 )
 
 
+QUANTIZED_ELSEWHERE = (
+    "kvtrim compresses its own cache, which holds quantized entries itself: pass kv_quant='int8', 'int4' or 'fp8' "
+    "to kvtrim.compressing / kvtrim.generate (docs/quantization.md)"
+)
+
+
+def _refuse_other_cache_kinds(model, cache, kwargs: dict) -> None:
+    """Inside :func:`compressing`, a transformers ``QuantizedCache`` (given, or asked for with
+    ``cache_implementation``) would be used instead of kvtrim's cache and nothing would be compressed: refuse it,
+    naming the supported way."""
+    from transformers.cache_utils import QuantizedCache
+
+    if isinstance(cache, QuantizedCache):
+        raise InvalidParameterError(f"past_key_values is a transformers QuantizedCache; {QUANTIZED_ELSEWHERE}")
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    asked = kwargs.get("cache_implementation")
+    if asked is None and getattr(config, "cache_implementation", None) == "quantized":
+        asked = "quantized"  # a model's own default (e.g. "hybrid") is replaced by kvtrim's cache as usual
+    if asked is not None:
+        raise InvalidParameterError(
+            f"cache_implementation={asked!r} asks transformers for its own cache instead of kvtrim's; "
+            + (QUANTIZED_ELSEWHERE if asked == "quantized" else "leave it unset inside kvtrim.compressing")
+        )
+
+
 @contextmanager
 def _supplying_cache(model, first: KVTrimCache, fresh) -> Iterator[None]:
     """Wrap ``model.generate`` (on the instance) so that a call without ``past_key_values`` gets a kvtrim cache:
@@ -466,6 +492,7 @@ def _supplying_cache(model, first: KVTrimCache, fresh) -> Iterator[None]:
     @functools.wraps(original)
     def generate(*args, **kwargs):
         cache = kwargs.get("past_key_values")
+        _refuse_other_cache_kinds(model, cache, kwargs)
         if cache is None:
             kwargs["past_key_values"] = unused.pop() if unused else fresh()
         elif not isinstance(cache, KVTrimCache):
@@ -504,7 +531,7 @@ def compressing(
     ``model.generate`` called without ``past_key_values`` gets a kvtrim cache: the yielded one for the first
     call, a fresh one for each later call (a cache serves one ``generate`` call). Passing the yielded cache
     explicitly works too. On exit the model's attention implementation and ``generate`` are restored.
-    ``kv_quant`` (``"int8"``/``"int4"``) holds the caches' entries quantized (docs/quantization.md).
+    ``kv_quant`` (``"int8"``/``"int4"``/``"fp8"``) holds the caches' entries quantized (docs/quantization.md).
 
     Example::
 

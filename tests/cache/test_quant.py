@@ -102,8 +102,9 @@ def test_bad_parameters_raise(kwargs, match):
 def test_resolve_kv_quant():
     assert resolve_kv_quant(None) is None
     assert resolve_kv_quant("int4") == KVQuant("int4")
-    with pytest.raises(InvalidParameterError, match=r"kv_quant must be one of \('int8', 'int4'\)"):
-        resolve_kv_quant("fp8")
+    assert resolve_kv_quant("fp8") == KVQuant("fp8")
+    with pytest.raises(InvalidParameterError, match=r"kv_quant must be one of \('int8', 'int4', 'fp8'\)"):
+        resolve_kv_quant("fp4")
     with pytest.raises(InvalidParameterError, match="value_group=24 must divide head_dim=64"):
         KVQuant("int8", value_group=24).check_head_dim(64)
     with pytest.raises(InvalidParameterError, match="head_dim must be even"):
@@ -124,3 +125,40 @@ def test_padding_does_not_widen_key_steps():
     assert torch.isfinite(scale).all() and (zero[..., 1, :] == 0).all()
     _, wide, _ = quantize_keys(padded, fmt)
     assert (wide[..., 0, :].float() > 30).all()  # without the mask the wild key sets the step
+
+
+# ---------------------------------------------------------------------------------------------------- fp8
+@pytest.mark.parametrize("which", ["keys", "values"])
+def test_fp8_round_trip_error_is_relative_to_each_element(which):
+    """e4m3 keeps 3 mantissa bits: an element's error is at most 2^-4 of itself once it is above the subnormal
+    range of its group's scale (the group's largest magnitude maps to 448)."""
+    fmt = KVQuant("fp8", group_size=16)
+    x = _x(2, 3, 32, 16)
+    if which == "keys":
+        codes, scale, zero = quantize_keys(x, fmt)
+        back = dequantize_keys(codes, scale, zero, fmt, torch.float32)
+        step = scale.float().repeat_interleave(16, dim=-2)  # per (group, channel)
+    else:
+        codes, scale, zero = quantize_values(x, fmt)
+        back = dequantize_values(codes, scale, zero, fmt, torch.float32)
+        step = scale.float().expand_as(x)  # one scale per token
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape and (zero == 0).all()
+    normal = x.abs() >= step * 2**-6  # e4m3's smallest normal number is 2^-6
+    err = (back - x).abs()
+    assert (err[normal] <= x.abs()[normal] * 2**-4 + 1e-6).all()
+    assert (err[~normal] <= step[~normal] * 2**-10 + 1e-6).all()  # subnormals: steps of 2^-9, half a step
+    # the code byte is the float8 number itself: read back as numbers it is x / scale
+    as_numbers = codes.view(torch.float8_e4m3fn).float()
+    assert (as_numbers.abs() <= 448).all() and as_numbers.abs().amax() == 448
+
+
+def test_fp8_entry_bytes_equal_int8s_and_padding_does_not_widen_the_scale():
+    assert KVQuant("fp8").entry_bytes(64) == KVQuant("int8").entry_bytes(64)
+    fmt = KVQuant("fp8", group_size=4)
+    x = _x(1, 1, 4, 4)
+    padded, valid = x.clone(), torch.ones(1, 1, 4, dtype=torch.bool)
+    padded[..., 0, :], valid[..., 0] = 1e4, False
+    _, scale, _ = quantize_keys(padded, fmt, valid)
+    _, ref, _ = quantize_keys(x[..., 1:, :].repeat(1, 1, 2, 1)[..., :4, :], fmt)
+    assert torch.equal(scale, ref)
+

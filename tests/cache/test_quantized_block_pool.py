@@ -38,7 +38,7 @@ def test_value_groups_add_scales_per_group():
     assert pool.entry_nbytes() == 2 * 32 + 2 * 2 * 4 * 2 == pool.nbytes() // 12
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_for_bytes_counts_packed_bytes(fmt):
     per_block = 16 * packed_entry_bytes(KVQuant(fmt), 64)
     pool = QuantizedBlockPool.for_bytes(10 * per_block + per_block - 1, 16, 64, torch.float32, fmt, scratch=True)
@@ -102,7 +102,7 @@ def _fill(pool, seq: PagedSequence, lengths: list[int], g: torch.Generator) -> N
     seq.seen = max(lengths)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_compression_moves_packed_entries_like_the_plain_pool(fmt):
     """The same metrics evict the same entries; survivors carry their codes unchanged (compared dequantized)."""
     lengths = [23, 17, 30, 9]
@@ -130,7 +130,7 @@ def test_compression_moves_packed_entries_like_the_plain_pool(fmt):
     assert pools[1].num_used == pools[0].num_used
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_decode_from_codes_equals_attention_over_dequantized_entries(fmt):
     g = torch.Generator().manual_seed(2)
     pool = QuantizedBlockPool(12, 4, 16, torch.float32, fmt)

@@ -65,7 +65,7 @@ def test_it_is_a_kv_store():
     assert isinstance(_pair("int4")[1], KVStore)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_bytes_are_the_kept_entries_codes_and_their_row_groups(name):
     fmt, ragged, dense, *_ = _pair(name)
     assert ragged.entries() == int(COUNTS.sum()) and torch.equal(ragged.entries_per_head(), COUNTS)
@@ -73,7 +73,7 @@ def test_bytes_are_the_kept_entries_codes_and_their_row_groups(name):
     assert ragged.nbytes() < dense.nbytes()  # the dense store pads every row to 16 entries
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_live_entries_and_attention_match_the_padded_dense_store(name):
     """Same groups (a row's kept entries from column 0), same codes: the live slots dequantize identically."""
     _, ragged, dense, _, mask = _pair(name)
@@ -88,7 +88,7 @@ def test_live_entries_and_attention_match_the_padded_dense_store(name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_decoding_appends_flush_like_the_dense_store(name):
     fmt, ragged, dense, *_ = _pair(name)
     g = torch.Generator().manual_seed(3)

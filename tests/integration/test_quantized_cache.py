@@ -52,7 +52,7 @@ def test_quantized_cache_logits_stay_close(llama, tokenizer, name, bound):
     assert 0 < err <= bound * ref.abs().max()
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_bytes_held_are_entries_times_packed_size(llama, tokenizer, name):
     ids = tokenizer(CTX, return_tensors="pt").input_ids
     _, cache = _decode_logits(llama, ids, name)
@@ -134,9 +134,9 @@ def test_compressing_and_make_cache_take_kv_quant(llama, tokenizer):
     assert made.kv_quant == KVQuant("int8")
 
 
-@pytest.mark.parametrize("bad", ["fp8", "INT8", 8, True])
+@pytest.mark.parametrize("bad", ["fp4", "INT8", 8, True])
 def test_invalid_kv_quant_raises_naming_the_parameter(llama, tokenizer, bad):
-    match = r"kv_quant must be one of \('int8', 'int4'\) or None"
+    match = r"kv_quant must be one of \('int8', 'int4', 'fp8'\) or None"
     with pytest.raises(InvalidParameterError, match=match):
         kvtrim.generate(llama, tokenizer, CTX, "q?", ratio=0.5, kv_quant=bad)
     with pytest.raises(InvalidParameterError, match=match):

@@ -27,7 +27,7 @@ def _greedy(model, ids, kv_quant, steps=24):
         return greedy_decode(model, cache, pre.mask, pre.logits, max_new_tokens=steps).tokens[0]
 
 
-@pytest.mark.parametrize(("name", "agree"), [("int8", 0.9), ("int4", 0.5)])
+@pytest.mark.parametrize(("name", "agree"), [("int8", 0.9), ("fp8", 0.9), ("int4", 0.5)])
 def test_greedy_tokens_mostly_agree_with_the_unquantized_cache(smollm2, name, agree):
     """Nothing evicted: the share of the first 24 greedy tokens equal to the unquantized cache's, position by
     position, is at least ``agree``."""

@@ -118,9 +118,9 @@ def test_declarations_are_class_attributes_not_dataclass_fields():
 
 
 def test_the_suites_hand_kept_method_sets_match_the_declared_capabilities():
-    from conftest import ARTIFACT_METHODS, CHANNEL_METHODS, GLOBAL_BLOCK_METHODS, RATIO_ONLY_METHODS
+    from conftest import ARTIFACT_METHODS, CHANNEL_METHODS, GLOBAL_BLOCK_METHODS, RECURSIVE_METHODS
 
     assert _with(lambda c: bool(c.artifacts)) == ARTIFACT_METHODS
     assert _with(lambda c: c.channels) == CHANNEL_METHODS
     assert _with(lambda c: c.paged_engine) == GLOBAL_BLOCK_METHODS
-    assert _with(lambda c: c.recursive) == RATIO_ONLY_METHODS
+    assert _with(lambda c: c.recursive) == RECURSIVE_METHODS

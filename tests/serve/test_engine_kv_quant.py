@@ -80,7 +80,7 @@ def test_int8_greedy_tokens_equal_the_unquantized_engine(model, tok, rate):
         assert engine.stats.compressions > 0
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_pool_bytes_are_packed_and_admit_more_sequences(model, tok, fmt):
     """At equal kv_memory_bytes the quantized pool holds more blocks (bytes measured from its tensors) and the
     engine admits more sequences at once: admission counts blocks of packed bytes."""

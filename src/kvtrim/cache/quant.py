@@ -10,6 +10,11 @@
   scale and zero point, so the error of an element is at most half a step plus the float16 rounding of ``zero``.
 * ``int8``: one code per byte. ``int4``: two codes per byte along the last axis, the even channel in the low nibble
   and the odd channel in the high nibble (``byte = c[2i] | c[2i+1] << 4``).
+* ``fp8``: float8 e4m3 (``torch.float8_e4m3fn``, largest finite value 448), symmetric: the same groups, a scale of
+  ``max |x| / 448`` per group and a zero point of 0; the code byte is the float8 number's bit pattern (a uint8 view),
+  so codes, scales and zero points keep the integer formats' shapes and every store holds them the same way. A code
+  read back as a number is the float8 value (``x ~ code * scale``); the relative error of an element is at most
+  2^-4 of its own magnitude (3 mantissa bits) above the float8 subnormal range.
 
 Packed bytes of one entry (key + value, per head): ``2 * head_dim * bits / 8``, plus its share of the scales:
 ``4 * head_dim / group_size`` (keys) and ``4 * head_dim / value_group`` (values), 4 = float16 scale + zero.
@@ -37,9 +42,11 @@ __all__ = [
     "unpack_codes_as",
 ]
 
-KV_QUANT_CHOICES = ("int8", "int4")
+KV_QUANT_CHOICES = ("int8", "int4", "fp8")
 SCALE_DTYPE = torch.float16
-_BITS = {"int8": 8, "int4": 4}
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+_BITS = {"int8": 8, "int4": 4, "fp8": 8}
 _MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
 
 
@@ -48,7 +55,7 @@ class KVQuant:
     """How a store holds its entries.
 
     Attributes:
-        name: ``"int8"`` or ``"int4"``
+        name: ``"int8"``, ``"int4"`` or ``"fp8"``
         group_size: tokens per key group (one per-channel scale per group); the full-precision window is
             quantized a whole group at a time
         residual: full-precision entries always kept after the last full group (KIVI's ``R``); the window holds
@@ -81,6 +88,11 @@ class KVQuant:
         return _BITS[self.name]
 
     @property
+    def is_float(self) -> bool:
+        """Codes are float8 bit patterns (``fp8``), not unsigned integers."""
+        return self.name == "fp8"
+
+    @property
     def codes_per_byte(self) -> int:
         return 8 // self.bits
 
@@ -106,7 +118,7 @@ class KVQuant:
 
 
 def resolve_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
-    """``None``, ``"int8"``, ``"int4"`` or a :class:`KVQuant` -> a :class:`KVQuant` (or None)."""
+    """``None``, ``"int8"``, ``"int4"``, ``"fp8"`` or a :class:`KVQuant` -> a :class:`KVQuant` (or None)."""
     if kv_quant is None or isinstance(kv_quant, KVQuant):
         return kv_quant
     if isinstance(kv_quant, str) and kv_quant in KV_QUANT_CHOICES:
@@ -131,11 +143,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes_as(
-    packed: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None
+    packed: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None, *, fp8: bool = False
 ) -> torch.Tensor:
     """``[..., d * bits / 8]`` uint8 -> the codes as numbers ``[..., d]`` in ``dtype`` (written into ``out`` when
-    given), in one pass: what a caller that applies the scales itself (after a matmul) multiplies with."""
-    return _codes_into(packed, bits, dtype, out)
+    given), in one pass: what a caller that applies the scales itself (after a matmul) multiplies with. ``fp8``:
+    the bytes are float8 e4m3 numbers (:attr:`KVQuant.is_float`)."""
+    return _codes_into(packed, bits, dtype, out, fp8)
 
 
 def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +161,17 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) 
     return ((x - zero.float()) / scale.float()).round_().clamp_(0, 2**bits - 1)
 
 
+def _fp8_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 ``(scale, zero)`` of a symmetric float8 group whose largest magnitude is ``amax``."""
+    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
+    return scale, torch.zeros_like(scale)
+
+
+def _fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """uint8 bit patterns of ``x / scale`` as float8 e4m3 (clamped to the finite range)."""
+    return (x / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+
+
 # ---------------------------------------------------------------------------------------------------- values
 def quantize_values(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token quantization of values ``[..., n, d]``.
@@ -158,6 +182,9 @@ def quantize_values(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.
     d = x.shape[-1]
     g = fmt.value_group_for(d)
     xg = x.float().unflatten(-1, (d // g, g))  # [..., n, groups, g]
+    if fmt.is_float:
+        scale, zero = _fp8_scale(xg.abs().amax(-1))
+        return _fp8_codes(xg, scale[..., None]).flatten(-2), scale, zero
     scale, zero = _affine(xg.amin(-1), xg.amax(-1), fmt.bits)
     codes = _codes(xg, scale[..., None], zero[..., None], fmt.bits).flatten(-2)
     return pack_codes(codes, fmt.bits), scale, zero
@@ -172,21 +199,25 @@ def dequantize_values(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
-    out = _codes_into(codes, fmt.bits, dtype, out)
+    out = _codes_into(codes, fmt.bits, dtype, out, fmt.is_float)
     groups = scale.shape[-1]
     grouped = out.unflatten(-1, (groups, out.shape[-1] // groups))
     grouped.mul_(scale.to(dtype)[..., None]).add_(zero.to(dtype)[..., None])
     return out
 
 
-def _codes_into(codes: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+def _codes_into(
+    codes: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None, fp8: bool = False
+) -> torch.Tensor:
     """The unpacked codes of ``codes`` ``[..., d * bits / 8]`` written as numbers into ``out`` ``[..., d]`` (a new
     tensor of ``dtype`` when None). Writing in place, then scaling in place, is about 3x faster on CPU than
     converting the codes to a new tensor and combining them with ``addcmul``."""
     d = codes.shape[-1] * 8 // bits
     if out is None:
         out = torch.empty((*codes.shape[:-1], d), dtype=dtype, device=codes.device)
-    if bits == 8:
+    if fp8:
+        out.copy_(codes.view(FP8_DTYPE))
+    elif bits == 8:
         out.copy_(codes)
     else:
         out[..., 0::2].copy_(codes & 0xF)
@@ -210,6 +241,10 @@ def quantize_keys(
     if n % g:
         raise InvalidParameterError(f"keys to quantize must fill whole groups: {n} tokens, group_size={g}")
     xg = x.float().unflatten(-2, (n // g, g))  # [..., groups, g, d]
+    if fmt.is_float:
+        mag = xg.abs() if valid is None else xg.abs().masked_fill(~valid.unflatten(-1, (n // g, g))[..., None], 0.0)
+        scale, zero = _fp8_scale(mag.amax(-2))
+        return _fp8_codes(xg, scale[..., None, :]).flatten(-3, -2), scale, zero
     if valid is None:
         lo, hi = xg.amin(-2), xg.amax(-2)
     else:
@@ -232,7 +267,7 @@ def dequantize_keys(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
-    out = _codes_into(codes, fmt.bits, dtype, out)
+    out = _codes_into(codes, fmt.bits, dtype, out, fmt.is_float)
     groups = scale.shape[-2]
     grouped = out.unflatten(-2, (groups, out.shape[-2] // groups))
     grouped.mul_(scale.to(dtype)[..., None, :]).add_(zero.to(dtype)[..., None, :])

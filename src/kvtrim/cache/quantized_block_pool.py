@@ -157,7 +157,7 @@ class QuantizedBlockPool(BlockPool):
             ``[..., M, S]`` float32
         """
         codes, scale, zero = self._key_parts()
-        c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32)  # [..., S, d]
+        c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32, fp8=self.quant.is_float)  # [..., S, d]
         s, z = take(scale, slot)[..., 0].float(), take(zero, slot)[..., 0].float()  # [..., S]
         return (
             torch.matmul(query, c.transpose(-1, -2))
@@ -174,7 +174,7 @@ class QuantizedBlockPool(BlockPool):
             ``[..., M, head_dim]`` float32
         """
         codes, scale, zero = self._value_parts()
-        c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32)  # [..., S, d]
+        c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32, fp8=self.quant.is_float)  # [..., S, d]
         s, z = take(scale, slot).float(), take(zero, slot).float()  # [..., S, 1]
         return torch.matmul(probs * s[..., 0][..., None, :], c).add_(torch.matmul(probs, z))
 

@@ -25,6 +25,7 @@ from . import (
     kv_compress,
     kvpress,
     lag,
+    reasoning,
     retrieval_heads,
 )
 from .registry import (
@@ -50,6 +51,7 @@ FAMILIES = (
     compiled,
     kv_compress,
     kvpress,
+    reasoning,
     channels,
 )
 
@@ -71,6 +73,7 @@ __all__ = [
     "method_info",
     "method_names",
     "methods",
+    "reasoning",
     "register",
     "retrieval_heads",
     "split_schedule",

@@ -87,3 +87,7 @@ FINCH = (
     "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024; "
     "kvpress ChunkPress"
 )
+RKV = (
+    "Cai et al., R-KV: Redundancy-aware KV Cache Compression for Reasoning Models (arXiv 2505.24133); "
+    "Zefan-Cai/R-KV"
+)

@@ -163,9 +163,10 @@ class Engine:
             ``"auto"`` (vLLM's fork, else Triton, else upstream flash-attn, when one can run; else gather).
             ``"flash"``/``"triton"`` raise InvalidParameterError saying why when they cannot run.
             ``stats.decode_kernel`` and :attr:`decode_kernel` say which runs.
-        kv_quant: ``None`` (K/V blocks in the model's dtype), ``"int8"`` or ``"int4"``: the pool holds every entry
-            packed with its per-token scales (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`), so
-            ``kv_memory_bytes`` holds about 1.9x (int8) or 3.6x (int4) more entries than float16 blocks (3.8x and
+        kv_quant: ``None`` (K/V blocks in the model's dtype), ``"int8"``, ``"int4"`` or ``"fp8"``: the pool holds
+            every entry packed with its per-token scales
+            (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`), so ``kv_memory_bytes`` holds about
+            1.9x (int8, fp8) or 3.6x (int4) more entries than float16 blocks (3.8x and
             7.1x more than float32); admission, preemption and compression count blocks of packed bytes. Decode
             attention then runs on the gather path (``decode_kernel="auto"`` picks it; ``"flash"``/``"triton"``
             raise). See docs/quantization.md.
