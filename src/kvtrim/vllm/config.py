@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from ..budgets.head_adaptive import HeadAdaptiveBudget
 from ..budgets.partition import PartitionBudget, keep_per_partition
 from ..budgets.pyramid import PyramidBudget, pyramid_layer_budgets
 from ..budgets.uniform import UniformBudget
@@ -25,6 +26,7 @@ from ..errors import InvalidParameterError
 from ..methods import get_method, method_info, method_names
 from ..methods.registry import BUDGET_KINDS
 from ..scoring.partitions import kept_length
+from .subpages import slots_for_head_budget
 
 ENV_VAR = "KVTRIM_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvtrim"
@@ -32,10 +34,14 @@ ADDITIONAL_CONFIG_KEY = "kvtrim"
 # Methods the plugin runs, from the parts' ``runs_in_vllm`` capability (docs/methods-registry.md): every layer and
 # KV head keeps the same count, or (PyramidKV) each layer keeps a count that depends on the prompt length only, so
 # the block list is sized by the largest layer and every layer gets its own seq_lens / slot mapping (worker_patch).
-# adakv, headkv… need per-head lengths: see docs/vllm.md.
+# Per-head methods whose layer total is fixed (AdaKV: Σ_h keep_h = kv_heads · B) keep their per-head counts in
+# one-head sub-pages (kvtrim.vllm.subpages) and attend through folded attention (kvtrim.vllm.head_backend).
 SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm)
 PER_LAYER_METHODS = tuple(
     name for name in SUPPORTED_METHODS if method_info(name).capabilities.budgets == BUDGET_KINDS["layer"]
+)
+PER_HEAD_METHODS = tuple(
+    name for name in SUPPORTED_METHODS if method_info(name).capabilities.budgets == BUDGET_KINDS["head"]
 )
 ACCEPTED_METHODS = SUPPORTED_METHODS
 
@@ -76,12 +82,35 @@ class VLLMEvictionConfig:
         """Whether layers keep different counts (PyramidKV): the worker then gives each layer its own lengths."""
         return self.method in PER_LAYER_METHODS
 
+    @property
+    def per_head(self) -> bool:
+        """Whether KV heads keep different counts (AdaKV): the worker then stores each head in its own sub-pages."""
+        return self.method in PER_HEAD_METHODS
+
     def pipeline(self) -> Pipeline:
         """A fresh kvtrim pipeline for this configuration."""
         pipeline = get_method(self.method, **self.params)
-        if not isinstance(pipeline.budget, (UniformBudget, PartitionBudget, PyramidBudget)):
+        if not isinstance(pipeline.budget, (UniformBudget, PartitionBudget, PyramidBudget, HeadAdaptiveBudget)):
             raise InvalidParameterError(f"method {self.method!r} does not keep a uniform count per layer")
         return pipeline
+
+    def head_budget(self, prompt_len: int) -> int:
+        """Per-head methods: the mean entries per KV head ``B`` after a ``prompt_len``-token prefill."""
+        if prompt_len < max(self.min_prompt, 1):
+            return prompt_len
+        return self.spec.keep_count(prompt_len)
+
+    def slot_count(self, prompt_len: int, num_layers: int, block_size: int) -> int:
+        """Slots of vLLM's (uniform) block list a request keeps after prefill; ``prompt_len``: nothing freed.
+
+        Uniform and per-layer methods: :meth:`keep_count`. Per-head methods: ``min(B + block_size − 1, prompt)``
+        (:func:`kvtrim.vllm.subpages.slots_for_head_budget`), enough one-head sub-pages for any split of
+        ``kv_heads · B`` entries among a layer's heads, now and after every decoded token.
+        """
+        if self.per_head:
+            budget = self.head_budget(prompt_len)
+            return prompt_len if budget >= prompt_len else slots_for_head_budget(budget, prompt_len, block_size)
+        return self.keep_count(prompt_len, num_layers)
 
     def keep_count(self, prompt_len: int, num_layers: int | None = None) -> int:
         """Slots a request keeps after a ``prompt_len``-token prefill (``prompt_len``: keep all).

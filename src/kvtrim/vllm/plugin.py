@@ -48,4 +48,18 @@ def register() -> None:
 
     scheduler_patch.install()
     worker_patch.install()
+    _register_head_backend()
     runner_check.install()  # V1 by default under kvtrim; refuse a worker whose runner is not patched
+
+
+def _register_head_backend() -> None:
+    """On a CPU, resolve ``CPU_ATTN`` to kvtrim's folding subclass (vLLM's own calls unless a step holds requests
+    whose KV heads keep different counts; :mod:`kvtrim.vllm.head_backend`). Other platforms keep their backends,
+    and the worker refuses per-head methods there."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        from .head_backend import BACKEND_PATH
+
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)

@@ -85,15 +85,16 @@ def _patch_update_after_schedule(orig):
         if state is None:
             return orig(self, scheduler_output)
         finishing = []
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests[req_id]
             prompt = req.num_prompt_tokens
             if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
-                keep = state.config.keep_count(prompt, state.num_layers)
+                # per-head methods: B + block_size − 1 slots hold any per-head split (kvtrim.vllm.subpages)
+                keep = state.config.slot_count(prompt, state.num_layers, manager.block_size)
                 if keep < prompt:
                     finishing.append((req_id, prompt, keep))
         orig(self, scheduler_output)
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         for req_id, prompt, keep in finishing:
             state.dropped[req_id] = prompt - keep
             blocks = manager.req_to_blocks[req_id]
