@@ -89,6 +89,23 @@ def test_tokens_equal_the_transformers_path_and_heads_keep_different_counts(mode
         assert out != _transformers(model, prompts, "snapkv", 24)  # per-head budgets differ from uniform ones
 
 
+def test_adakv_prompt_within_one_block_of_the_budget_splits_heads_without_freeing_blocks(model):
+    """B < prompt <= B + block − 1: the request keeps its blocks, its heads still keep their own counts."""
+    prompt = token_prompts([80], seed=9)[0]
+    assert parse_config({"method": "adakv", "budget": BUDGET}).slot_count(80, LAYERS, BLOCK) == 80
+    llm = make_llm({"method": "adakv", "budget": BUDGET}, model=str(model), block_size=BLOCK)
+    try:
+        out = _generate(llm, [prompt], 24)
+        state = scheduler(llm)._kvtrim_state
+        worker = _worker_state(llm)
+        assert state.blocks_freed == 0 and state.requests_compressed == 0  # the scheduler frees nothing
+        assert worker.evictions == 1 and worker.ragged_layers == LAYERS
+        assert used_blocks(llm) == 0
+    finally:
+        close(llm)
+    assert out == _transformers(model, [prompt], "adakv", 24)
+
+
 def test_adakv_sub_pages_hold_their_invariants_and_nothing_leaks_with_aborts(model, monkeypatch):
     """12 requests on a 24-block pool (queueing, preemption), aborts, sub-page invariants checked every step."""
     from kvtrim.vllm import worker_patch

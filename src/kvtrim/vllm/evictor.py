@@ -169,6 +169,8 @@ def evict_layer_heads(
         )
     slots = pending.pages.place(layer_idx, counts)
     for h in range(kv_heads):
+        if not counts[h]:
+            continue
         index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
         folded_cache_write(
             keys[index, h].unsqueeze(1),
