@@ -9,7 +9,16 @@ import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM 
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
-import torch
+from per_head_checks import (
+    BLOCK,
+    BUDGET,
+    LAYERS,
+    LENGTHS,
+    check_tokens_and_blocks,
+    generate,
+    transformers_tokens,
+    worker_state,
+)
 from vllm.inputs import TokensPrompt
 from vllm_helpers import close, make_llm, scheduler, token_prompts, truncated_model, used_blocks
 
@@ -17,40 +26,6 @@ from kvtrim.vllm.config import parse_config
 from vllm import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-LAYERS = 4  # a 4-layer cut of SmolLM2 (3 KV heads per layer): cheap prefills, per-head counts in every layer
-BLOCK = 32  # vLLM's smallest CPU block size: the one extra block per-head methods hold costs least
-LENGTHS = [60, 300, 700]
-BUDGET = 64
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _generate(llm, prompts, tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _worker_state(llm):
-    engine = llm.llm_engine.engine_core.engine_core
-    return engine.model_executor.driver_worker.worker.model_runner._kvtrim_state
-
-
-def _transformers(model, prompts, method: str | None, tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    import kvtrim
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    out = []
-    for p in prompts:
-        kwargs = {} if method is None else {"past_key_values": kvtrim.make_cache(hf, method, budget=BUDGET)}
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False, **kwargs)
-        out.append(ids[0, len(p) :].tolist())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -63,30 +38,8 @@ def prompts() -> list[list[int]]:
     return token_prompts(LENGTHS)
 
 
-@pytest.mark.parametrize("method", ["adakv", "critical_adakv", "critical_snapkv"])
-def test_tokens_equal_the_transformers_path_and_heads_keep_different_counts(model, prompts, method):
-    """Per-head methods (AdaKV, CriticalKV on AdaKV budgets) and CriticalKV's uniform variant, 24 greedy tokens."""
-    config = parse_config({"method": method, "budget": BUDGET})
-    llm = make_llm({"method": method, "budget": BUDGET}, model=str(model), block_size=BLOCK)
-    try:
-        out = _generate(llm, prompts, 24)  # 24 decoded tokens: heads fill and open sub-pages while decoding
-        state = scheduler(llm)._kvtrim_state
-        worker = _worker_state(llm)
-        assert state.requests_compressed == 2  # the 60-token prompt is under the budget
-        # Per-head: the block list keeps B + block − 1 slots, 3 blocks of 32 instead of 10 and 22 (uniform: 2).
-        slots = [config.slot_count(len(p), LAYERS, BLOCK) for p in prompts[1:]]
-        assert slots == [BUDGET + BLOCK - 1 if config.per_head else BUDGET] * 2
-        freed = sum(_cdiv(len(p), BLOCK) - _cdiv(s, BLOCK) for p, s in zip(prompts[1:], slots, strict=True))
-        assert state.blocks_freed == freed
-        # every layer of both requests split its heads unevenly (per-head methods)
-        assert worker.evictions == 2 and worker.ragged_layers == (2 * LAYERS if config.per_head else 0)
-        assert used_blocks(llm) == 0 and state.dropped == {}
-    finally:
-        close(llm)
-    assert out == _transformers(model, prompts, method, 24)
-    assert out != _transformers(model, prompts, None, 24)  # compression changed the output: the match says something
-    if method == "adakv":
-        assert out != _transformers(model, prompts, "snapkv", 24)  # per-head budgets differ from uniform ones
+def test_adakv_tokens_equal_the_transformers_path_and_heads_keep_different_counts(model, prompts):
+    check_tokens_and_blocks(model, prompts, "adakv")
 
 
 def test_adakv_prompt_within_one_block_of_the_budget_splits_heads_without_freeing_blocks(model):
@@ -95,15 +48,15 @@ def test_adakv_prompt_within_one_block_of_the_budget_splits_heads_without_freein
     assert parse_config({"method": "adakv", "budget": BUDGET}).slot_count(80, LAYERS, BLOCK) == 80
     llm = make_llm({"method": "adakv", "budget": BUDGET}, model=str(model), block_size=BLOCK)
     try:
-        out = _generate(llm, [prompt], 24)
+        out = generate(llm, [prompt], 24)
         state = scheduler(llm)._kvtrim_state
-        worker = _worker_state(llm)
+        worker = worker_state(llm)
         assert state.blocks_freed == 0 and state.requests_compressed == 0  # the scheduler frees nothing
         assert worker.evictions == 1 and worker.ragged_layers == LAYERS
         assert used_blocks(llm) == 0
     finally:
         close(llm)
-    assert out == _transformers(model, [prompt], "adakv", 24)
+    assert out == transformers_tokens(model, [prompt], "adakv", 24)
 
 
 def test_adakv_sub_pages_hold_their_invariants_and_nothing_leaks_with_aborts(model, monkeypatch):
@@ -142,7 +95,7 @@ def test_adakv_sub_pages_hold_their_invariants_and_nothing_leaks_with_aborts(mod
         while engine.has_unfinished_requests():
             engine.step()
         state = scheduler(llm)._kvtrim_state
-        worker = _worker_state(llm)
+        worker = worker_state(llm)
         assert state.requests_compressed >= 8 and max(checked) >= 2  # several per-head requests decoded together
         assert used_blocks(llm) == 0
         assert state.dropped == {} and worker.dropped == {} and worker.heads == {}
