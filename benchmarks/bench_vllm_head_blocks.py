@@ -5,7 +5,7 @@ of ``kv_heads · B`` entries among a layer's heads fits in one-head sub-pages (`
 uniform method (SnapKV, same SnapKV scores) keeps ``B``. Each configuration runs ``--requests`` prompts of
 ``--prompt-len`` deterministic token ids through ``vllm.LLM`` (SmolLM2-135M, float32, eager) and reads the blocks
 the scheduler returned to vLLM's pool (``SchedulerState.blocks_freed``), the (request, layer) pairs whose heads
-kept different counts, and the blocks still in use after the run (must be 0).
+kept different counts, the blocks still in use after the run (must be 0) and the wall time of the generate call.
 
 Results go to ``benchmarks/results/bench_vllm_head_blocks/``. Run it in ``.venv-vllm``::
 
@@ -19,6 +19,8 @@ import datetime as dt
 import gc
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -50,7 +52,9 @@ def run(method: str, budget: int, block_size: int, prompts: list[list[int]], out
     core = llm.llm_engine.engine_core.engine_core
     try:
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
         state = core.scheduler._kvtrim_state
         worker = core.model_executor.driver_worker.worker.model_runner._kvtrim_state
         pool = core.scheduler.kv_cache_manager.block_pool
@@ -63,6 +67,7 @@ def run(method: str, budget: int, block_size: int, prompts: list[list[int]], out
             "ragged_layers": worker.ragged_layers,
             "layers": worker.num_layers,
             "blocks_in_use_after": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+            "wall_s": round(wall, 2),  # prefill and decode of all prompts, submitted at once
         }
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -96,16 +101,18 @@ def main() -> None:
     lines = [
         f"# Blocks freed, {args.method} vs {args.uniform}, {args.requests} prompts of {args.prompt_len} tokens",
         "",
-        f"`.venv-vllm/bin/python benchmarks/bench_vllm_head_blocks.py` ({meta['date']})",
+        f"`.venv-vllm/bin/python benchmarks/bench_vllm_head_blocks.py {' '.join(sys.argv[1:])}` ({meta['date']})",
         "",
-        f"| block size | budget | {args.uniform} freed | {args.method} freed | ratio | ragged (request, layer) pairs |",
-        "|---|---|---|---|---|---|",
+        f"| block size | budget | {args.uniform} freed | {args.method} freed | ratio | ragged (request, layer) pairs "
+        f"| {args.uniform} wall s | {args.method} wall s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ph, un = r["per_head"], r["uniform"]
         lines.append(
             f"| {ph['block_size']} | {ph['budget']} | {un['blocks_freed']} | {ph['blocks_freed']} | "
-            f"{r['ratio']:.3f} | {ph['ragged_layers']} of {ph['requests_compressed'] * ph['layers']} |"
+            f"{r['ratio']:.3f} | {ph['ragged_layers']} of {ph['requests_compressed'] * ph['layers']} | "
+            f"{un['wall_s']} | {ph['wall_s']} |"
         )
     (OUT_DIR / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 

@@ -101,3 +101,16 @@ def test_adakv_sub_pages_hold_their_invariants_and_nothing_leaks_with_aborts(mod
         assert state.dropped == {} and worker.dropped == {} and worker.heads == {}
     finally:
         close(llm)
+
+
+def test_a_per_head_method_without_the_folding_backend_refuses_to_start(model, monkeypatch):
+    """What a GPU (or a backend override by someone else) looks like to the start-up check."""
+    from vllm.v1.attention.backends import registry
+
+    from kvtrim.vllm import plugin
+    from kvtrim.vllm.wrappers import UnpatchedVLLMError
+
+    monkeypatch.setattr(plugin, "_register_head_backend", lambda: None)
+    monkeypatch.delitem(registry._ATTN_OVERRIDES, registry.AttentionBackendEnum.CPU_ATTN, raising=False)
+    with pytest.raises(UnpatchedVLLMError, match="adakv keeps a different count per KV head"):
+        make_llm({"method": "adakv", "budget": BUDGET}, model=str(model), block_size=BLOCK)

