@@ -15,8 +15,21 @@ from kvtrim.scoring.key_norm import KeyNormScorer
 from kvtrim.selection.topk import TopKSelector
 
 # the list kvtrim.vllm.config held by hand before the parts declared it (docs/vllm.md's table), plus pyramidkv
-# (per-layer counts)
-VLLM_METHODS = {"streaming_llm", "snapkv", "tova", "knorm", "random", "lagkv", "localkv", "lag_knorm", "pyramidkv"}
+# (per-layer counts), adakv and critical_adakv (per-head counts in one-head sub-pages) and critical_snapkv
+VLLM_METHODS = {
+    "streaming_llm",
+    "snapkv",
+    "tova",
+    "knorm",
+    "random",
+    "lagkv",
+    "localkv",
+    "lag_knorm",
+    "pyramidkv",
+    "adakv",
+    "critical_adakv",
+    "critical_snapkv",
+}
 
 
 def _with(check) -> set[str]:
