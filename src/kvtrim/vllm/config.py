@@ -16,6 +16,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
+from ..budgets.artifact_head_scores import ArtifactHeadScoreBudget
+from ..budgets.base import BudgetRequest
+from ..budgets.duo_heads import DuoHeadBudget
 from ..budgets.head_adaptive import HeadAdaptiveBudget
 from ..budgets.partition import PartitionBudget, keep_per_partition
 from ..budgets.pyramid import PyramidBudget, pyramid_layer_budgets
@@ -90,8 +96,16 @@ class VLLMEvictionConfig:
     def pipeline(self) -> Pipeline:
         """A fresh kvtrim pipeline for this configuration."""
         pipeline = get_method(self.method, **self.params)
-        if not isinstance(pipeline.budget, (UniformBudget, PartitionBudget, PyramidBudget, HeadAdaptiveBudget)):
-            raise InvalidParameterError(f"method {self.method!r} does not keep a uniform count per layer")
+        kinds = (
+            UniformBudget,
+            PartitionBudget,
+            PyramidBudget,
+            HeadAdaptiveBudget,
+            ArtifactHeadScoreBudget,
+            DuoHeadBudget,
+        )
+        if not isinstance(pipeline.budget, kinds):
+            raise InvalidParameterError(f"method {self.method!r} has budgets the vLLM plugin cannot size blocks for")
         return pipeline
 
     def head_budget(self, prompt_len: int) -> int:
@@ -100,16 +114,48 @@ class VLLMEvictionConfig:
             return prompt_len
         return self.spec.keep_count(prompt_len)
 
-    def slot_count(self, prompt_len: int, num_layers: int, block_size: int) -> int:
+    def bound_pipeline(self, model_path: str) -> Pipeline:
+        """A fresh pipeline bound to the checkpoint at ``model_path`` when a part loads a calibration artifact
+        (HeadKV's head scores; :mod:`kvtrim.vllm.checkpoint_model`), else unbound."""
+        pipeline = self.pipeline()
+        if method_info(self.method).capabilities.artifacts:
+            from .checkpoint_model import checkpoint_stand_in
+
+            pipeline.bind(checkpoint_stand_in(model_path))
+        return pipeline
+
+    def head_counts(self, pipeline: Pipeline, prompt_len: int, num_layers: int, kv_heads: int) -> np.ndarray | None:
+        """Per-head counts ``[num_layers, kv_heads]`` fixed before any score exists (HeadKV and DuoAttention: from
+        the artifact's head scores or gates, the budget and the prompt length), or None (AdaKV: the scores split
+        each layer's total)."""
+        if not isinstance(pipeline.budget, (ArtifactHeadScoreBudget, DuoHeadBudget)):
+            return None
+        request = BudgetRequest(
+            keep=torch.tensor([self.head_budget(prompt_len)]),
+            context_lengths=torch.tensor([prompt_len]),
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            ratio=self.spec.ratio,
+        )
+        return pipeline.budget.allocate(request, [])[0].cpu().numpy()
+
+    def slot_count(
+        self, prompt_len: int, num_layers: int, block_size: int, head_counts: np.ndarray | None = None
+    ) -> int:
         """Slots of vLLM's (uniform) block list a request keeps after prefill; ``prompt_len``: nothing freed.
 
-        Uniform and per-layer methods: :meth:`keep_count`. Per-head methods: ``min(B + block_size − 1, prompt)``
-        (:func:`kvtrim.vllm.subpages.slots_for_head_budget`), enough one-head sub-pages for any split of
-        ``kv_heads · B`` entries among a layer's heads, now and after every decoded token.
+        Uniform and per-layer methods: :meth:`keep_count`. Per-head methods: ``min(M + block_size − 1, prompt)``
+        (:func:`kvtrim.vllm.subpages.slots_for_head_budget`) with ``M`` the largest layer's mean count per head
+        (``B`` when every layer keeps ``kv_heads · B``; from ``head_counts`` ``[layers, kv_heads]`` when they are
+        fixed in advance), enough one-head sub-pages for the layer's split, now and after every decoded token.
         """
         if self.per_head:
             budget = self.head_budget(prompt_len)
-            return prompt_len if budget >= prompt_len else slots_for_head_budget(budget, prompt_len, block_size)
+            if budget >= prompt_len:
+                return prompt_len
+            if head_counts is not None:
+                budget = -(-int(head_counts.sum(-1).max()) // head_counts.shape[-1])
+            return slots_for_head_budget(budget, prompt_len, block_size)
         return self.keep_count(prompt_len, num_layers)
 
     def keep_count(self, prompt_len: int, num_layers: int | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..budgets.base import BudgetRequest
@@ -30,6 +31,7 @@ class PendingEviction:
         head_budget: per-head methods: the mean entries per KV head ``B`` (each layer keeps ``kv_heads · B``
             in total); ``keep`` is then the request's slot count ``min(B + block_size − 1, prompt_len)``
         pages: per-head methods: the request's one-head sub-pages (of its first ``⌈keep/block_size⌉`` blocks)
+        head_counts: ``[num_layers, kv_heads]`` per-head counts fixed before scoring (HeadKV), or None
     """
 
     req_id: str
@@ -41,6 +43,7 @@ class PendingEviction:
     layer_keep: tuple[int, ...] | None = None
     head_budget: int = 0
     pages: RequestSubPages | None = None
+    head_counts: np.ndarray | None = None
 
 
 def _score_and_select(
@@ -55,10 +58,12 @@ def _score_and_select(
     ratio: float | None,
     keep: int,
     module=None,
+    budgets: torch.Tensor | None = None,
 ):
     """Read the request's prompt in this layer, score it and select; ``(keys, values, selection, kept)``.
 
-    ``keys``/``values``: ``[p, kv_heads, d]``; ``kept``: ``[kv_heads]`` entries each head keeps.
+    ``keys``/``values``: ``[p, kv_heads, d]``; ``kept``: ``[kv_heads]`` entries each head keeps. ``budgets``
+    ``[kv_heads]``: counts fixed in advance (HeadKV) instead of the allocator's.
     """
     p = pending.prompt_len
     keys, values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
@@ -96,7 +101,10 @@ def _score_and_select(
     )
     # One layer at a time: PyramidBudget with num_layers=1 returns ``keep`` (this layer's pyramid count);
     # HeadAdaptiveBudget splits ``kv_heads · keep`` among this layer's heads.
-    budgets = pipeline.budget.allocate(request, [scores])[:, 0]  # [1, kv_heads]
+    if budgets is None:
+        budgets = pipeline.budget.allocate(request, [scores])[:, 0]  # [1, kv_heads]
+    else:
+        budgets = budgets.to(device).view(1, kv_heads)
     selection = pipeline.selector.select(view, scores, budgets)
     return keys, values, selection, selection.keep_mask[0].sum(-1)
 
@@ -157,15 +165,17 @@ def evict_layer_heads(
     (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``.
     """
     budget = pending.head_budget
+    fixed = None if pending.head_counts is None else torch.from_numpy(pending.head_counts[layer_idx])
     keys, values, selection, kept = _score_and_select(
-        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed
     )
     kv_heads = keys.shape[1]
     counts = kept.cpu().numpy()
-    if int(counts.sum()) > kv_heads * budget:
+    total = kv_heads * budget if fixed is None else int(fixed.sum())
+    if int(counts.sum()) > total:
         raise RuntimeError(
             f"kvtrim: {pipeline.name} kept {counts.tolist()} entries per head in layer {layer_idx}, more than "
-            f"{kv_heads} x {budget} in total: the request's blocks were sized for that total"
+            f"{total} in total: the request's blocks were sized for that total"
         )
     slots = pending.pages.place(layer_idx, counts)
     for h in range(kv_heads):

@@ -108,7 +108,11 @@ def _state(runner) -> WorkerState | None:
         runner._kvtrim_state = (
             None
             if config is None
-            else WorkerState(config, model_layers=model_num_layers(runner.vllm_config), pipeline=config.pipeline())
+            else WorkerState(
+                config,
+                model_layers=model_num_layers(runner.vllm_config),
+                pipeline=config.bound_pipeline(runner.vllm_config.model_config.model),
+            )
         )
     return runner._kvtrim_state
 
@@ -181,12 +185,14 @@ def _patch_prepare_inputs(orig):
             if state.config.per_head:
                 budget = state.config.head_budget(prompt)
                 if budget < prompt:
-                    keep = state.config.slot_count(prompt, state.model_layers, bs)
-                    blocks = list(req.block_ids[0])
                     kv_heads = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
+                    counts = state.config.head_counts(state.pipeline, prompt, state.model_layers, kv_heads)
+                    keep = state.config.slot_count(prompt, state.model_layers, bs, counts)
+                    blocks = list(req.block_ids[0])
                     pages = RequestSubPages(state.model_layers, kv_heads, bs, blocks[: -(-keep // bs)])
                     ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-                    state.pending.append(PendingEviction(req_id, qs, qe, prompt, keep, ids, None, budget, pages))
+                    pending = PendingEviction(req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts)
+                    state.pending.append(pending)
                 continue
             layer_keep = state.config.layer_keeps(prompt, state.model_layers)
             if min(layer_keep) < prompt:
