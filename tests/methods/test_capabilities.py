@@ -15,8 +15,25 @@ from kvtrim.scoring.key_norm import KeyNormScorer
 from kvtrim.selection.topk import TopKSelector
 
 # the list kvtrim.vllm.config held by hand before the parts declared it (docs/vllm.md's table), plus pyramidkv
-# (per-layer counts)
-VLLM_METHODS = {"streaming_llm", "snapkv", "tova", "knorm", "random", "lagkv", "localkv", "lag_knorm", "pyramidkv"}
+# (per-layer counts), adakv, critical_adakv, headkv, critical_headkv and duo_attention (per-head counts in one-head
+# sub-pages) and critical_snapkv
+VLLM_METHODS = {
+    "streaming_llm",
+    "snapkv",
+    "tova",
+    "knorm",
+    "random",
+    "lagkv",
+    "localkv",
+    "lag_knorm",
+    "pyramidkv",
+    "adakv",
+    "critical_adakv",
+    "critical_snapkv",
+    "headkv",
+    "critical_headkv",
+    "duo_attention",
+}
 
 
 def _with(check) -> set[str]:

@@ -39,10 +39,21 @@ def test_pyramidkv_layer_counts_follow_kvtrims_schedule_and_blocks_follow_the_la
         config.layer_keeps(700, 0)
 
 
+def test_per_head_methods_keep_budget_plus_one_block_minus_one_slots():
+    config = parse_config({"method": "adakv", "budget": 128})
+    assert config.per_head and not parse_config({"method": "snapkv", "budget": 128}).per_head
+    assert config.head_budget(1024) == 128 and config.head_budget(100) == 100
+    assert config.slot_count(1024, 30, 32) == 159  # B + block − 1: any split of kv_heads · B fits (subpages)
+    assert config.slot_count(150, 30, 32) == 150  # the prompt's own blocks: nothing freed, heads still differ
+    assert config.slot_count(100, 30, 32) == 100  # under the budget: nothing compressed
+    assert parse_config({"method": "snapkv", "budget": 128}).slot_count(1024, 30, 32) == 128
+    assert parse_config({"method": "adakv", "ratio": 0.75}).slot_count(1024, 30, 128) == 256 + 127
+
+
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        ({"method": "adakv", "budget": 8}, "not supported inside vLLM"),
+        ({"method": "kvcompress", "budget": 8}, "not supported inside vLLM"),
         ({"method": "nope", "budget": 8}, "not a kvtrim method"),
         ({"method": "snapkv"}, "exactly one of ratio"),
         ({"method": "snapkv", "ratio": 1.5}, "ratio must be in [0, 1)"),

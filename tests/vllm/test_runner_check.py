@@ -173,9 +173,12 @@ def test_a_step_whose_attention_patch_did_not_run_fails_instead_of_serving_a_hal
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     from kvtrim.vllm import worker_patch
+    from kvtrim.vllm.head_backend import HeadFoldingCPUAttentionImpl
 
-    forward = CPUAttentionBackendImpl.forward
-    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", getattr(forward, "__wrapped__", forward))
+    # The impl vLLM builds on a CPU under the plugin (kvtrim registers it over CPU_ATTN) and its parent.
+    for cls in (CPUAttentionBackendImpl, HeadFoldingCPUAttentionImpl):
+        forward = vars(cls)["forward"]
+        monkeypatch.setattr(cls, "forward", getattr(forward, "__wrapped__", forward))
 
     def layers_without_patching(runner, state):
         state.num_layers = LAYERS

@@ -23,6 +23,7 @@ class ArtifactHeadScoreBudget(BudgetAllocator):
     # capabilities (read by the method registry, kvtrim.methods.registry)
     varies_by = "head"
     artifact_kind = "headkv"
+    runs_in_vllm = True  # counts fixed before scoring: one-head sub-pages sized by the largest layer (kvtrim.vllm)
 
     beta: float = DEFAULT_BETA
     temperature: float = DEFAULT_TEMPERATURE

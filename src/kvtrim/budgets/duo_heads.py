@@ -47,6 +47,7 @@ class DuoHeadBudget(BudgetAllocator):
     # capabilities (read by the method registry, kvtrim.methods.registry)
     varies_by = "head"
     artifact_kind = DUO_KIND
+    runs_in_vllm = True  # counts fixed before scoring: one-head sub-pages sized by the largest layer (kvtrim.vllm)
 
     sink: int = 16
     recent: int = 48

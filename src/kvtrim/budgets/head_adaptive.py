@@ -71,6 +71,7 @@ class HeadAdaptiveBudget(BudgetAllocator):
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
     varies_by = "head"
+    runs_in_vllm = True  # layer total fixed (kv_heads · B): one-head sub-pages in vLLM (kvtrim.vllm.subpages)
 
     alpha: float = 0.2
     window: int = 8

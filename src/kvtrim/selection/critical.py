@@ -28,6 +28,8 @@ class CriticalSelector(Selector):
         sink, recent: protected windows (always kept, counted in the budget)
     """
 
+    runs_in_vllm = True  # the vLLM plugin passes the layer's attention module (its o_proj) in the view
+
     alpha: float = 0.5
     eps: float = 1e-4
     sink: int = 0

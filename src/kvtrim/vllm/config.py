@@ -16,6 +16,13 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
+from ..budgets.artifact_head_scores import ArtifactHeadScoreBudget
+from ..budgets.base import BudgetRequest
+from ..budgets.duo_heads import DuoHeadBudget
+from ..budgets.head_adaptive import HeadAdaptiveBudget
 from ..budgets.partition import PartitionBudget, keep_per_partition
 from ..budgets.pyramid import PyramidBudget, pyramid_layer_budgets
 from ..budgets.uniform import UniformBudget
@@ -25,6 +32,7 @@ from ..errors import InvalidParameterError
 from ..methods import get_method, method_info, method_names
 from ..methods.registry import BUDGET_KINDS
 from ..scoring.partitions import kept_length
+from .subpages import slots_for_head_budget
 
 ENV_VAR = "KVTRIM_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvtrim"
@@ -32,10 +40,14 @@ ADDITIONAL_CONFIG_KEY = "kvtrim"
 # Methods the plugin runs, from the parts' ``runs_in_vllm`` capability (docs/methods-registry.md): every layer and
 # KV head keeps the same count, or (PyramidKV) each layer keeps a count that depends on the prompt length only, so
 # the block list is sized by the largest layer and every layer gets its own seq_lens / slot mapping (worker_patch).
-# adakv, headkv… need per-head lengths: see docs/vllm.md.
+# Per-head methods whose layer total is fixed (AdaKV: Σ_h keep_h = kv_heads · B) keep their per-head counts in
+# one-head sub-pages (kvtrim.vllm.subpages) and attend through folded attention (kvtrim.vllm.head_backend).
 SUPPORTED_METHODS = tuple(name for name in method_names() if method_info(name).capabilities.vllm)
 PER_LAYER_METHODS = tuple(
     name for name in SUPPORTED_METHODS if method_info(name).capabilities.budgets == BUDGET_KINDS["layer"]
+)
+PER_HEAD_METHODS = tuple(
+    name for name in SUPPORTED_METHODS if method_info(name).capabilities.budgets == BUDGET_KINDS["head"]
 )
 ACCEPTED_METHODS = SUPPORTED_METHODS
 
@@ -76,12 +88,75 @@ class VLLMEvictionConfig:
         """Whether layers keep different counts (PyramidKV): the worker then gives each layer its own lengths."""
         return self.method in PER_LAYER_METHODS
 
+    @property
+    def per_head(self) -> bool:
+        """Whether KV heads keep different counts (AdaKV): the worker then stores each head in its own sub-pages."""
+        return self.method in PER_HEAD_METHODS
+
     def pipeline(self) -> Pipeline:
         """A fresh kvtrim pipeline for this configuration."""
         pipeline = get_method(self.method, **self.params)
-        if not isinstance(pipeline.budget, (UniformBudget, PartitionBudget, PyramidBudget)):
-            raise InvalidParameterError(f"method {self.method!r} does not keep a uniform count per layer")
+        kinds = (
+            UniformBudget,
+            PartitionBudget,
+            PyramidBudget,
+            HeadAdaptiveBudget,
+            ArtifactHeadScoreBudget,
+            DuoHeadBudget,
+        )
+        if not isinstance(pipeline.budget, kinds):
+            raise InvalidParameterError(f"method {self.method!r} has budgets the vLLM plugin cannot size blocks for")
         return pipeline
+
+    def head_budget(self, prompt_len: int) -> int:
+        """Per-head methods: the mean entries per KV head ``B`` after a ``prompt_len``-token prefill."""
+        if prompt_len < max(self.min_prompt, 1):
+            return prompt_len
+        return self.spec.keep_count(prompt_len)
+
+    def bound_pipeline(self, model_path: str) -> Pipeline:
+        """A fresh pipeline bound to the checkpoint at ``model_path`` when a part loads a calibration artifact
+        (HeadKV's head scores; :mod:`kvtrim.vllm.checkpoint_model`), else unbound."""
+        pipeline = self.pipeline()
+        if method_info(self.method).capabilities.artifacts:
+            from .checkpoint_model import checkpoint_stand_in
+
+            pipeline.bind(checkpoint_stand_in(model_path))
+        return pipeline
+
+    def head_counts(self, pipeline: Pipeline, prompt_len: int, num_layers: int, kv_heads: int) -> np.ndarray | None:
+        """Per-head counts ``[num_layers, kv_heads]`` fixed before any score exists (HeadKV and DuoAttention: from
+        the artifact's head scores or gates, the budget and the prompt length), or None (AdaKV: the scores split
+        each layer's total)."""
+        if not isinstance(pipeline.budget, (ArtifactHeadScoreBudget, DuoHeadBudget)):
+            return None
+        request = BudgetRequest(
+            keep=torch.tensor([self.head_budget(prompt_len)]),
+            context_lengths=torch.tensor([prompt_len]),
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            ratio=self.spec.ratio,
+        )
+        return pipeline.budget.allocate(request, [])[0].cpu().numpy()
+
+    def slot_count(
+        self, prompt_len: int, num_layers: int, block_size: int, head_counts: np.ndarray | None = None
+    ) -> int:
+        """Slots of vLLM's (uniform) block list a request keeps after prefill; ``prompt_len``: nothing freed.
+
+        Uniform and per-layer methods: :meth:`keep_count`. Per-head methods: ``min(M + block_size − 1, prompt)``
+        (:func:`kvtrim.vllm.subpages.slots_for_head_budget`) with ``M`` the largest layer's mean count per head
+        (``B`` when every layer keeps ``kv_heads · B``; from ``head_counts`` ``[layers, kv_heads]`` when they are
+        fixed in advance), enough one-head sub-pages for the layer's split, now and after every decoded token.
+        """
+        if self.per_head:
+            budget = self.head_budget(prompt_len)
+            if budget >= prompt_len:
+                return prompt_len
+            if head_counts is not None:
+                budget = -(-int(head_counts.sum(-1).max()) // head_counts.shape[-1])
+            return slots_for_head_budget(budget, prompt_len, block_size)
+        return self.keep_count(prompt_len, num_layers)
 
     def keep_count(self, prompt_len: int, num_layers: int | None = None) -> int:
         """Slots a request keeps after a ``prompt_len``-token prefill (``prompt_len``: keep all).

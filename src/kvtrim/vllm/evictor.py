@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..budgets.base import BudgetRequest
 from ..compression.pipeline import Pipeline
 from ..scoring.base import LayerView
 from ..scoring.observation import LayerObservation
+from .folded_attention import folded_cache_write
 from .kv_layout import BlockLayout
+from .subpages import RequestSubPages
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,10 @@ class PendingEviction:
         blocks: ``[num_blocks]`` the request's block ids (group 0), in order
         layer_keep: ``[num_layers]`` entries each layer keeps per KV head (PyramidKV's schedule; None: every
             layer keeps ``keep``)
+        head_budget: per-head methods: the mean entries per KV head ``B`` (each layer keeps ``kv_heads · B``
+            in total); ``keep`` is then the request's slot count ``min(B + block_size − 1, prompt_len)``
+        pages: per-head methods: the request's one-head sub-pages (of its first ``⌈keep/block_size⌉`` blocks)
+        head_counts: ``[num_layers, kv_heads]`` per-head counts fixed before scoring (HeadKV), or None
     """
 
     req_id: str
@@ -34,9 +41,12 @@ class PendingEviction:
     keep: int
     blocks: torch.Tensor
     layer_keep: tuple[int, ...] | None = None
+    head_budget: int = 0
+    pages: RequestSubPages | None = None
+    head_counts: np.ndarray | None = None
 
 
-def evict_layer(
+def _score_and_select(
     pipeline: Pipeline,
     layout: BlockLayout,
     kv_cache: torch.Tensor,
@@ -46,17 +56,16 @@ def evict_layer(
     num_layers: int,
     scaling: float,
     ratio: float | None,
-) -> None:
-    """Keep ``pending.layer_keep[layer_idx]`` entries per KV head of this layer, compacted into its first slots.
+    keep: int,
+    module=None,
+    budgets: torch.Tensor | None = None,
+):
+    """Read the request's prompt in this layer, score it and select; ``(keys, values, selection, kept)``.
 
-    Args:
-        query: ``[num_tokens, q_heads, head_dim]`` the step's post-rotary queries (the request's last prompt
-            queries are the observation window)
-    Each KV head may keep different tokens (the count is what the block table fixes); kept entries stay in
-    position order, keys keep the rotation of their original position.
+    ``keys``/``values``: ``[p, kv_heads, d]``; ``kept``: ``[kv_heads]`` entries each head keeps. ``budgets``
+    ``[kv_heads]``: counts fixed in advance (HeadKV) instead of the allocator's.
     """
     p = pending.prompt_len
-    keep = pending.keep if pending.layer_keep is None else pending.layer_keep[layer_idx]
     keys, values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
     kv_heads = keys.shape[1]
     device = keys.device
@@ -77,7 +86,7 @@ def evict_layer(
             positions=qpos if window > 0 else None,
         ),
         stats={},
-        module=None,
+        module=module,
         scaling=scaling,
     )
     scores = pipeline.scorer.score(view).float()
@@ -90,15 +99,94 @@ def evict_layer(
         ratio=ratio,
         compressed_until=[None],
     )
-    # One layer at a time: PyramidBudget with num_layers=1 returns ``keep`` (this layer's pyramid count).
-    budgets = pipeline.budget.allocate(request, [scores])[:, 0]  # [1, kv_heads]
+    # One layer at a time: PyramidBudget with num_layers=1 returns ``keep`` (this layer's pyramid count);
+    # HeadAdaptiveBudget splits ``kv_heads · keep`` among this layer's heads.
+    if budgets is None:
+        budgets = pipeline.budget.allocate(request, [scores])[:, 0]  # [1, kv_heads]
+    else:
+        budgets = budgets.to(device).view(1, kv_heads)
     selection = pipeline.selector.select(view, scores, budgets)
-    kept = selection.keep_mask.sum(-1)
+    return keys, values, selection, selection.keep_mask[0].sum(-1)
+
+
+def evict_layer(
+    pipeline: Pipeline,
+    layout: BlockLayout,
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    pending: PendingEviction,
+    layer_idx: int,
+    num_layers: int,
+    scaling: float,
+    ratio: float | None,
+    module=None,
+) -> None:
+    """Keep ``pending.layer_keep[layer_idx]`` entries per KV head of this layer, compacted into its first slots.
+
+    Args:
+        query: ``[num_tokens, q_heads, head_dim]`` the step's post-rotary queries (the request's last prompt
+            queries are the observation window)
+        module: the layer's attention module (``o_proj``: CriticalKV's projected value norms), or None
+    Each KV head may keep different tokens (the count is what the block table fixes); kept entries stay in
+    position order, keys keep the rotation of their original position.
+    """
+    keep = pending.keep if pending.layer_keep is None else pending.layer_keep[layer_idx]
+    keys, values, selection, kept = _score_and_select(
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, keep, module
+    )
+    kv_heads = keys.shape[1]
     if not bool((kept == keep).all()):
         raise RuntimeError(
             f"kvtrim: {pipeline.name} kept {kept.tolist()} entries per head in layer {layer_idx}, the scheduler "
             f"sized this layer for {keep}; refusing to continue with an inconsistent cache"
         )
     index = selection.indices[0][selection.keep_mask[0]].view(kv_heads, keep).transpose(0, 1)  # [keep, kv_heads]
-    heads = torch.arange(kv_heads, device=device).view(1, -1)
+    heads = torch.arange(kv_heads, device=keys.device).view(1, -1)
     layout.write(kv_cache, pending.blocks, keys[index, heads], values[index, heads])
+
+
+def evict_layer_heads(
+    pipeline: Pipeline,
+    layout: BlockLayout,
+    kv_cache: torch.Tensor,
+    query: torch.Tensor,
+    pending: PendingEviction,
+    layer_idx: int,
+    num_layers: int,
+    scaling: float,
+    ratio: float | None,
+    isa: str,
+    module=None,
+) -> list[int]:
+    """Per-head budgets: each KV head keeps its own count, written to its own one-head sub-pages.
+
+    The method splits ``kv_heads · pending.head_budget`` entries among this layer's heads (AdaKV); each head's
+    kept entries, in position order, go to the sub-pages ``pending.pages`` assigns it in this layer
+    (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``.
+    """
+    budget = pending.head_budget
+    fixed = None if pending.head_counts is None else torch.from_numpy(pending.head_counts[layer_idx])
+    keys, values, selection, kept = _score_and_select(
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed
+    )
+    kv_heads = keys.shape[1]
+    counts = kept.cpu().numpy()
+    total = kv_heads * budget if fixed is None else int(fixed.sum())
+    if int(counts.sum()) > total:
+        raise RuntimeError(
+            f"kvtrim: {pipeline.name} kept {counts.tolist()} entries per head in layer {layer_idx}, more than "
+            f"{total} in total: the request's blocks were sized for that total"
+        )
+    slots = pending.pages.place(layer_idx, counts)
+    for h in range(kv_heads):
+        if not counts[h]:
+            continue
+        index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
+        folded_cache_write(
+            keys[index, h].unsqueeze(1),
+            values[index, h].unsqueeze(1),
+            kv_cache,
+            torch.from_numpy(slots[h]).view(-1, 1),
+            isa,
+        )
+    return counts.tolist()

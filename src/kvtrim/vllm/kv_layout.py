@@ -59,7 +59,8 @@ def probe_layout(impl, layer, kv_cache: torch.Tensor) -> BlockLayout:
         layer: the vLLM ``Attention`` layer (passed through to the op)
         kv_cache: the layer's real cache; only its per-block shape and dtype are used
     """
-    update = getattr(impl, "do_kv_cache_update", None)
+    # A backend that redirects its step's writes (kvtrim's folded CPU attention) exposes its plain write too.
+    update = getattr(impl, "plain_kv_cache_update", None) or getattr(impl, "do_kv_cache_update", None)
     if update is None:
         raise UnsupportedModelError(
             f"attention backend {type(impl).__name__} has no do_kv_cache_update: kvtrim cannot locate its entries"

@@ -27,6 +27,7 @@ class SurfaceEntry(NamedTuple):
 _RUNNER = "v1/worker/gpu_model_runner.py"
 _SCHED = "v1/core/sched/scheduler.py"
 _COORD = "v1/core/kv_cache_coordinator.py"
+_CPU_ATTN = "v1/attention/backends/cpu_attn.py"
 
 PATCH_SURFACE: tuple[SurfaceEntry, ...] = (
     # scheduler process (scheduler_patch.py)
@@ -54,6 +55,19 @@ PATCH_SURFACE: tuple[SurfaceEntry, ...] = (
     SurfaceEntry("v1/attention/backends/flash_attn.py", "FlashAttentionImpl.forward", "wrapped on CUDA: evicts"),
     SurfaceEntry("v1/attention/backends/flash_attn.py", "FlashAttentionImpl.do_kv_cache_update", "layout probe"),
     SurfaceEntry("model_executor/models/utils.py", "extract_layer_index", "layer index from a layer name"),
+    # per-head budgets on a CPU (head_backend.py, folded_attention.py)
+    SurfaceEntry(_CPU_ATTN, "CPUAttentionBackend", "subclassed: get_impl_cls; cache [blocks, H, bs, 2D]"),
+    SurfaceEntry(_CPU_ATTN, "CPUAttentionBackendImpl.__init__", "num_kv_heads, scale, sinks, sliding_window read"),
+    SurfaceEntry(_CPU_ATTN, "CPUAttentionMetadata", "query_start_loc, seq_lens, block_table read"),
+    SurfaceEntry(_CPU_ATTN, "CPUAttentionMetadataBuilder._set_isa_to_layers", "layer.isa passed to the kernels"),
+    SurfaceEntry("v1/attention/backends/registry.py", "register_backend", "CPU_ATTN resolved to kvtrim's subclass"),
+    SurfaceEntry("v1/attention/backends/registry.py", "AttentionBackendEnum.get_path", "reads the override"),
+    SurfaceEntry("platforms/cpu.py", "CpuPlatform.get_attn_backend_cls", "returns CPU_ATTN's path"),
+    SurfaceEntry("_custom_ops.py", "cpu_attn_get_scheduler_metadata", "called with num_kv_heads=1"),
+    SurfaceEntry("_custom_ops.py", "cpu_attn_reshape_and_cache", "one-head writes"),
+    SurfaceEntry("_custom_ops.py", "cpu_attention_with_kv_cache", "folded attention"),
+    SurfaceEntry("model_executor/layers/attention/attention.py", "unified_kv_cache_update", "calls the cache write"),
+    SurfaceEntry("model_executor/layers/utils.py", "dispatch_cpu_unquantized_gemm", "o_proj weight read back"),
     # which model runner is live (runner_check.py)
     SurfaceEntry("config/vllm.py", "VllmConfig.use_v2_model_runner", "wrapped: V1 by default under kvtrim"),
     SurfaceEntry("v1/worker/worker_base.py", "WorkerWrapperBase.init_device", "wrapped: start-up check"),

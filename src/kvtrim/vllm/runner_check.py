@@ -118,13 +118,37 @@ def check_runner(runner) -> None:
         )
 
 
+def check_head_backend(config) -> None:
+    """Raise :class:`UnpatchedModelRunnerError` when a per-head method would run without kvtrim's folded attention.
+
+    Per-head counts need ``CPU_ATTN`` resolved to kvtrim's folding backend (``plugin.register`` does that on a CPU);
+    other platforms' backends are not folded.
+    """
+    if not config.per_head:
+        return
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from .plugin import HEAD_BACKEND_PATH
+
+    path = AttentionBackendEnum.CPU_ATTN.get_path()
+    if not current_platform.is_cpu() or path != HEAD_BACKEND_PATH:
+        raise UnpatchedModelRunnerError(
+            f"kvtrim: {config.method} keeps a different count per KV head, which needs kvtrim's folded attention "
+            f"over vLLM's CPU backend ({HEAD_BACKEND_PATH}); this worker runs on {type(current_platform).__name__} "
+            f"with CPU_ATTN = {path}. Use a method with uniform or per-layer budgets (e.g. snapkv, pyramidkv) here"
+        )
+
+
 def _patch_init_device(orig):
     @functools.wraps(orig)
     def init_device(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
-        if load_config(self.vllm_config.additional_config) is not None:
+        config = load_config(self.vllm_config.additional_config)
+        if config is not None:
             runner = getattr(self.worker, "model_runner", None)
             check_runner(runner)
+            check_head_backend(config)
             logger.info(
                 "kvtrim: model runner %s, patched methods live: %s", runner_name(runner), PATCHED_RUNNER_METHODS
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..errors import InvalidParameterError
 from .config import VLLMEvictionConfig, load_config
 from .wrappers import UnpatchedVLLMError, bypassed, wrap
 
@@ -31,6 +32,8 @@ class SchedulerState:
     dropped: dict[str, int] = field(default_factory=dict)
     blocks_freed: int = 0
     requests_compressed: int = 0
+    pipeline: object = None  # bound to the checkpoint when the method loads an artifact (HeadKV's counts)
+    kv_heads: int = 0  # this rank's KV heads (the per-head counts fixed in advance cover them)
 
 
 def model_num_layers(vllm_config) -> int:
@@ -71,6 +74,16 @@ def _patch_init(orig):
         if config is not None:
             _check_supported(self)
             state = SchedulerState(config, num_layers=model_num_layers(self.vllm_config))
+            if config.per_head:
+                vc = self.vllm_config
+                state.pipeline = config.bound_pipeline(vc.model_config.model)
+                state.kv_heads = vc.model_config.get_num_kv_heads(vc.parallel_config)
+                fixed = config.head_counts(state.pipeline, 2, state.num_layers, state.kv_heads) is not None
+                if fixed and vc.parallel_config.tensor_parallel_size > 1:
+                    raise InvalidParameterError(
+                        f"{config.method} takes its per-head counts from a calibration artifact of the whole "
+                        "model; tensor parallelism is not supported for it inside vLLM"
+                    )
             self._kvtrim_state = state
             # The coordinator consults the same dropped counts.
             self.kv_cache_manager.coordinator._kvtrim_dropped = state.dropped
@@ -85,15 +98,19 @@ def _patch_update_after_schedule(orig):
         if state is None:
             return orig(self, scheduler_output)
         finishing = []
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests[req_id]
             prompt = req.num_prompt_tokens
             if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
-                keep = state.config.keep_count(prompt, state.num_layers)
+                # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)
+                counts = None
+                if state.pipeline is not None:
+                    counts = state.config.head_counts(state.pipeline, prompt, state.num_layers, state.kv_heads)
+                keep = state.config.slot_count(prompt, state.num_layers, manager.block_size, counts)
                 if keep < prompt:
                     finishing.append((req_id, prompt, keep))
         orig(self, scheduler_output)
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         for req_id, prompt, keep in finishing:
             state.dropped[req_id] = prompt - keep
             blocks = manager.req_to_blocks[req_id]

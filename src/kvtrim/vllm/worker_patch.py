@@ -22,6 +22,13 @@ vLLM shares one metadata object and one slot mapping among a KV cache group's la
 dict entry per layer name), so ``_get_slot_mappings`` and ``_build_attention_metadata`` are wrapped to put a
 shifted slot mapping and metadata built from shifted ``seq_lens`` (``AttentionGroup.build_metadata``) under the
 names of the layers whose offsets differ from 0: one build per distinct offset vector per step.
+
+Per-head budgets (AdaKV): the block list holds ``min(B + block_size − 1, prompt)`` slots (enough for any split of
+``kv_heads · B`` entries among a layer's heads, :mod:`kvtrim.vllm.subpages`); each (layer, KV head) keeps its own
+count in its own one-head sub-pages of the request's blocks (:class:`~kvtrim.vllm.subpages.RequestSubPages`).
+``_prepare_inputs`` sizes every layer's sub-pages for the step's tokens (:class:`HeadStep`), and the CPU
+attention backend kvtrim registers over ``CPU_ATTN`` (:mod:`kvtrim.vllm.head_backend`) writes and attends with
+each (request, KV head) folded into the batch as a one-head sequence.
 """
 
 from __future__ import annotations
@@ -29,15 +36,29 @@ from __future__ import annotations
 import functools
 from copy import copy
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from .config import VLLMEvictionConfig, load_config
-from .evictor import PendingEviction, evict_layer
+from .evictor import PendingEviction, evict_layer, evict_layer_heads
 from .kv_layout import BlockLayout, probe_layout
 from .scheduler_patch import model_num_layers
-from .wrappers import wrap
+from .subpages import RequestSubPages
+from .wrappers import UnpatchedVLLMError, wrap
+
+
+@dataclass(frozen=True)
+class HeadStep:
+    """This step's requests whose heads hold their own sub-pages (per-head methods).
+
+    Attributes:
+        rows: ``(batch index, query start, query end, sub-pages, slots)`` per request, ``slots[layer]``
+            ``[n, kv_heads]`` the one-head slots of the request's ``n`` new tokens in that layer
+    """
+
+    rows: list[tuple[int, int, int, RequestSubPages, list[np.ndarray]]]
 
 
 @dataclass
@@ -50,6 +71,10 @@ class WorkerState:
     # per-layer methods: request -> ``[model_layers]`` extra offsets keep_max − keep_l
     offsets: dict[str, np.ndarray] = field(default_factory=dict)
     pending: list[PendingEviction] = field(default_factory=list)
+    # per-head methods: request -> its sub-pages; this step's folded rows (None: nothing folded this step)
+    heads: dict[str, RequestSubPages] = field(default_factory=dict)
+    head_step: HeadStep | None = None
+    ragged_layers: int = 0  # (request, layer) pairs whose KV heads kept different counts
     # this step's per-layer variants: layer name -> offset key; key -> [(query rows, slots)], per-request deltas
     layer_variant: dict[str, tuple] = field(default_factory=dict)
     variant_rows: dict[tuple, list] = field(default_factory=dict)
@@ -57,6 +82,8 @@ class WorkerState:
     variant_slots: dict[tuple, torch.Tensor] = field(default_factory=dict)
     variant_meta: dict[tuple, object] = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
+    # attention layer name -> what scorers read of its attention module (CriticalKV: o_proj), built on first use
+    modules: dict = field(default_factory=dict)
     num_layers: int = 0
     pipeline: object = None
     evictions: int = 0  # requests compressed by this worker
@@ -65,6 +92,13 @@ class WorkerState:
 
 
 _ACTIVE: WorkerState | None = None  # the state of the runner whose step is executing (one runner per process)
+
+
+def active_head_step() -> HeadStep | None:
+    """The executing step's folded rows (per-head methods), or None: attention runs as vLLM's own."""
+    return None if _ACTIVE is None else _ACTIVE.head_step
+
+
 _PATCHED_IMPLS: set[type] = set()
 
 
@@ -74,7 +108,11 @@ def _state(runner) -> WorkerState | None:
         runner._kvtrim_state = (
             None
             if config is None
-            else WorkerState(config, model_layers=model_num_layers(runner.vllm_config), pipeline=config.pipeline())
+            else WorkerState(
+                config,
+                model_layers=model_num_layers(runner.vllm_config),
+                pipeline=config.bound_pipeline(runner.vllm_config.model_config.model),
+            )
         )
     return runner._kvtrim_state
 
@@ -99,6 +137,7 @@ def _patch_update_states(orig):
             for req_id in restarted:
                 state.dropped.pop(req_id, None)
                 state.offsets.pop(req_id, None)
+                state.heads.pop(req_id, None)
         return orig(self, scheduler_output)
 
     return _update_states
@@ -119,6 +158,7 @@ def _patch_prepare_inputs(orig):
         bs = table.block_size
         state.pending = []
         shifted = []  # per-layer methods: (batch index, query rows, physical positions, block row, offsets)
+        head_rows = []  # per-head methods: HeadStep.rows
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             qs, qe = int(starts[i]), int(starts[i + 1])
             if req_id in state.dropped:
@@ -132,10 +172,27 @@ def _patch_prepare_inputs(orig):
                 self.optimistic_seq_lens_cpu[i] -= d
                 if req_id in state.offsets:
                     shifted.append((i, qs, qe, phys, row, state.offsets[req_id]))
+                if req_id in state.heads:
+                    pages = state.heads[req_id]
+                    pages.sync_blocks(list(self.requests[req_id].block_ids[0]))
+                    n = qe - qs
+                    head_rows.append((i, qs, qe, pages, [pages.append(lay, n) for lay in range(pages.num_layers)]))
                 continue
             req = self.requests[req_id]
             prompt = int(batch.num_prompt_tokens[i])
             if req.output_token_ids or not computed[i] < prompt == computed[i] + (qe - qs):
+                continue
+            if state.config.per_head:
+                budget = state.config.head_budget(prompt)
+                if budget < prompt:
+                    kv_heads = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
+                    counts = state.config.head_counts(state.pipeline, prompt, state.model_layers, kv_heads)
+                    keep = state.config.slot_count(prompt, state.model_layers, bs, counts)
+                    blocks = list(req.block_ids[0])
+                    pages = RequestSubPages(state.model_layers, kv_heads, bs, blocks[: -(-keep // bs)])
+                    ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+                    pending = PendingEviction(req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts)
+                    state.pending.append(pending)
                 continue
             layer_keep = state.config.layer_keeps(prompt, state.model_layers)
             if min(layer_keep) < prompt:
@@ -144,6 +201,7 @@ def _patch_prepare_inputs(orig):
                     PendingEviction(req_id, qs, qe, prompt, max(layer_keep), blocks, tuple(layer_keep))
                 )
         _plan_layer_variants(self, state, shifted, num_reqs, bs)
+        state.head_step = HeadStep(head_rows) if head_rows else None
         return result
 
     return _prepare_inputs
@@ -244,6 +302,7 @@ def _patch_execute_model(orig):
         state.pending = []
         state.step_layers = 0
         state.layer_variant = {}  # planned again by _prepare_inputs if this step runs the model
+        state.head_step = None
         _ACTIVE = state
         try:
             out = orig(self, scheduler_output, *args, **kwargs)
@@ -260,6 +319,10 @@ def _patch_execute_model(orig):
             table = _group0(self)
             for p in state.pending:
                 state.dropped[p.req_id] = p.prompt_len - p.keep
+                if p.pages is not None:
+                    if not bool(p.pages.placed.all()):
+                        raise RuntimeError(f"kvtrim: layers {np.flatnonzero(~p.pages.placed).tolist()} kept no entries")
+                    state.heads[p.req_id] = p.pages
                 if state.config.per_layer:
                     state.offsets[p.req_id] = p.keep - np.asarray(p.layer_keep, dtype=np.int64)
                 n = -(-p.keep // table.block_size)
@@ -279,11 +342,49 @@ def _install_impl_patches(runner, state: WorkerState) -> None:
 
     layers = [m for m in runner.compilation_config.static_forward_context.values() if isinstance(m, Attention)]
     state.num_layers = len(layers)
+    model = runner.get_model()
+    for layer in layers:
+        parent = layer.layer_name.rpartition(".")[0]
+        state.modules[layer.layer_name] = functools.partial(_output_projection, model.get_submodule(parent))
+    if state.config.per_head:
+        from .head_backend import HeadFoldingCPUAttentionImpl
+
+        other = sorted({type(layer.impl).__name__ for layer in layers} - {HeadFoldingCPUAttentionImpl.__name__})
+        if other:
+            raise UnpatchedVLLMError(
+                f"kvtrim: {state.config.method} keeps a different count per KV head, which needs kvtrim's folded "
+                f"CPU attention (HeadFoldingCPUAttentionImpl, registered over CPU_ATTN); this model runs {other}. "
+                "Per-head methods run on vLLM's CPU backend only"
+            )
     for layer in layers:
         cls = type(layer.impl)
         if cls not in _PATCHED_IMPLS:
             cls.forward = _patch_forward(cls.forward)
             _PATCHED_IMPLS.add(cls)
+
+
+def _output_projection(attention) -> SimpleNamespace | None:
+    """``attention``'s output projection as kvtrim's scorers read it: ``.o_proj.weight`` ``[hidden, q_heads·D]``.
+
+    vLLM's CPU linear layers may pack their weight for oneDNN and leave ``weight`` empty; the matrix is then read
+    back through the layer's own GEMM on an identity (exact: one product per entry).
+    """
+    o_proj = getattr(attention, "o_proj", None)
+    if o_proj is None:
+        return None
+    weight = o_proj.weight
+    if weight.numel() == 0:
+        size = o_proj.input_size_per_partition
+        eye = torch.eye(size, dtype=o_proj.params_dtype, device=weight.device)
+        weight = o_proj.quant_method.apply(o_proj, eye, bias=None).t().contiguous()  # [hidden, q_heads·D]
+    return SimpleNamespace(o_proj=SimpleNamespace(weight=weight))
+
+
+def _module_view(state: WorkerState, name: str):
+    entry = state.modules.get(name)
+    if callable(entry):
+        entry = state.modules[name] = entry()
+    return entry
 
 
 def _layer_index(name: str) -> int:
@@ -308,7 +409,13 @@ def _patch_forward(orig):
         ratio = state.config.spec.ratio
         with torch.no_grad():
             for pending in state.pending:
-                evict_layer(state.pipeline, layout, kv_cache, query, pending, idx, state.num_layers, self.scale, ratio)
+                module = _module_view(state, layer.layer_name)
+                args = (layout, kv_cache, query, pending, idx, state.num_layers, self.scale, ratio)
+                if pending.pages is None:
+                    evict_layer(state.pipeline, *args, module=module)
+                    continue
+                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module)
+                state.ragged_layers += len(set(counts)) > 1
         state.step_layers += 1
         state.layer_evictions += len(state.pending)
         return out

@@ -1,0 +1,123 @@
+"""One-head sub-pages: every (request, layer, KV head) gets its own page list and length inside vLLM's blocks.
+
+vLLM's CPU cache of a layer is ``[num_blocks, kv_heads, block_size, 2·head_dim]``, so
+``view(num_blocks·kv_heads, 1, block_size, 2·head_dim)`` is free: sub-page ``b·H + j`` is the ``j``-th head slice
+of block ``b`` and holds ``block_size`` entries of one head. A request owns all ``H`` sub-pages of each of its
+blocks, in every layer (each layer has its own cache tensor, so the layers' sub-pages are independent). After
+per-head compression, head ``h`` of layer ``l`` keeps ``k_{l,h}`` entries in ``⌈k_{l,h}/block_size⌉`` sub-pages
+taken from that pool, and each decoded token goes to the next slot of the head's last sub-page (a new sub-page
+from the pool when it is full).
+
+Capacity: a layer whose heads keep ``Σ_h k_h ≤ H·B`` entries needs, after ``t`` decoded tokens,
+``Σ_h ⌈(k_h + t)/bs⌉ ≤ H·(B + t + bs − 1)/bs`` sub-pages; a request holding the blocks of
+``B + bs − 1 + t`` tokens owns ``H·⌈(B + bs − 1 + t)/bs⌉`` of them, always enough
+(:func:`slots_for_head_budget`). The scheduler therefore stays uniform.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SubPageError(RuntimeError):
+    """A request's blocks cannot hold the entries its heads must keep (the capacity bound was violated)."""
+
+
+def slots_for_head_budget(budget: int, prompt_len: int, block_size: int) -> int:
+    """Slots (tokens of one uniform block list) a request keeps so that per-head counts with mean ``budget`` fit.
+
+    ``min(budget + block_size − 1, prompt_len)``: either the capacity bound of the module docstring, or the whole
+    prompt (every head keeps at most the prompt, so the prompt's own blocks hold any per-head split).
+    """
+    return min(budget + block_size - 1, prompt_len)
+
+
+class RequestSubPages:
+    """The sub-pages of one request in every layer: page lists ``[layer][head]``, lengths ``[layers, heads]``.
+
+    Args:
+        num_layers, kv_heads: the model's attention layers and (this rank's) KV heads
+        block_size: entries per block, hence per sub-page
+        blocks: the request's block ids, in order
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, block_size: int, blocks: list[int]) -> None:
+        self.num_layers, self.kv_heads, self.block_size = num_layers, kv_heads, block_size
+        self.blocks: list[int] = []
+        self.pages: list[list[list[int]]] = [[[] for _ in range(kv_heads)] for _ in range(num_layers)]
+        self.free: list[list[int]] = [[] for _ in range(num_layers)]
+        self.lengths = np.zeros((num_layers, kv_heads), dtype=np.int64)
+        self.placed = np.zeros(num_layers, dtype=bool)  # layer's kept entries have been assigned pages
+        self.add_blocks(blocks)
+
+    def add_blocks(self, blocks: list[int]) -> None:
+        """Take ownership of new blocks (appended by vLLM's scheduler): their ``H`` sub-pages become free."""
+        for b in blocks:
+            self.blocks.append(int(b))
+            for free in self.free:
+                free.extend(int(b) * self.kv_heads + j for j in range(self.kv_heads))
+
+    def sync_blocks(self, blocks: list[int]) -> None:
+        """Adopt the blocks of ``blocks`` (the request's full block list) past those already owned."""
+        if blocks[: len(self.blocks)] != self.blocks:
+            raise SubPageError(f"the request's block list {blocks} no longer starts with its own blocks {self.blocks}")
+        self.add_blocks(blocks[len(self.blocks) :])
+
+    def place(self, layer: int, counts: np.ndarray) -> list[np.ndarray]:
+        """Give each head of ``layer`` the sub-pages for ``counts[h]`` kept entries; their slots, per head.
+
+        Returns:
+            ``[kv_heads]`` arrays of ``counts[h]`` slots (``sub_page·block_size + offset``) in entry order
+        """
+        if self.placed[layer]:
+            raise SubPageError(f"layer {layer} already holds its kept entries")
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.shape != (self.kv_heads,) or bool((counts < 0).any()):
+            raise SubPageError(f"counts must be {self.kv_heads} non-negative integers, got {counts.tolist()}")
+        self.placed[layer] = True
+        return [self._grow(layer, h, int(n)) for h, n in enumerate(counts)]
+
+    def append(self, layer: int, n: int) -> np.ndarray:
+        """Slots ``[n, kv_heads]`` for the next ``n`` entries of every head of ``layer`` (lengths grow by ``n``)."""
+        out = np.empty((n, self.kv_heads), dtype=np.int64)
+        for h in range(self.kv_heads):
+            out[:, h] = self._grow(layer, h, n)
+        return out
+
+    def _grow(self, layer: int, head: int, n: int) -> np.ndarray:
+        bs = self.block_size
+        pages, length = self.pages[layer][head], int(self.lengths[layer, head])
+        need = -(-(length + n) // bs) - len(pages)
+        if need > len(self.free[layer]):
+            raise SubPageError(
+                f"layer {layer} head {head} needs {need} more sub-pages for {n} entries, the request has "
+                f"{len(self.free[layer])} free of {len(self.blocks) * self.kv_heads}"
+            )
+        for _ in range(need):
+            pages.append(self.free[layer].pop(0))  # in block order
+        pos = np.arange(length, length + n)
+        self.lengths[layer, head] = length + n
+        return np.asarray(pages, dtype=np.int64)[pos // bs] * bs + pos % bs
+
+    def table(self, layer: int) -> list[list[int]]:
+        """Each head's sub-page ids of ``layer``, in entry order."""
+        return self.pages[layer]
+
+    def check(self) -> None:
+        """Raise :class:`SubPageError` unless the invariants hold in every layer.
+
+        Each head's pages cover exactly its length; no sub-page is used twice or both used and free; every used
+        or free sub-page belongs to an owned block; used + free = all owned sub-pages.
+        """
+        owned = {b * self.kv_heads + j for b in self.blocks for j in range(self.kv_heads)}
+        for layer in range(self.num_layers):
+            used: list[int] = []
+            for h, pages in enumerate(self.pages[layer]):
+                if len(pages) != -(-int(self.lengths[layer, h]) // self.block_size):
+                    raise SubPageError(f"layer {layer} head {h}: {len(pages)} pages for {self.lengths[layer, h]}")
+                used += pages
+            both = used + self.free[layer]
+            if len(set(both)) != len(both):
+                raise SubPageError(f"layer {layer}: a sub-page is used twice or both used and free")
+            if set(both) != owned:
+                raise SubPageError(f"layer {layer}: used + free sub-pages differ from the owned blocks' sub-pages")

@@ -1,0 +1,71 @@
+"""Checks shared by the per-head vLLM tests (imported after ``vllm_helpers`` has set vLLM's environment)."""
+
+from __future__ import annotations
+
+import torch
+from vllm.inputs import TokensPrompt
+from vllm_helpers import close, make_llm, scheduler, used_blocks
+
+from kvtrim.vllm.config import parse_config
+from vllm import SamplingParams
+
+LAYERS = 4  # a 4-layer cut of SmolLM2 (3 KV heads per layer): cheap prefills, per-head counts in every layer
+BLOCK = 32  # vLLM's smallest CPU block size: the one extra block per-head methods hold costs least
+LENGTHS = [60, 300, 700]
+BUDGET = 64
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def generate(llm, prompts, tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def worker_state(llm):
+    engine = llm.llm_engine.engine_core.engine_core
+    return engine.model_executor.driver_worker.worker.model_runner._kvtrim_state
+
+
+def transformers_tokens(model, prompts, method: str | None, tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    import kvtrim
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    out = []
+    for p in prompts:
+        kwargs = {} if method is None else {"past_key_values": kvtrim.make_cache(hf, method, budget=BUDGET)}
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False, **kwargs)
+        out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def check_tokens_and_blocks(model, prompts, method: str) -> None:
+    """24 greedy tokens equal the transformers path's; blocks freed follow the slot count; heads split (per-head)."""
+    config = parse_config({"method": method, "budget": BUDGET})
+    llm = make_llm({"method": method, "budget": BUDGET}, model=str(model), block_size=BLOCK)
+    try:
+        out = generate(llm, prompts, 24)  # 24 decoded tokens: heads fill and open sub-pages while decoding
+        state = scheduler(llm)._kvtrim_state
+        worker = worker_state(llm)
+        assert state.requests_compressed == 2  # the 60-token prompt is under the budget
+        # Per-head: the block list keeps B + block − 1 slots, 3 blocks of 32 instead of 10 and 22 (uniform: 2).
+        slots = [config.slot_count(len(p), LAYERS, BLOCK) for p in prompts[1:]]
+        assert slots == [BUDGET + BLOCK - 1 if config.per_head else BUDGET] * 2
+        freed = sum(_cdiv(len(p), BLOCK) - _cdiv(s, BLOCK) for p, s in zip(prompts[1:], slots, strict=True))
+        assert state.blocks_freed == freed
+        # every layer of both requests split its heads unevenly (per-head methods)
+        assert worker.evictions == 2 and worker.ragged_layers == (2 * LAYERS if config.per_head else 0)
+        assert used_blocks(llm) == 0 and state.dropped == {}
+    finally:
+        close(llm)
+    assert out == transformers_tokens(model, prompts, method, 24)
+    assert out != transformers_tokens(
+        model, prompts, None, 24
+    )  # compression changed the output: the match says something
+    if method == "adakv":
+        assert out != transformers_tokens(model, prompts, "snapkv", 24)  # per-head budgets differ from uniform ones
