@@ -9,7 +9,8 @@ decodes the same number of steps:
 * ``lagkv@prefill``: LagKV applied once after prefill only (the kvpress port's behaviour), the cache then grows;
 * ``snapkv@over:0`` / ``streaming_llm@over:0``: a hard cap of ``--budget`` entries per (layer, KV head),
   re-compressed at every step once reached;
-* ``snapkv@every:64`` / ``h2o@every:64``: re-compressed to the budget every 64 tokens.
+* ``snapkv@every:64`` / ``h2o@every:64``: re-compressed to the budget every 64 tokens;
+* ``rkv@over:64``: R-KV re-compressed whenever a head holds 64 entries over the budget (the same memory).
 
 Reported: decode milliseconds per token (CPU time of this process, and wall time), key/value bytes held at
 the end and at the largest step boundary, number of compressions and the time they took, and how many of the
@@ -52,6 +53,8 @@ def configs(budget: int) -> list[tuple[str, float | None, int | None]]:
         ("streaming_llm@over:0", None, budget),
         ("snapkv@every:64", None, budget),
         ("h2o@every:64", None, budget),
+        # R-KV at the memory of snapkv@every:64: between the budget and budget + 64 entries per head
+        ("rkv@over:64", None, budget),
     ]
 
 
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512, help="entries per (layer, KV head) for capped configs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="+", default=None, metavar="CONFIG",
+                        help="run only these configs (full is always run: it is the reference)")
     parser.add_argument("--out", default="benchmarks/results/bench_long_decode/long_decode.json")
     args = parser.parse_args()
     if args.quick:
@@ -81,13 +86,17 @@ def main() -> None:
     ids = prompt_ids(tokenizer, args.length)
     mask = torch.ones_like(ids)
     observation = ObservationSpec()
-    for name, _, _ in configs(args.budget):
+    chosen = [c for c in configs(args.budget) if args.only is None or c[0] == "full" or c[0] in args.only]
+    unknown = set(args.only or ()) - {c[0] for c in configs(args.budget)}
+    if unknown:
+        parser.error(f"--only: unknown configs {sorted(unknown)}")
+    for name, _, _ in chosen:
         if name != "full":
             observation = observation.merge(get_method(name).observation)
     rows, reference = [], None
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         pre = Prefill.plain(model, ids, mask, observation)
-        for name, ratio, budget in configs(args.budget):
+        for name, ratio, budget in chosen:
             pipeline = None if name == "full" else get_method(name)
             spec = None if pipeline is None else BudgetSpec(ratio=ratio, budget=budget)
             cache = pre.cache.clone(pipeline, spec)
