@@ -96,6 +96,7 @@ def layer_views(
             compressed_until=layer.compressed_until,
             prompt_logprobs=cache.prompt_logprobs,
             prompt_ids=cache.prompt_ids,
+            question_start=cache.question_start,
             shared=shared,
             replay=cache.replay,
         )

@@ -1,5 +1,6 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
-leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV)."""
+leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
+attention (FINCH)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..scoring.capacity import CapacityScorer
 from ..scoring.expected_attention import ExpectedAttentionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
+from ..scoring.question_attention import QuestionAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.block_iterative import BlockIterativeSelector
@@ -281,3 +283,26 @@ def capkv(tau: float = 5.0, n_future: int = 512, n_sink: int = SINKS, eps: float
     """CapKV (arXiv 2604.25975): capacity-aware eviction by query-weighted value leverage, top-k per KV head."""
     scorer = CapacityScorer(tau=tau, n_future=n_future, n_sink=n_sink, eps=eps)
     return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))
+
+
+@register(
+    "finch",
+    family=FAMILY,
+    summary="Attention the prompt's question pays to the context, each question token's row weighted by the "
+    "number of entries it sees; the question's own entries kept. Needs the question in the prompt "
+    "(question-aware) or `window=N`.",
+    paper=papers.FINCH_PROMPT,
+    preset="kvpress FinchPress defaults: the window is the question (kvpress: the tokens after a delimiter token), "
+    "normalized scores, no chunks (`chunk=N`: each chunk of N positions keeps its share); no key re-rotation "
+    "(kvtrim keeps true positions); question at most 1024 tokens (`max_question`)",
+)
+def finch(
+    window: int | None = None, max_question: int = 1024, normalize: bool = True, chunk: int | None = None
+) -> Pipeline:
+    """FINCH (Corallo & Papotti, TACL 2024, doi 10.1162/tacl_a_00716, arXiv 2408.00167): prompt-guided selection
+    by the question's attention, over the whole context or chunk by chunk."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise InvalidParameterError(f"chunk must be None (no chunks) or an integer >= 1, got {chunk!r}")
+    scorer = QuestionAttentionScorer(window=window, max_question=max_question, normalize=normalize)
+    selector = TopKSelector() if chunk is None else ChunkQuotaSelector(chunk=chunk)
+    return parts(scorer, UniformBudget(), selector)

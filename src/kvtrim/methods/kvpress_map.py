@@ -164,9 +164,16 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "FastKVzipPress", None, f"{_NOT_YET}: KVzip scores predicted by a learned gate; {_CALIBRATED}is not built",
     ),
     PressMapping(
-        "FinchPress", None,
-        f"{_NOT_YET}: SnapKV whose window is the question after a delimiter token, with key re-rotation; the "
-        "window part needs the question boundary as an observation",
+        "FinchPress", "finch",
+        "the window is the prompt's question part, found by kvtrim from the context and question it was given "
+        "(question-aware mode) instead of a delimiter token added to the tokenizer and the embeddings; context-only "
+        "mode has no question at compression and is refused (`window=N` takes the last N prompt tokens instead); "
+        "each question query's row is weighted by the entries it sees, itself included (kvpress: its position, one "
+        "less); the question's entries score above the rest of their head (kvpress: above the global max); no "
+        "key re-rotation (kvtrim keeps true positions, see `KeyRerotationPress`)",
+        {"normalize": True, "chunk": None},
+        "`chunk_length` → `chunk`; `normalize_scores` → `normalize`; `rerotate_keys` → none; `delimiter_token` → "
+        "question-aware mode",
     ),
     PressMapping(
         "KVComposePress", None,

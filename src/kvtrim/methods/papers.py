@@ -87,3 +87,7 @@ FINCH = (
     "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024; "
     "kvpress ChunkPress"
 )
+FINCH_PROMPT = (
+    "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024 "
+    "(doi 10.1162/tacl_a_00716, arXiv 2408.00167); kvpress FinchPress"
+)
