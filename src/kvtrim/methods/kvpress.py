@@ -1,6 +1,6 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
 leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
-attention (FINCH)."""
+attention (FINCH), entropy-gated chunks."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
 from ..selection.chunk_quota import ChunkQuotaSelector
+from ..selection.entropy_chunk import EntropyGatedChunkSelector
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -305,4 +306,22 @@ def finch(
         raise InvalidParameterError(f"chunk must be None (no chunks) or an integer >= 1, got {chunk!r}")
     scorer = QuestionAttentionScorer(window=window, max_question=max_question, normalize=normalize)
     selector = TopKSelector() if chunk is None else ChunkQuotaSelector(chunk=chunk)
+    return parts(scorer, UniformBudget(), selector)
+
+
+@register(
+    "entropy_chunkkv",
+    family=FAMILY,
+    summary="ChunkKV with an entropy gate: a chunk of 10 whose window-attention score is high but rests on a few "
+    "tokens (entropy under the median) keeps only its 4 best tokens, the freed budget buys further chunks; "
+    "exactly the budget kept, the same positions for every KV head of a layer, plus the window.",
+    paper=papers.CHUNKKV,
+    preset="kvpress EntropyGatedChunkKVPress defaults: chunk 10, 4 tokens per spiky chunk, medians of the chunk "
+    "scores and entropies as thresholds; ChunkKV's scorer as `chunkkv` (window w=8, no pooling), the window kept",
+)
+def entropy_chunkkv(window: int = SNAPKV.window, chunk: int = 10, spiky_keep: int = 4) -> Pipeline:
+    """Entropy-gated ChunkKV (kvpress's extension of ChunkKV, Liu et al., arXiv 2502.00299): spiky chunks keep
+    their best tokens only."""
+    scorer = WindowAttentionScorer(window=window, kernel=1, pooling="none", aggregate="mean", group_reduce="mean")
+    selector = EntropyGatedChunkSelector(chunk=chunk, spiky_keep=spiky_keep, recent=window)
     return parts(scorer, UniformBudget(), selector)

@@ -147,8 +147,12 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "(entries removed) needs",
     ),
     PressMapping(
-        "EntropyGatedChunkKVPress", None,
-        f"{_NOT_YET}: ChunkKV whose low-entropy chunks shrink to their top tokens",
+        "EntropyGatedChunkKVPress", "entropy_chunkkv",
+        f"{_WRAPS} window attention (`w=8`, no pooling, as `chunkkv`); the window is kept first and the chunks "
+        "share the rest of the budget (kvpress: the scorer's own window handling); chunks, medians and the top-up "
+        "are computed per batch row (kvpress: from row 0 for the whole batch); chunks are chunks of positions",
+        {"chunk": 10, "spiky_keep": 4},
+        "`chunk_length` → `chunk`; `low_entropy_chunk_length` → `spiky_keep`; `press` → the scorer of the method",
     ),
     PressMapping(
         "ExpectedAttentionPress", "expected_attention", "same statistics from the recorded prompt queries",
