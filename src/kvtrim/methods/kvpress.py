@@ -1,11 +1,12 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
 leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
-attention (FINCH), entropy-gated chunks."""
+attention (FINCH), entropy-gated chunks, composite tokens (KVCompose)."""
 
 from __future__ import annotations
 
 import math
 
+from ..budgets.composite import CompositeLayerBudget
 from ..budgets.global_threshold import GlobalThresholdBudget
 from ..budgets.layer_ratios import LayerRatioBudget
 from ..budgets.lazy_layers import LazyLayerBudget
@@ -20,6 +21,7 @@ from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.question_attention import QuestionAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
+from ..scoring.reread import RereadAttentionScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
@@ -325,3 +327,26 @@ def entropy_chunkkv(window: int = SNAPKV.window, chunk: int = 10, spiky_keep: in
     scorer = WindowAttentionScorer(window=window, kernel=1, pooling="none", aggregate="mean", group_reduce="mean")
     selector = EntropyGatedChunkSelector(chunk=chunk, spiky_keep=spiky_keep, recent=window)
     return parts(scorer, UniformBudget(), selector)
+
+
+@register(
+    "kvcompose",
+    family=FAMILY,
+    summary="The model re-reads its prompt; an entry scores the largest attention the re-read pays it plus its "
+    "layer's head mean; each KV head keeps its own best entries, the same number in every head of a layer "
+    "(composite tokens), the numbers set across layers at once. Query-agnostic. Costs one extra forward pass.",
+    paper=papers.KVCOMPOSE,
+    preset="kvpress KVComposePress defaults without task prompts: the context re-read as it is, max over the "
+    "re-read queries, head mean added, structured (one count per layer), the first layer's composite scores "
+    "raised to the largest layer's, at least 1 entry per layer; max over the GQA group (kvpress: mean)",
+)
+def kvcompose(
+    structured: bool = True, head_mean: bool = True, first_layer_max: bool = True, chunk: int = 256
+) -> Pipeline:
+    """KVCompose (Akulov et al., arXiv 2509.05165): attention-guided composite tokens with layer budgets allocated
+    globally; ``structured=False`` lets every (layer, head) keep its own count (stored ragged)."""
+    if not isinstance(structured, bool):
+        raise InvalidParameterError(f"structured must be True or False, got {structured!r}")
+    scorer = RereadAttentionScorer(chunk=chunk, head_mean=head_mean)
+    budget = CompositeLayerBudget(first_layer_max=first_layer_max) if structured else GlobalThresholdBudget()
+    return parts(scorer, budget, TopKSelector())

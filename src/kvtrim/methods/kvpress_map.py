@@ -180,8 +180,14 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "question-aware mode",
     ),
     PressMapping(
-        "KVComposePress", None,
-        f"{_NOT_YET}: composite tokens aligned across heads from aggregated attention, global budget",
+        "KVComposePress", "kvcompose",
+        "kvpress without task prompts re-reads the context; kvtrim re-reads the prompt through its cache the same "
+        "way (one pass, queries in chunks of `chunk`); the GQA group is reduced by max (kvpress: mean, its "
+        "`agg_group` option `max` is kvtrim's); `structured=True` holds one count per layer in the dense store as "
+        "kvpress, `structured=False` frees the entries of each head (stored ragged; kvpress masks them in its "
+        "attention patch); `add_v_norm` and `keep_token_lower_bound` are not offered (the floor is 1 per layer)",
+        {"structured": True, "head_mean": True},
+        "`structured`; `add_mean_across_heads` → `head_mean`; `agg_task` → max, `agg_head` → mean (fixed)",
     ),
     PressMapping(
         "KVgradPress", None,

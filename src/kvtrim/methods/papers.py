@@ -91,3 +91,7 @@ FINCH_PROMPT = (
     "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024 "
     "(doi 10.1162/tacl_a_00716, arXiv 2408.00167); kvpress FinchPress"
 )
+KVCOMPOSE = (
+    "Akulov et al., KVCompose: Efficient Structured KV Cache Compression with Composite Tokens (arXiv 2509.05165); "
+    "kvpress KVComposePress"
+)
