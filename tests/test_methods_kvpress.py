@@ -1,6 +1,6 @@
 """ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS, per-layer
-ratios, block-wise compression, SimLayerKV, CapKV, FINCH, entropy-gated ChunkKV and KVCompose in the
-registry: papers, exactness, real compaction, both modes."""
+ratios, block-wise compression, SimLayerKV, CapKV, FINCH, entropy-gated ChunkKV, KVCompose and merge on
+evict in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -30,9 +30,11 @@ PAPERS = {
     "finch": "2408.00167",
     "entropy_chunkkv": "2502.00299",
     "kvcompose": "2509.05165",
+    "merging": "2406.13035",
 }
 NEEDS_QUESTION = {"finch"}  # selects with the question's attention: compresses question-aware prompts only
-WRAPPERS = {"per_layer_ratio", "chunked"}  # kvpress wrappers whose cited paper is their default parts' or none
+# kvpress wrappers whose cited paper is their default parts' or none
+WRAPPERS = {"per_layer_ratio", "chunked", "merging"}
 CTX = random_text(300, seed=3)
 
 

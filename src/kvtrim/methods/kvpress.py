@@ -1,6 +1,7 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
 leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
-attention (FINCH), entropy-gated chunks, composite tokens (KVCompose)."""
+attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
+merge on evict."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
 from ..selection.chunk_quota import ChunkQuotaSelector
 from ..selection.entropy_chunk import EntropyGatedChunkSelector
+from ..selection.merge import NearestKeyMerge
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -350,3 +352,22 @@ def kvcompose(
     scorer = RereadAttentionScorer(chunk=chunk, head_mean=head_mean)
     budget = CompositeLayerBudget(first_layer_max=first_layer_max) if structured else GlobalThresholdBudget()
     return parts(scorer, budget, TopKSelector())
+
+
+@register(
+    "merging",
+    family=FAMILY,
+    summary="Another registry method's selection (default knorm), and every evicted value folded into the kept "
+    "entry of its head whose key is most similar (cosine), weighted by similarity and value norm; keys unchanged, "
+    "the evicted entries freed.",
+    paper=papers.MERGING,
+    preset="kvpress MergingPress defaults: similarity threshold 0, every candidate merged (fraction 1); `base` "
+    "names the method whose scorer, budget and selector run (default knorm)",
+)
+def merging(base: str = "knorm", threshold: float = 0.0, fraction: float = 1.0) -> Pipeline:
+    """Merge on evict (kvpress MergingPress, after D2O, Wan et al., arXiv 2406.13035) around the parts of the
+    registry method ``base`` (KNorm's by default)."""
+    inner = _plain_method("base", base, "merging", "knorm")
+    return parts(
+        inner.scorer, inner.budget, inner.selector, merge=NearestKeyMerge(threshold=threshold, fraction=fraction)
+    )

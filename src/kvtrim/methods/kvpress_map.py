@@ -68,8 +68,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
     ),
     PressMapping(
         "CAMPress", None,
-        f"{_NOT_YET}: merges evicted values into their neighbours while decoding (CaM); the stores hold only "
-        "kept entries, merged entries need a value-updating compaction",
+        f"{_NOT_YET}: CaM merges evicted values into the next kept neighbours while decoding, each merge drawn at "
+        "random with a probability from the attention the tokens received over the decoding steps; the "
+        "value-updating compaction it needs exists (`merging`), the decoding-time attention sums and the sampled "
+        "merge do not",
     ),
     PressMapping(
         "CURPress", "curdkv",
@@ -232,8 +234,13 @@ MAPPINGS: tuple[PressMapping, ...] = (
         spelling="`sketch_dimension` → none (exact)",
     ),
     PressMapping(
-        "MergingPress", None,
-        f"{_NOT_YET}: evicted values folded into their most similar kept entry; needs a value-updating compaction",
+        "MergingPress", "merging",
+        "a wrapper: `base=` names the registry method whose scorer, budget and selector run (default `knorm`); the "
+        "merged values are written into the kept entries before compaction and the evicted entries are freed "
+        "(per-head budgets stored ragged); `merge_fraction` keeps the most similar `⌈fraction·n⌉` merges of a head "
+        "(kvpress: a similarity quantile); quantized entries (`kv_quant`) are refused",
+        {"base": "knorm", "threshold": 0.0, "fraction": 1.0},
+        "`similarity_threshold` → `threshold`; `merge_fraction` → `fraction`; `press` → `base`",
     ),
     PressMapping(
         "NonCausalAttnPress", "noncausal_attention",

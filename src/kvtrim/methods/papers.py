@@ -95,3 +95,8 @@ KVCOMPOSE = (
     "Akulov et al., KVCompose: Efficient Structured KV Cache Compression with Composite Tokens (arXiv 2509.05165); "
     "kvpress KVComposePress"
 )
+MERGING = (
+    "kvpress MergingPress (no paper of its own): merge on evict after Wan et al., D2O: Dynamic Discriminative "
+    "Operations for Efficient Long-Context Inference of Large Language Models (arXiv 2406.13035) and Bolya et al., "
+    "Token Merging: Your ViT But Faster, ICLR 2023 (arXiv 2210.09461)"
+)

@@ -53,7 +53,8 @@ class Capabilities:
         schedules: the decoding-time schedules ``name@schedule`` accepts (``tail`` needs ``lag_partitions`` on the
             selector; channel pruning accepts none)
         paged_engine: ``kvtrim serve`` runs it on paged storage (``paged_engine`` of the budget allocator)
-        vllm: the vLLM plugin runs it (``runs_in_vllm`` on scorer, budget and selector, and no channel pruning)
+        vllm: the vLLM plugin runs it (``runs_in_vllm`` on scorer, budget and selector, no channel pruning and no
+            merging)
     """
 
     attention: bool
@@ -117,7 +118,9 @@ def capabilities_of(pipeline: Pipeline) -> Capabilities:
         recursive=pipeline.schedule.continuous,
         schedules=() if channels is not None else ("every", "over") + (("tail",) if lag_partitions else ()),
         paged_engine=getattr(pipeline.budget, "paged_engine", False),
-        vllm=channels is None and all(getattr(part, "runs_in_vllm", False) for part in parts),
+        vllm=channels is None
+        and pipeline.merge is None  # the plugin evicts; it does not rewrite the kept values
+        and all(getattr(part, "runs_in_vllm", False) for part in parts),
     )
 
 
