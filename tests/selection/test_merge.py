@@ -43,6 +43,27 @@ def test_nothing_changes_without_evictions_or_similar_keys():
     assert torch.equal(merge_evicted_values(opposite, VALUES, ~KEPT, KEPT)[0, 0], VALUES[0, 0])  # cosine -1: weight 0
 
 
+def test_long_sequences_match_the_formula_slot_by_slot():
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 600, 8, generator=g), torch.randn(1, 2, 600, 4, generator=g)
+    kept = torch.rand(1, 2, 600, generator=g) < 0.3
+    out = merge_evicted_values(keys, values, ~kept, kept)  # candidates compared in steps of 256 rows
+    for h in range(2):
+        k, v, keep = keys[0, h], values[0, h], kept[0, h]
+        unit = k / k.norm(dim=-1, keepdim=True)
+        ref = v.clone()
+        num, den = v.clone(), torch.ones(600)
+        for e in (~keep).nonzero().flatten().tolist():
+            sims = (unit[keep] @ unit[e]).tolist()
+            best = max(sims)
+            t = keep.nonzero().flatten()[sims.index(best)]
+            w = max(best, 0.0) * v[e].norm() / (v[e].norm() + v[t].norm() + 1e-6)
+            num[t] += w * v[e]
+            den[t] += w
+        ref[keep] = (num / den[:, None])[keep]
+        assert torch.allclose(out[0, h], ref, atol=1e-5)
+
+
 def test_the_compressed_store_holds_the_merged_values_of_the_kept_entries():
     model = tiny_model("qwen2", layers=2)
     ids = torch.randint(3, 200, (1, 48), generator=torch.Generator().manual_seed(3))

@@ -12,6 +12,7 @@ from ..parts import Part
 from .base import Selection
 
 _EPS = 1e-6
+_ROWS = 256  # evicted candidates compared with the kept keys per step (bounds the similarity matrix)
 
 
 def merge_evicted_values(
@@ -38,9 +39,15 @@ def merge_evicted_values(
         ``[batch, kv_heads, seq, d]`` values in ``values``' dtype (evicted slots unchanged)
     """
     unit = torch.nn.functional.normalize(keys.float(), dim=-1, eps=_EPS)
-    sim = unit @ unit.transpose(-1, -2)  # [b, h, s, s]: row = evicted candidate, column = kept target
-    sim = sim.masked_fill(~kept[:, :, None, :], float("-inf"))
-    best, target = sim.max(dim=-1)  # [b, h, s]
+    targets = unit.transpose(-1, -2)
+    closed = ~kept[:, :, None, :]
+    best_parts, target_parts = [], []
+    for start in range(0, unit.shape[2], _ROWS):  # [b, h, rows, seq] similarities at a time, not [seq, seq]
+        sim = (unit[:, :, start : start + _ROWS] @ targets).masked_fill(closed, float("-inf"))
+        part = sim.max(dim=-1)
+        best_parts.append(part.values)
+        target_parts.append(part.indices)
+    best, target = torch.cat(best_parts, -1), torch.cat(target_parts, -1)  # [b, h, s]: the nearest kept slot
     merges = evicted & torch.isfinite(best) & (best >= threshold)
     if fraction < 1.0:
         ranked = best.masked_fill(~merges, float("-inf"))
