@@ -124,3 +124,8 @@ def test_the_suites_hand_kept_method_sets_match_the_declared_capabilities():
     assert _with(lambda c: c.channels) == CHANNEL_METHODS
     assert _with(lambda c: c.paged_engine) == GLOBAL_BLOCK_METHODS
     assert _with(lambda c: c.recursive) == RATIO_ONLY_METHODS
+
+
+def test_only_the_merging_method_merges_values():
+    assert _with(lambda c: c.merges) == {"merging"}
+    assert "merges evicted values" in method_info("merging").capabilities.labels()
