@@ -104,3 +104,15 @@ def test_finch_keeps_the_question_and_the_entries_it_attends(tokenizer):
         kept = layer.store.positions[0]
         assert bool((kept >= 0).all()) and kept.shape[-1] == spec.keep_count(n)
         assert set(range(start, n)) <= set(kept[0].tolist())  # every question token survives
+
+
+def test_finch_with_chunks_keeps_each_chunk_its_share(tokenizer):
+    model = tiny_model("qwen2", layers=2)
+    res = kvtrim.generate(model, tokenizer, random_text(200, seed=4), "q?", method="finch", ratio=0.5,
+                          max_new_tokens=2, question_aware=True, method_params={"chunk": 100})  # fmt: skip
+    n = res.stats.context_tokens
+    keep = kvtrim.BudgetSpec(ratio=0.5).keep_count(n)
+    sizes = [min(100, n - start) for start in range(0, n, 100)]
+    assert res.stats.kv_entries_after == sum(max(1, c * keep // n) for c in sizes) * 2 * 2  # 2 layers, 2 KV heads
+    with pytest.raises(InvalidParameterError, match="chunk"):
+        get_method("finch", chunk=0)
