@@ -15,7 +15,7 @@ model, tok = kvtrim.load_model("smollm2-135m")
 _, sample = _generate(tok, ["passkey"], 1024, [], 6, 42, None, {})[1]
 session = kvtrim.Session(
     model, tok, sample.context, question=sample.question, methods=["chunkkv", "entropy_chunkkv"],
-    answer_prefix=sample.answer_prefix or None,
+    answer_prefix=sample.answer_prefix or None, use_chat_template=bool(sample.meta.get("chat_template", True)),
 )  # fmt: skip
 ids = session.ids[0].tolist()
 key = tok(sample.answers[0], add_special_tokens=False)["input_ids"]
