@@ -137,14 +137,17 @@ ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compile
 RATIO_ONLY_METHODS = {"lagkv", "localkv", "lag_knorm"}  # keep fractions per lag partition: no budget
 # default schedules that compress again while decoding: LagKV's frame, and R-KV's budget + buffer
 RECURSIVE_METHODS = RATIO_ONLY_METHODS | {"rkv"}
+# Select with the question's attention: a prompt fed without kvtrim's question-aware layout needs the window given
+QUESTION_WINDOW_PARAMS = {"finch": {"window": 8}}
 CHANNEL_METHODS = {"think", "think_snapkv"}  # ThinK: keys stored with head_dim/2 channels at the default ratios
 # one budget for the whole sequence, ranked in blocks of 16 across layers and heads: per-head counts vary and the
 # total kept is ceil(M·L·H / 16) blocks (KV-Compress)
 GLOBAL_BLOCK_METHODS = {"kvcompress", "kvc_w8", "kvc_full"}
 # Keep whole chunks of contiguous tokens plus the window: up to chunk - 1 entries below the budget (ChunkKV)
 WHOLE_CHUNK_METHODS = {"chunkkv", "chunkkv_reuse"}
-# One token-level score threshold across layers and heads: per-head counts vary, the total is M·L·H (KVzip)
-GLOBAL_TOKEN_METHODS = {"kvzip"}
+# One token-level score threshold across layers and heads (KVzip), or one count per layer set across layers
+# (KVCompose's composite tokens): per-head counts vary, the total is M·L·H
+GLOBAL_TOKEN_METHODS = {"kvzip", "kvcompose"}
 
 
 def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:

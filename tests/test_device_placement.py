@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvtrim
-from conftest import ARTIFACT_METHODS, RATIO_ONLY_METHODS, install_head_scores, tiny_model
+from conftest import ARTIFACT_METHODS, QUESTION_WINDOW_PARAMS, RATIO_ONLY_METHODS, install_head_scores, tiny_model
 from kvtrim.methods import method_names
 
 CONTEXT = 160
@@ -57,7 +57,7 @@ def _params(method: str) -> dict:
         return {"ratio": 0.75, "missing_logprobs": "median_bin"}
     if method == "full":
         return {}
-    return {"ratio": 0.75}
+    return {"ratio": 0.75, **QUESTION_WINDOW_PARAMS.get(method, {})}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS, per-layer
-ratios, block-wise compression, SimLayerKV and CapKV in the registry: papers, exactness, real compaction, both modes."""
+ratios, block-wise compression, SimLayerKV, CapKV, FINCH, entropy-gated ChunkKV, KVCompose and merge on
+evict in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -26,8 +27,14 @@ PAPERS = {
     "block": "2504.15364",
     "simlayerkv": "2410.13846",
     "capkv": "2604.25975",
+    "finch": "2408.00167",
+    "entropy_chunkkv": "2502.00299",
+    "kvcompose": "2509.05165",
+    "merging": "2406.13035",
 }
-WRAPPERS = {"per_layer_ratio", "chunked"}  # kvpress wrappers whose cited paper is their default parts' or none
+NEEDS_QUESTION = {"finch"}  # selects with the question's attention: compresses question-aware prompts only
+# kvpress wrappers whose cited paper is their default parts' or none
+WRAPPERS = {"per_layer_ratio", "chunked", "merging"}
 CTX = random_text(300, seed=3)
 
 
@@ -65,8 +72,10 @@ def test_budget_at_context_answers_like_the_full_cache(method, question_aware, t
     assert res.stats.kv_entries_after == res.stats.kv_entries_before
 
 
-@pytest.mark.parametrize("question_aware", [False, True])
-@pytest.mark.parametrize("method", [*sorted(PAPERS), "chunked"])
+@pytest.mark.parametrize(
+    ("method", "question_aware"),
+    [(m, qa) for m in [*sorted(PAPERS), "chunked"] for qa in (False, True) if qa or m not in NEEDS_QUESTION],
+)
 def test_compression_frees_bytes_of_the_evicted_entries(method, question_aware, tokenizer, tok_dir):
     model = tiny_model("qwen2", layers=3)
     res = kvtrim.generate(model, tokenizer, CTX, "q?", method=method, ratio=0.75, question_aware=question_aware,

@@ -161,19 +161,23 @@ class Session:
             qs = [question] * len(contexts) if isinstance(question, str) else list(question)
             if len(qs) != len(contexts) or any(not isinstance(q, str) for q in qs):
                 raise InvalidParameterError("question must be a string or one string per context")
+            context_ids = tokenize(tokenizer, texts, self.special)
             texts = [t + self.template.question_part(q, answer_prefix) for t, q in zip(texts, qs, strict=True)]
         self.ids, self.mask = tokenize(tokenizer, texts, self.special)
+        self.question_start = None if question is None else question_starts(self.ids, self.mask, *context_ids)
         check_length(model, self.ids.shape[1], "the prompt" if question is not None else "the context")
         self.prefill: Prefill | None = None
         if prefill_chunk is None:
             with torch.inference_mode(), kvtrim_attention_enabled(model):
-                self.prefill = Prefill.plain(model, self.ids, self.mask, self.observation)
+                self.prefill = Prefill.plain(model, self.ids, self.mask, self.observation, self.question_start)
 
     def _prefilled(self, pipeline: Pipeline | None, spec, kv_quant: KVQuant | None = None) -> Prefill:
         """The prefill that ``pipeline`` compresses (the shared one, or a chunked prefill of its own)."""
         if self.prefill is not None:
             return self.prefill
-        return Prefill.chunked(self.model, self.ids, self.mask, self.prefill_chunk, pipeline, spec, kv_quant)
+        return Prefill.chunked(
+            self.model, self.ids, self.mask, self.prefill_chunk, pipeline, spec, kv_quant, self.question_start
+        )
 
     @property
     def context_tokens_per_row(self) -> list[int]:
@@ -302,6 +306,21 @@ class Session:
             raise InvalidParameterError("questions are required in context-only mode")
         contexts = ["x"] * n if self.batched else "x"
         return _normalize_inputs(contexts, questions)[1]
+
+
+def question_starts(
+    ids: torch.Tensor, mask: torch.Tensor, context_ids: torch.Tensor, context_mask: torch.Tensor
+) -> torch.Tensor:
+    """``[batch]`` logical position where each row's question part begins: the length of the longest common
+    prefix of the prompt's real tokens (``ids``/``mask``) and those of its context part tokenized alone (a token
+    the tokenizer merged across the boundary counts as the question's)."""
+    starts = []
+    for row, row_mask, ctx, ctx_mask in zip(ids, mask, context_ids, context_mask, strict=True):
+        full, part = row[row_mask.bool()], ctx[ctx_mask.bool()]
+        n = min(len(full), len(part))
+        differ = (full[:n] != part[:n]).nonzero()
+        starts.append(int(differ[0]) if len(differ) else n)
+    return torch.tensor(starts, dtype=torch.long)
 
 
 def generate(

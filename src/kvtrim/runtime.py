@@ -228,11 +228,18 @@ class Prefill:
 
     @classmethod
     def plain(
-        cls, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, observation: ObservationSpec
+        cls,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        observation: ObservationSpec,
+        question_start: torch.Tensor | None = None,
     ) -> Prefill:
         """Prefill ``ids`` ``[batch, n]`` (``mask`` 1 = real token) in one pass into a fresh uncompressed cache,
-        recording what ``observation`` asks for. Call under kvtrim attention."""
+        recording what ``observation`` asks for; ``question_start`` ``[batch]`` is where the prompt's question
+        part begins (logical positions), when it has one. Call under kvtrim attention."""
         cache = KVTrimCache(model.config.num_hidden_layers, auto_compress=False)
+        cache.question_start = question_start
         cache.observing = bool(observation.window or observation.accumulate)
         cache.observation_spec = observation
         fed = feed(model, cache, mask[:, :0], ids, mask)
@@ -249,13 +256,16 @@ class Prefill:
         pipeline: Pipeline | None = None,
         spec: BudgetSpec | None = None,
         kv_quant: str | KVQuant | None = None,
+        question_start: torch.Tensor | None = None,
     ) -> Prefill:
         """Prefill ``ids`` ``[batch, n]`` ``chunk`` tokens at a time; each chunk attends to the cache as the
         previous chunks left it. With a ``pipeline``, the cache is compressed between chunks (every time for a
         one-shot method; when its schedule is due for a continuous one, e.g. LagKV's full tail), so the cache
         never holds much more than the budget plus one chunk. The final compression is :meth:`compressed`'s.
-        ``kv_quant`` holds the entries quantized from the first chunk on. Call under kvtrim attention."""
+        ``kv_quant`` holds the entries quantized from the first chunk on; ``question_start`` as in :meth:`plain`.
+        Call under kvtrim attention."""
         cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=False, kv_quant=kv_quant)
+        cache.question_start = question_start
         cache.observing = pipeline is not None
         seen = mask[:, :0]
         logits, total = None, 0.0

@@ -13,6 +13,7 @@ from conftest import (
     ELASTIC_METHODS,
     GLOBAL_BLOCK_METHODS,
     GLOBAL_TOKEN_METHODS,
+    QUESTION_WINDOW_PARAMS,
     RATIO_ONLY_METHODS,
     WHOLE_CHUNK_METHODS,
     byte_tokenizer,
@@ -84,7 +85,7 @@ def test_kept_counts_and_bytes_match_budget(method, monkeypatch, tmp_path):
     elif method == "compilerkv_elastic":  # a bare forward records no prompt log-probs for the perplexity bin
         pipeline, spec = get_method(method, missing_logprobs="median_bin"), BudgetSpec(budget=20)
     else:
-        pipeline, spec = get_method(method), BudgetSpec(budget=20)
+        pipeline, spec = get_method(method, **QUESTION_WINDOW_PARAMS.get(method, {})), BudgetSpec(budget=20)
     cache = KVTrimCache(3, pipeline.bind(model), spec, auto_compress=False)
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         model(input_ids=ids, past_key_values=cache, use_cache=True)

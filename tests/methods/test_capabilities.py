@@ -93,7 +93,7 @@ def test_attention_and_question_awareness():
     caps = {n: method_info(n).capabilities for n in method_names()}
     assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
-        "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv",
+        "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging",
     }  # fmt: skip
     assert caps["kvcompress"].question_aware and not caps["kvc_full"].question_aware  # KVC-full: every query
     assert caps["think"].question_aware  # the window queries choose the key channels
@@ -141,3 +141,8 @@ def test_the_suites_hand_kept_method_sets_match_the_declared_capabilities():
     assert _with(lambda c: c.channels) == CHANNEL_METHODS
     assert _with(lambda c: c.paged_engine) == GLOBAL_BLOCK_METHODS
     assert _with(lambda c: c.recursive) == RECURSIVE_METHODS
+
+
+def test_only_the_merging_method_merges_values():
+    assert _with(lambda c: c.merges) == {"merging"}
+    assert "merges evicted values" in method_info("merging").capabilities.labels()

@@ -186,6 +186,13 @@ class DenseStore(SlotBookkeeping):
         self.all_valid = bool((self._pos >= 0).all())
         self.prefix_intact = False
 
+    def replace_values(self, values: torch.Tensor) -> None:
+        """Overwrite the values of the filled slots with ``values`` ``[batch, kv_heads, length, d]`` (a merging
+        method folds evicted values into the kept entries before compaction)."""
+        if values.shape != self.values.shape:
+            raise ValueError(f"values of shape {tuple(values.shape)} do not fit {tuple(self.values.shape)}")
+        self._v[:, :, : self.length] = values
+
     rescorable = True
 
     def to_dense(self) -> DenseStore:

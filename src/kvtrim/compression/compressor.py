@@ -96,6 +96,7 @@ def layer_views(
             compressed_until=layer.compressed_until,
             prompt_logprobs=cache.prompt_logprobs,
             prompt_ids=cache.prompt_ids,
+            question_start=cache.question_start,
             shared=shared,
             replay=cache.replay,
         )
@@ -118,6 +119,11 @@ def compress_cache(
                 "compress a fresh cache instead"
             )
         layer.store = layer.store.to_dense()
+        if pipeline.merge is not None and getattr(layer.store, "kv_quant", None) is not None:
+            raise InvalidParameterError(
+                f"method {pipeline.name!r} merges evicted values into kept entries, which quantized entries (kv_quant="
+                f"{layer.store.kv_quant.name!r}) do not support yet; use kv_quant=None with it"
+            )
         if pipeline.channels is not None and getattr(layer.store, "kv_quant", None) is not None:
             raise InvalidParameterError(
                 f"method {pipeline.name!r} prunes key channels, which quantized entries (kv_quant="
@@ -172,6 +178,8 @@ def compress_cache(
         view, s = views[i], scores[i]
         views[i] = scores[i] = None
         sel = pipeline.selector.select(view, s, budgets[:, view.layer_idx])
+        if pipeline.merge is not None:  # the kept entries take their merged values before the evicted ones go
+            layer.store.replace_values(pipeline.merge.merge(view, sel))
         counts = sel.keep_mask.sum(-1)
         uniform = bool((counts == counts.max()).all())
         if sel.compressed_until is not None:

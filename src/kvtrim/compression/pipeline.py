@@ -10,6 +10,7 @@ from ..scoring.base import Scorer
 from ..scoring.observation import ObservationSpec
 from ..selection.base import Selector
 from ..selection.key_channels import QueryDrivenChannels
+from ..selection.merge import NearestKeyMerge
 from .schedule import AfterPrefill, Schedule
 
 
@@ -28,6 +29,8 @@ class Pipeline:
         schedule: when to compress (:mod:`kvtrim.compression.schedule`); the default compresses once after prefill
         channels: optional key-channel pruning applied after the token selection (ThinK); the layer's keys are
             then stored with fewer channels (:class:`~kvtrim.cache.channel_pruned.ChannelPrunedStore`)
+        merge: optional merge on evict between selection and compaction (``merge(view, selection)`` returns the
+            layer's values with the evicted ones folded into kept entries; the store keeps those values)
     """
 
     name: str
@@ -38,6 +41,7 @@ class Pipeline:
     layout: str = "auto"
     schedule: Schedule = field(default_factory=AfterPrefill)
     channels: QueryDrivenChannels | None = None
+    merge: NearestKeyMerge | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):

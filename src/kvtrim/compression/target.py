@@ -21,6 +21,7 @@ class CompressibleCache(Protocol):
     tokens_since_compression: int
     prompt_logprobs: torch.Tensor | None
     prompt_ids: torch.Tensor | None
+    question_start: torch.Tensor | None
 
     @property
     def kv_layers(self) -> list: ...

@@ -101,6 +101,9 @@ class KVTrimCache(Cache, RecordsPromptIds):
         self.last_logprobs: torch.Tensor | None = None  # [batch, vocab] log-softmax of the last fed position
         # [batch, n] the prompt's token ids (-1: padding), when the method's observation asks for input_ids
         self.prompt_ids: torch.Tensor | None = None
+        # [batch] logical position where the prompt's question part begins (None: the prompt holds no question);
+        # set by kvtrim.api for question-aware prompts, read by methods that select with the question (FINCH)
+        self.question_start: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ the policy (CompressionState)
     pipeline: Pipeline | None = _policy("pipeline", "the compression method, or None")
@@ -169,6 +172,7 @@ class KVTrimCache(Cache, RecordsPromptIds):
         other.peak_kv_bytes = self.kv_nbytes()
         other.prompt_logprobs = None if self.prompt_logprobs is None else self.prompt_logprobs.clone()
         other.prompt_ids = self.prompt_ids  # never written in place: appends build a new tensor
+        other.question_start = self.question_start  # never written in place
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             theirs.seen = mine.seen
             theirs.module = mine.module

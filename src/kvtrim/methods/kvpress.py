@@ -1,10 +1,13 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
-leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV)."""
+leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
+attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
+merge on evict."""
 
 from __future__ import annotations
 
 import math
 
+from ..budgets.composite import CompositeLayerBudget
 from ..budgets.global_threshold import GlobalThresholdBudget
 from ..budgets.layer_ratios import LayerRatioBudget
 from ..budgets.lazy_layers import LazyLayerBudget
@@ -17,11 +20,15 @@ from ..scoring.capacity import CapacityScorer
 from ..scoring.expected_attention import ExpectedAttentionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
+from ..scoring.question_attention import QuestionAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
+from ..scoring.reread import RereadAttentionScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
 from ..selection.chunk_quota import ChunkQuotaSelector
+from ..selection.entropy_chunk import EntropyGatedChunkSelector
+from ..selection.merge import NearestKeyMerge
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -281,3 +288,86 @@ def capkv(tau: float = 5.0, n_future: int = 512, n_sink: int = SINKS, eps: float
     """CapKV (arXiv 2604.25975): capacity-aware eviction by query-weighted value leverage, top-k per KV head."""
     scorer = CapacityScorer(tau=tau, n_future=n_future, n_sink=n_sink, eps=eps)
     return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))
+
+
+@register(
+    "finch",
+    family=FAMILY,
+    summary="Attention the prompt's question pays to the context, each question token's row weighted by the "
+    "number of entries it sees; the question's own entries kept. Needs the question in the prompt "
+    "(question-aware) or `window=N`.",
+    paper=papers.FINCH_PROMPT,
+    preset="kvpress FinchPress defaults: the window is the question (kvpress: the tokens after a delimiter token), "
+    "normalized scores, no chunks (`chunk=N`: each chunk of N positions keeps its share); no key re-rotation "
+    "(kvtrim keeps true positions); question at most 1024 tokens (`max_question`)",
+)
+def finch(
+    window: int | None = None, max_question: int = 1024, normalize: bool = True, chunk: int | None = None
+) -> Pipeline:
+    """FINCH (Corallo & Papotti, TACL 2024, doi 10.1162/tacl_a_00716, arXiv 2408.00167): prompt-guided selection
+    by the question's attention, over the whole context or chunk by chunk."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise InvalidParameterError(f"chunk must be None (no chunks) or an integer >= 1, got {chunk!r}")
+    scorer = QuestionAttentionScorer(window=window, max_question=max_question, normalize=normalize)
+    selector = TopKSelector() if chunk is None else ChunkQuotaSelector(chunk=chunk)
+    return parts(scorer, UniformBudget(), selector)
+
+
+@register(
+    "entropy_chunkkv",
+    family=FAMILY,
+    summary="ChunkKV with an entropy gate: a chunk of 10 whose window-attention score is high but rests on a few "
+    "tokens (entropy under the median) keeps only its 4 best tokens, the freed budget buys further chunks; "
+    "exactly the budget kept, the same positions for every KV head of a layer, plus the window.",
+    paper=papers.CHUNKKV,
+    preset="kvpress EntropyGatedChunkKVPress defaults: chunk 10, 4 tokens per spiky chunk, medians of the chunk "
+    "scores and entropies as thresholds; ChunkKV's scorer as `chunkkv` (window w=8, no pooling), the window kept",
+)
+def entropy_chunkkv(window: int = SNAPKV.window, chunk: int = 10, spiky_keep: int = 4) -> Pipeline:
+    """Entropy-gated ChunkKV (kvpress's extension of ChunkKV, Liu et al., arXiv 2502.00299): spiky chunks keep
+    their best tokens only."""
+    scorer = WindowAttentionScorer(window=window, kernel=1, pooling="none", aggregate="mean", group_reduce="mean")
+    selector = EntropyGatedChunkSelector(chunk=chunk, spiky_keep=spiky_keep, recent=window)
+    return parts(scorer, UniformBudget(), selector)
+
+
+@register(
+    "kvcompose",
+    family=FAMILY,
+    summary="The model re-reads its prompt; an entry scores the largest attention the re-read pays it plus its "
+    "layer's head mean; each KV head keeps its own best entries, the same number in every head of a layer "
+    "(composite tokens), the numbers set across layers at once. Query-agnostic. Costs one extra forward pass.",
+    paper=papers.KVCOMPOSE,
+    preset="kvpress KVComposePress defaults without task prompts: the context re-read as it is, max over the "
+    "re-read queries, head mean added, structured (one count per layer), the first layer's composite scores "
+    "raised to the largest layer's, at least 1 entry per layer; max over the GQA group (kvpress: mean)",
+)
+def kvcompose(
+    structured: bool = True, head_mean: bool = True, first_layer_max: bool = True, chunk: int = 256
+) -> Pipeline:
+    """KVCompose (Akulov et al., arXiv 2509.05165): attention-guided composite tokens with layer budgets allocated
+    globally; ``structured=False`` lets every (layer, head) keep its own count (stored ragged)."""
+    if not isinstance(structured, bool):
+        raise InvalidParameterError(f"structured must be True or False, got {structured!r}")
+    scorer = RereadAttentionScorer(chunk=chunk, head_mean=head_mean)
+    budget = CompositeLayerBudget(first_layer_max=first_layer_max) if structured else GlobalThresholdBudget()
+    return parts(scorer, budget, TopKSelector())
+
+
+@register(
+    "merging",
+    family=FAMILY,
+    summary="Another registry method's selection (default knorm), and every evicted value folded into the kept "
+    "entry of its head whose key is most similar (cosine), weighted by similarity and value norm; keys unchanged, "
+    "the evicted entries freed.",
+    paper=papers.MERGING,
+    preset="kvpress MergingPress defaults: similarity threshold 0, every candidate merged (fraction 1); `base` "
+    "names the method whose scorer, budget and selector run (default knorm)",
+)
+def merging(base: str = "knorm", threshold: float = 0.0, fraction: float = 1.0) -> Pipeline:
+    """Merge on evict (kvpress MergingPress, after D2O, Wan et al., arXiv 2406.13035) around the parts of the
+    registry method ``base`` (KNorm's by default)."""
+    inner = _plain_method("base", base, "merging", "knorm")
+    return parts(
+        inner.scorer, inner.budget, inner.selector, merge=NearestKeyMerge(threshold=threshold, fraction=fraction)
+    )

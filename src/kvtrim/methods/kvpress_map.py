@@ -72,8 +72,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
     ),
     PressMapping(
         "CAMPress", None,
-        f"{_NOT_YET}: merges evicted values into their neighbours while decoding (CaM); the stores hold only "
-        "kept entries, merged entries need a value-updating compaction",
+        f"{_NOT_YET}: CaM merges evicted values into the next kept neighbours while decoding, each merge drawn at "
+        "random with a probability from the attention the tokens received over the decoding steps; the "
+        "value-updating compaction it needs exists (`merging`), the decoding-time attention sums and the sampled "
+        "merge do not",
     ),
     PressMapping(
         "CURPress", "curdkv",
@@ -151,8 +153,12 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "(entries removed) needs",
     ),
     PressMapping(
-        "EntropyGatedChunkKVPress", None,
-        f"{_NOT_YET}: ChunkKV whose low-entropy chunks shrink to their top tokens",
+        "EntropyGatedChunkKVPress", "entropy_chunkkv",
+        f"{_WRAPS} window attention (`w=8`, no pooling, as `chunkkv`); the window is kept first and the chunks "
+        "share the rest of the budget (kvpress: the scorer's own window handling); chunks, medians and the top-up "
+        "are computed per batch row (kvpress: from row 0 for the whole batch); chunks are chunks of positions",
+        {"chunk": 10, "spiky_keep": 4},
+        "`chunk_length` → `chunk`; `low_entropy_chunk_length` → `spiky_keep`; `press` → the scorer of the method",
     ),
     PressMapping(
         "ExpectedAttentionPress", "expected_attention", "same statistics from the recorded prompt queries",
@@ -168,13 +174,26 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "FastKVzipPress", None, f"{_NOT_YET}: KVzip scores predicted by a learned gate; {_CALIBRATED}is not built",
     ),
     PressMapping(
-        "FinchPress", None,
-        f"{_NOT_YET}: SnapKV whose window is the question after a delimiter token, with key re-rotation; the "
-        "window part needs the question boundary as an observation",
+        "FinchPress", "finch",
+        "the window is the prompt's question part, found by kvtrim from the context and question it was given "
+        "(question-aware mode) instead of a delimiter token added to the tokenizer and the embeddings; context-only "
+        "mode has no question at compression and is refused (`window=N` takes the last N prompt tokens instead); "
+        "each question query's row is weighted by the entries it sees, itself included (kvpress: its position, one "
+        "less); the question's entries score above the rest of their head (kvpress: above the global max); no "
+        "key re-rotation (kvtrim keeps true positions, see `KeyRerotationPress`)",
+        {"normalize": True, "chunk": None},
+        "`chunk_length` → `chunk`; `normalize_scores` → `normalize`; `rerotate_keys` → none; `delimiter_token` → "
+        "question-aware mode",
     ),
     PressMapping(
-        "KVComposePress", None,
-        f"{_NOT_YET}: composite tokens aligned across heads from aggregated attention, global budget",
+        "KVComposePress", "kvcompose",
+        "kvpress without task prompts re-reads the context; kvtrim re-reads the prompt through its cache the same "
+        "way (one pass, queries in chunks of `chunk`); the GQA group is reduced by max (kvpress: mean, its "
+        "`agg_group` option `max` is kvtrim's); `structured=True` holds one count per layer in the dense store as "
+        "kvpress, `structured=False` frees the entries of each head (stored ragged; kvpress masks them in its "
+        "attention patch); `add_v_norm` and `keep_token_lower_bound` are not offered (the floor is 1 per layer)",
+        {"structured": True, "head_mean": True},
+        "`structured`; `add_mean_across_heads` → `head_mean`; `agg_task` → max, `agg_head` → mean (fixed)",
     ),
     PressMapping(
         "KVgradPress", None,
@@ -219,8 +238,13 @@ MAPPINGS: tuple[PressMapping, ...] = (
         spelling="`sketch_dimension` → none (exact)",
     ),
     PressMapping(
-        "MergingPress", None,
-        f"{_NOT_YET}: evicted values folded into their most similar kept entry; needs a value-updating compaction",
+        "MergingPress", "merging",
+        "a wrapper: `base=` names the registry method whose scorer, budget and selector run (default `knorm`); the "
+        "merged values are written into the kept entries before compaction and the evicted entries are freed "
+        "(per-head budgets stored ragged); `merge_fraction` keeps the most similar `⌈fraction·n⌉` merges of a head "
+        "(kvpress: a similarity quantile); quantized entries (`kv_quant`) are refused",
+        {"base": "knorm", "threshold": 0.0, "fraction": 1.0},
+        "`similarity_threshold` → `threshold`; `merge_fraction` → `fraction`; `press` → `base`",
     ),
     PressMapping(
         "NonCausalAttnPress", "noncausal_attention",

@@ -91,3 +91,16 @@ RKV = (
     "Cai et al., R-KV: Redundancy-aware KV Cache Compression for Reasoning Models (arXiv 2505.24133); "
     "Zefan-Cai/R-KV"
 )
+FINCH_PROMPT = (
+    "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024 "
+    "(doi 10.1162/tacl_a_00716, arXiv 2408.00167); kvpress FinchPress"
+)
+KVCOMPOSE = (
+    "Akulov et al., KVCompose: Efficient Structured KV Cache Compression with Composite Tokens (arXiv 2509.05165); "
+    "kvpress KVComposePress"
+)
+MERGING = (
+    "kvpress MergingPress (no paper of its own): merge on evict after Wan et al., D2O: Dynamic Discriminative "
+    "Operations for Efficient Long-Context Inference of Large Language Models (arXiv 2406.13035) and Bolya et al., "
+    "Token Merging: Your ViT But Faster, ICLR 2023 (arXiv 2210.09461)"
+)

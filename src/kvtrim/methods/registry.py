@@ -53,7 +53,9 @@ class Capabilities:
         schedules: the decoding-time schedules ``name@schedule`` accepts (``tail`` needs ``lag_partitions`` on the
             selector; channel pruning accepts none)
         paged_engine: ``kvtrim serve`` runs it on paged storage (``paged_engine`` of the budget allocator)
-        vllm: the vLLM plugin runs it (``runs_in_vllm`` on scorer, budget and selector, and no channel pruning)
+        vllm: the vLLM plugin runs it (``runs_in_vllm`` on scorer, budget and selector, no channel pruning and no
+            merging)
+        merges: evicted values are folded into the kept entries (``Pipeline.merge``), which then hold merged values
     """
 
     attention: bool
@@ -65,6 +67,7 @@ class Capabilities:
     schedules: tuple[str, ...]
     paged_engine: bool
     vllm: bool
+    merges: bool = False
 
     def labels(self) -> list[str]:
         """Short labels, for listings and the README table."""
@@ -77,6 +80,8 @@ class Capabilities:
             out.append(f"calibrate: {', '.join(self.artifacts)}")
         if self.channels:
             out.append("key channels")
+        if self.merges:
+            out.append("merges evicted values")
         if self.recursive:
             out.append("recursive while decoding")
         if self.paged_engine:
@@ -117,7 +122,10 @@ def capabilities_of(pipeline: Pipeline) -> Capabilities:
         recursive=pipeline.schedule.continuous,
         schedules=() if channels is not None else ("every", "over") + (("tail",) if lag_partitions else ()),
         paged_engine=getattr(pipeline.budget, "paged_engine", False),
-        vllm=channels is None and all(getattr(part, "runs_in_vllm", False) for part in parts),
+        vllm=channels is None
+        and pipeline.merge is None  # the plugin evicts; it does not rewrite the kept values
+        and all(getattr(part, "runs_in_vllm", False) for part in parts),
+        merges=pipeline.merge is not None,
     )
 
 

@@ -29,6 +29,8 @@ class LayerView:
             method's observation asked for them and the prefill ran through :mod:`kvtrim.api`
         prompt_ids: ``[batch, n]`` the prompt's token ids (``-1``: padding), when the method's observation asked
             for ``input_ids``
+        question_start: ``[batch]`` logical position where the prompt's question part begins, when the prompt was
+            built from a context and a question (question-aware mode of :mod:`kvtrim.api`); None otherwise
         shared: one dict shared by the views of all layers in a compression, for cross-layer quantities
         replay: ``replay(model, views, input_ids, attention_mask, position_ids, observation) -> {layer: store}``
             feeds ``input_ids`` through ``model`` over a scratch copy of the views' entries, recording
@@ -50,6 +52,7 @@ class LayerView:
     compressed_until: torch.Tensor | None = None
     prompt_logprobs: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
+    question_start: torch.Tensor | None = None
     shared: dict = field(default_factory=dict)
     replay: Callable[..., dict] | None = None
     _cache: dict = field(default_factory=dict)
