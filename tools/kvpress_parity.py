@@ -60,6 +60,14 @@ def _presses(ratio: float) -> dict:
         "CURPress": lambda: kp.CURPress(compression_ratio=ratio),
         "NonCausalAttnPress": lambda: kp.NonCausalAttnPress(compression_ratio=ratio),
         "CapPress": lambda: kp.CapPress(compression_ratio=ratio),
+        "BlockPress": lambda: kp.BlockPress(press=kp.KeyDiffPress(compression_ratio=ratio), block_size=128),
+        # kvtrim's kvcompose reduces the GQA group by max (kvpress's agg_group option)
+        "KVComposePress": lambda: kp.KVComposePress(compression_ratio=ratio, agg_group="max"),
+        "EntropyGatedChunkKVPress": lambda: kp.EntropyGatedChunkKVPress(
+            press=kp.SnapKVPress(compression_ratio=ratio, window_size=8, kernel_size=1), chunk_length=10,
+            low_entropy_chunk_length=4,
+        ),
+        "MergingPress": lambda: kp.MergingPress(press=kp.KnormPress(compression_ratio=ratio)),
     }
 
 
