@@ -102,11 +102,14 @@ def record(
         query_positions: ``[batch, q]`` logical positions, ``-1`` for padding
     """
     if spec.window > 0:
+        # Copies, not views: a view of the last ``window`` queries would keep the whole chunk's queries alive in
+        # every layer until compression (a 4096-token chunk of an 8B model: 1 GiB per sequence).
         if obs.queries is None:
-            obs.queries, obs.positions = query[:, :, -spec.window :], query_positions[:, -spec.window :]
+            queries, positions = query, query_positions
         else:
-            obs.queries = torch.cat([obs.queries, query], dim=2)[:, :, -spec.window :]
-            obs.positions = torch.cat([obs.positions, query_positions], dim=1)[:, -spec.window :]
+            queries, positions = torch.cat([obs.queries, query], dim=2), torch.cat([obs.positions, query_positions], 1)
+        obs.queries = queries[:, :, -spec.window :].clone()
+        obs.positions = positions[:, -spec.window :].clone()
     if not spec.accumulate:
         return
     kpos = store.positions
