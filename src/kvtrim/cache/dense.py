@@ -90,9 +90,9 @@ class DenseStore(SlotBookkeeping):
         self.length = length
         self._stats: dict[str, torch.Tensor] = {}
         self.all_valid = bool((positions[..., :length] >= 0).all()) if length else True
-        # Host flag: every slot holds the token of its own position, in order, with nothing evicted or padded
-        # (only chunks checked by the caller were appended: ``mark_prefix_broken`` otherwise). A prompt chunk is
-        # then the last queries of a plain causal attention over the slots.
+        # Host flag: every slot holds the token of its own position, in order, with nothing evicted or padded.
+        # ``keep`` and ``truncate`` clear it; the caller that appends (kvtrim.integration.cache) clears it for a
+        # chunk it cannot verify. A prompt chunk is then the last queries of a plain causal attention over the slots.
         self.prefix_intact = length == 0
 
     @classmethod

@@ -18,6 +18,7 @@ variable (the function wins); both apply to CUDA tensors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -165,7 +166,10 @@ def sdpa_lower_right_causal(
     takes the alignment itself and no ``[q, s]`` mask is made; the CUDA backends are kvtrim's choice, as in
     :func:`sdpa`. Shapes as :func:`sdpa`; needs ``q <= s``."""
     bias = causal_lower_right(query.shape[-2], key.shape[-2])
-    if query.device.type != "cuda":
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)
-    with sdpa_kernel(sdpa_backends(get_attention_backend()), set_priority=True):
+    backends = (
+        sdpa_kernel(sdpa_backends(get_attention_backend()), set_priority=True)
+        if query.device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    with backends:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)

@@ -76,7 +76,7 @@ class KVTrimCache(Cache, RecordsPromptIds):
         pipeline: the compression method (from :func:`kvtrim.methods.get_method`), or None for no compression
         budget: how much to keep (a :class:`kvtrim.compression.compressor.BudgetSpec`); required with ``pipeline``
         auto_compress: compress automatically before the first forward pass that follows a prefill
-        kv_quant: how entries are held: None (the model's dtype), ``"int8"`` or ``"int4"`` (or a
+        kv_quant: how entries are held: None (the model's dtype), ``"int8"``, ``"int4"`` or ``"fp8"`` (or a
             :class:`~kvtrim.cache.quant.KVQuant`), see docs/quantization.md
     """
 

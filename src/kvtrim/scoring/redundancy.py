@@ -55,7 +55,7 @@ class RedundancyAwareScorer(Scorer):
 
     ``importance`` is the window attention of :class:`WindowAttentionScorer` (the last ``window`` queries, mean over
     them, max over the query heads of a KV head, max-pooled along the sequence); ``redundancy`` is
-    :func:`key_redundancy`. Both are distributions over the head's entries, so ``mix`` weighs comparable scales
+    :func:`key_redundancy`. Both come from softmaxes over the head's entries, so ``mix`` weighs comparable scales
     (R-KV: 0.07, redundancy dominates).
     """
 
