@@ -293,9 +293,10 @@ class PagedBatchCache(Cache):
             both raise :class:`InvalidParameterError` saying why when they cannot); ``"auto"`` a kernel when one
             can run, else the gather path; or a :class:`~kvtrim.cache.paged_kernels.PagedKernel` the caller already
             resolved for this pool (an engine resolves once, not per forward). :attr:`decode_kernel_name` says which.
-            A pool holding packed entries (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`) decodes
-            on the gather path only: it dequantizes the gathered entries of one layer of the batch inside the
-            attention call; ``"flash"``, ``"triton"`` and a kernel object raise, ``"auto"`` picks the gather path.
+            A pool holding packed entries (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`):
+            ``"triton"`` (and ``"auto"`` on CUDA) runs the fused dequantizing Triton kernel
+            (:mod:`kvtrim.cache.triton_paged_quant`, codes dequantized in registers), ``"gather"`` reads the
+            gathered codes of one layer of the batch inside the attention call; ``"flash"`` raises.
     """
 
     def __init__(
@@ -351,15 +352,17 @@ class PagedBatchCache(Cache):
         self.bucketed = bucketed
         quant = None if pool.quant is None else pool.quant.name
         if isinstance(decode_kernel, PagedKernel):
-            if quant is not None:
+            if quant is not None and quant not in decode_kernel.kv_quant:
                 raise InvalidParameterError(
                     f"the {decode_kernel.name} kernel cannot read a pool with kv_quant={quant!r}: use the gather path"
                 )
+            if quant is None and decode_kernel.kv_quant:
+                raise InvalidParameterError(f"the {decode_kernel.name} kernel reads quantized pools only")
             self._kernel = decode_kernel
         else:
             self._kernel = resolve_decode_kernel(
                 decode_kernel, device=pool.device, dtype=pool.dtype, block_size=pool.block_size, head_dim=head_dim,
-                kv_quant=quant,
+                kv_quant=pool.quant,
             )  # fmt: skip
         self.decode_kernel_name = "gather" if self._kernel is None else self._kernel.name
         # per layer: (queries [n, q_heads, w, head_dim], positions [n, w]) of the last prefill

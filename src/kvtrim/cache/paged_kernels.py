@@ -41,6 +41,12 @@ Both need CUDA, fp16/bf16 and ``head_dim`` a multiple of 8 and at most 256.
    runs only under Triton's interpreter (``TRITON_INTERPRET=1``, Triton's debug mode, which the tests use), and
    only when asked for by name.
 
+4. kvtrim's fused dequantizing Triton kernel, :mod:`kvtrim.cache.triton_paged_quant` (``"triton_quant"``), for a
+   :class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool` only (``kv_quant`` int8, int4 or fp8): it reads the
+   pool's codes, scales and zero points and dequantizes them in registers inside the attention loop; the same
+   split-K plan, conditions and fused metric as the Triton kernel. ``decode_kernel="triton"`` or ``"auto"`` on a
+   quantized CUDA pool picks it; the flash-attention kernels read unquantized blocks and refuse ``kv_quant``.
+
 ``"auto"`` tries vLLM's fork, then the Triton kernel, then upstream flash-attn. The fork is vLLM's own tuned decode
 kernel for 16-token pages. The Triton kernel comes before upstream flash-attn because it serves every block size
 (upstream needs multiples of 256, which KV-Compress's small blocks never are) and fuses the metric (with the
@@ -71,6 +77,7 @@ from types import ModuleType
 import torch
 
 from ..errors import InvalidParameterError
+from .quant import KVQuant, dequantize_values, quantize_values, resolve_kv_quant
 
 DECODE_KERNELS = ("auto", "gather", "flash", "triton")
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -91,12 +98,31 @@ class PagedKernel:
         block_multiple: the block sizes it accepts are multiples of this
         call: the kernel behind one calling convention (see ``PagedCall`` above)
         fuses_metric: ``call`` also takes ``metric=FusedMetric(...)`` and updates the continual metric itself
+        kv_quant: the packed formats it reads (``KVQuant.name``); empty: unquantized blocks only. A kernel that reads
+            packed formats reads nothing else: ``call`` takes :class:`PackedKV` for ``k_cache`` / ``v_cache`` and
+            ``kv_quant=`` the pool's :class:`~kvtrim.cache.quant.KVQuant`
     """
 
     name: str
     block_multiple: int
     call: PagedCall
     fuses_metric: bool = False
+    kv_quant: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """The keys or the values of a :class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool` as a kernel reads
+    them (views of the pool's tensors, no copy).
+
+    Attributes:
+        codes: ``[num_blocks, block_size, head_dim * bits / 8]`` uint8
+        scale, zero: ``[num_blocks, block_size, head_dim / value_group]`` float16 (per token)
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -125,7 +151,7 @@ _PROBES: dict[tuple, str | None] = {}  # (implementation, device, dtype, block s
 
 def clear_kernel_cache() -> None:
     """Forget every kernel lookup and test call (for tools and tests that change what is installed)."""
-    for loader in (_load_vllm_fork, _load_flash_attn, _load_triton):
+    for loader in (_load_vllm_fork, _load_flash_attn, _load_triton, _load_triton_quant):
         loader.cache_clear()
     _IMPORT_ERRORS.clear()
     _PROBES.clear()
@@ -181,6 +207,17 @@ def _load_triton() -> ModuleType | None:
     return triton_paged
 
 
+@functools.lru_cache(maxsize=1)
+def _load_triton_quant() -> ModuleType | None:
+    """:mod:`kvtrim.cache.triton_paged_quant` (which imports ``triton``) or None."""
+    try:
+        from . import triton_paged_quant
+    except Exception as exc:
+        _IMPORT_ERRORS["triton_quant"] = f"{type(exc).__name__}: {exc}"
+        return None
+    return triton_paged_quant
+
+
 def _varlen_call(fn: Callable) -> PagedCall:
     def call(q, k_cache, v_cache, seqlens, block_table, max_seqlen_k: int, scale: float):
         b = q.shape[0]
@@ -226,16 +263,27 @@ def triton_kernel() -> PagedKernel | None:
     return None if module is None else PagedKernel("triton", 1, module.paged_decode, fuses_metric=True)
 
 
+def triton_quant_kernel() -> PagedKernel | None:
+    """kvtrim's fused dequantizing Triton kernel for quantized pools, or None when ``triton`` is not importable."""
+    module = _load_triton_quant()
+    if module is None:
+        return None
+    return PagedKernel("triton_quant", 1, module.paged_decode_quant, fuses_metric=True, kv_quant=module.QUANT_FORMATS)
+
+
 def _triton_on_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _triton_unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, *, auto: bool) -> str | None:
-    """Why the Triton kernel cannot serve this pool, or None. A CPU pool is served only under Triton's interpreter
-    and only when the kernel is named (``auto`` never picks an interpreter)."""
-    module = _load_triton()
+def _triton_unusable_reason(
+    device: torch.device, dtype: torch.dtype, head_dim: int, *, auto: bool, quant: bool = False
+) -> str | None:
+    """Why the Triton kernel (``quant``: the fused dequantizing one) cannot serve this pool, or None. A CPU pool is
+    served only under Triton's interpreter and only when the kernel is named (``auto`` never picks an
+    interpreter)."""
+    module = _load_triton_quant() if quant else _load_triton()
     if module is None:
-        why = _IMPORT_ERRORS.get("triton")
+        why = _IMPORT_ERRORS.get("triton_quant" if quant else "triton")
         return "the triton package is not importable (pip install 'kvtrim[gpu]')" + (f": {why}" if why else "")
     if not _triton_on_cuda(device) and (auto or not module.interpreter_on()):
         return (
@@ -271,41 +319,67 @@ PROBE_GROUP = 2  # query heads per KV head in the test call (the GQA layout ever
 
 
 def probe_kernel(
-    kernel: PagedKernel, *, device: torch.device | str, dtype: torch.dtype, block_size: int, head_dim: int
+    kernel: PagedKernel,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    kv_quant: KVQuant | None = None,
 ) -> str | None:
     """Why ``kernel`` failed one tiny real call on this pool's device, dtype, block size and head dim, or None.
 
     The call reads one row of ``block_size + 1`` keys through a two-block table (blocks out of order) with
     ``PROBE_GROUP`` query heads, updates a scratch metric when the kernel fuses it, and is compared with the same
     attention in float32. An import that succeeds says nothing about whether the compiled kernel loads, runs on
-    this GPU or accepts these shapes; this call does. Cached per (implementation, device, dtype, block size,
-    head dim): it runs once per process and key.
+    this GPU or accepts these shapes; this call does. A kernel that reads packed entries (``kernel.kv_quant``) gets
+    the pool's format ``kv_quant``: the blocks are quantized and the reference attends over them dequantized.
+    Cached per (implementation, device, dtype, block size, head dim, format): it runs once per process and key.
     """
     device = torch.device(device)
     impl = getattr(kernel.call, "impl", kernel.call)
-    key = (kernel.name, impl, str(device), dtype, block_size, head_dim)
+    key = (kernel.name, impl, str(device), dtype, block_size, head_dim, kv_quant)
     if key not in _PROBES:
-        _PROBES[key] = _probe(kernel, device, dtype, block_size, head_dim)
+        _PROBES[key] = _probe(kernel, device, dtype, block_size, head_dim, kv_quant)
     return _PROBES[key]
 
 
-def _probe(kernel: PagedKernel, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int):
+def _probe(
+    kernel: PagedKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    kv_quant: KVQuant | None = None,
+):
     g = torch.Generator().manual_seed(0)
     length, d = block_size + 1, head_dim
     k_cache = torch.randn(3, block_size, 1, d, generator=g).to(device, dtype)
     v_cache = torch.randn(3, block_size, 1, d, generator=g).to(device, dtype)
+    extra = {}
+    if kernel.kv_quant:
+        if kv_quant is None:
+            return "it reads packed entries and was given no kv_quant format"
+        packed = []
+        for cache in (k_cache, v_cache):
+            codes, scale, zero = quantize_values(cache[:, :, 0].float(), kv_quant)
+            packed.append(PackedKV(codes, scale, zero))
+            cache.copy_(dequantize_values(codes, scale, zero, kv_quant, dtype)[:, :, None])  # what the kernel reads
+        extra["kv_quant"] = kv_quant
+        k_arg, v_arg = packed
+    else:
+        k_arg, v_arg = k_cache, v_cache
     q = torch.randn(1, PROBE_GROUP, d, generator=g).to(device, dtype)
     table = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
     seqlens = torch.tensor([length], dtype=torch.int32, device=device)
     scale = d**-0.5
-    extra = {}
     if kernel.fuses_metric:
         metric = torch.zeros(3, block_size, dtype=torch.float32, device=device)
         positions = torch.arange(3 * block_size, device=device).view(3, block_size)
         qpos = torch.full((1,), 3 * block_size, dtype=torch.long, device=device)
         extra["metric"] = FusedMetric(metric, positions, qpos, 1, 0)
     try:
-        out, lse = kernel.call(q, k_cache, v_cache, seqlens, table, 2 * block_size, scale, **extra)
+        out, lse = kernel.call(q, k_arg, v_arg, seqlens, table, 2 * block_size, scale, **extra)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:
@@ -325,6 +399,7 @@ def _probe(kernel: PagedKernel, device: torch.device, dtype: torch.dtype, block_
         if not torch.allclose(got, want, atol=tol, rtol=tol):
             return f"a test call returned a wrong {what} (max error {float((got - want).abs().max()):.3g})"
     return None
+
 
 
 @dataclass(frozen=True)
@@ -347,7 +422,7 @@ def resolve_decode_kernel(
     dtype: torch.dtype,
     block_size: int,
     head_dim: int,
-    kv_quant: str | None = None,
+    kv_quant: str | KVQuant | None = None,
 ) -> PagedKernel | None:
     """:func:`choose_decode_kernel`'s kernel (None: the gather + SDPA path)."""
     return choose_decode_kernel(
@@ -362,7 +437,7 @@ def choose_decode_kernel(
     dtype: torch.dtype,
     block_size: int,
     head_dim: int,
-    kv_quant: str | None = None,
+    kv_quant: str | KVQuant | None = None,
 ) -> KernelChoice:
     """The kernel decode attention runs with, and why every other candidate was refused.
 
@@ -375,26 +450,20 @@ def choose_decode_kernel(
             Triton kernel, or raise), ``"auto"`` (vLLM's fork, else the Triton kernel, else upstream flash-attn,
             the first that passes; else None)
         device, dtype, block_size, head_dim: the KV pool's
-        kv_quant: the name of the pool's packed format (``"int8"``, ``"int4"``) or None: the block-table kernels
-            read unquantized blocks only, so a quantized pool decodes on the gather path (which dequantizes one
-            layer of the batch inside the attention call); ``"auto"`` then picks it, ``"flash"`` and ``"triton"``
-            raise
+        kv_quant: the pool's packed format (``"int8"``, ``"int4"``, ``"fp8"`` or a :class:`KVQuant`) or None. A
+            quantized pool is read by the fused dequantizing Triton kernel only (``"triton"`` and ``"auto"`` pick
+            it where it runs, ``"auto"`` else the gather path, which reads the codes itself); the flash-attention
+            kernels read unquantized blocks (``"flash"`` raises)
     Raises:
         InvalidParameterError: an unknown ``choice``; ``"flash"`` or ``"triton"`` when no such kernel can serve
-            this pool (the message says why, for each candidate)
+            this pool (the message says why, for each candidate), including a format the fused kernel does not read
     """
     if not isinstance(choice, str) or choice not in DECODE_KERNELS:
         raise InvalidParameterError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}; got {choice!r}")
     if choice == "gather":
         return KernelChoice(None)
     if kv_quant is not None:
-        why = (
-            f"kv_quant={kv_quant!r}: the block-table kernels read unquantized blocks (no dequantizing kernel is "
-            "built); decode_kernel='gather' dequantizes each layer inside the attention call"
-        )
-        if choice != "auto":
-            raise InvalidParameterError(f"decode_kernel={choice!r} cannot be used with {why}")
-        return KernelChoice(None, tuple((name, why) for name in ("vllm_flash_attn", "triton", "flash_attn")))
+        return _choose_quantized(choice, torch.device(device), dtype, block_size, head_dim, kv_quant)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
     device = torch.device(device)
@@ -465,6 +534,38 @@ def choose_decode_kernel(
     return KernelChoice(None, tuple(refused))
 
 
+def _choose_quantized(
+    choice: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, kv_quant: str | KVQuant
+) -> KernelChoice:
+    """:func:`choose_decode_kernel` for a quantized pool: the fused dequantizing Triton kernel or the gather path."""
+    fmt = resolve_kv_quant(kv_quant)
+    flash_why = (
+        f"kv_quant={fmt.name!r}: the flash-attention kernels read unquantized blocks; decode_kernel='triton' "
+        "(the fused dequantizing kernel) or 'gather' read the packed entries"
+    )
+    if choice == "flash":
+        raise InvalidParameterError(f"decode_kernel='flash' cannot be used with {flash_why}")
+    refused = [("vllm_flash_attn", flash_why), ("flash_attn", flash_why)]
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
+    reason = _triton_unusable_reason(device, dtype, head_dim, auto=choice == "auto", quant=True)
+    kernel = None
+    if reason is None:
+        kernel = triton_quant_kernel()
+        if fmt.name not in kernel.kv_quant or fmt.residual:
+            what = f"KVQuant.residual={fmt.residual} (a full-precision window)" if fmt.residual else repr(fmt.name)
+            reason = f"it reads kv_quant {', '.join(kernel.kv_quant)} with no full-precision window, got {what}"
+    if reason is None:
+        reason = probe_kernel(
+            kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim, kv_quant=fmt
+        )
+    if reason is None:
+        return KernelChoice(kernel, tuple(refused))
+    if choice == "triton":
+        raise InvalidParameterError(f"decode_kernel='triton' cannot be used with kv_quant={fmt.name!r}: {reason}")
+    return KernelChoice(None, (*refused, ("triton_quant", reason)))
+
+
 # ---------------------------------------------------------------------------------------------------- attention
 def paged_decode_attention(
     kernel: PagedKernel,
@@ -495,14 +596,22 @@ def paged_decode_attention(
     g = hq // h
     q = query.to(pool.dtype).reshape(n * h, g, d)  # query head kv * G + j reads KV head kv
     extra = {}
+    if kernel.kv_quant:
+        if pool.quant is None:
+            raise InvalidParameterError(f"the {kernel.name} kernel reads quantized pools; this pool holds {pool.dtype}")
+        k_cache = PackedKV(pool.key_codes, pool.key_scale, pool.key_zero)
+        v_cache = PackedKV(pool.value_codes, pool.value_scale, pool.value_zero)
+        extra["kv_quant"] = pool.quant
+    else:
+        k_cache, v_cache = pool.keys.unsqueeze(2), pool.values.unsqueeze(2)  # [num_blocks, block_size, 1, d]: views
     if metric_qpos is not None:
         if not kernel.fuses_metric:
             raise InvalidParameterError(f"the {kernel.name} kernel does not fuse the metric: pass no metric_qpos")
         extra["metric"] = FusedMetric(pool.metric, pool.positions, metric_qpos.reshape(n), h, buffer)
     out, lse = kernel.call(
         q,
-        pool.keys.unsqueeze(2),  # [num_blocks, block_size, 1, d]: a view
-        pool.values.unsqueeze(2),
+        k_cache,
+        v_cache,
         length.reshape(n * h).to(torch.int32),
         table.reshape(n * h, width).to(torch.int32),
         width * pool.block_size,

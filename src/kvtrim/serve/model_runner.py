@@ -117,7 +117,7 @@ class ModelRunner:
         # The decode kernel is chosen before anything changes.
         choice = choose_decode_kernel(
             decode_kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim,
-            kv_quant=None if quant is None else quant.name,
+            kv_quant=quant,
         )  # fmt: skip
         kernel = choice.kernel
         # Each block-table kernel looked at and not chosen -> why (engine stats report it).

@@ -1,0 +1,311 @@
+"""Paged decode attention over a :class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`'s packed entries,
+written in Triton: the codes and their scales are read straight from the pool's tensors and dequantized in
+registers inside the attention loop (no dequantized copy of the cache is made, not even of one layer).
+
+The same split-K (flash-decoding) plan as :mod:`kvtrim.cache.triton_paged` (KV-Compress's per-head block tables,
+Rehg, 2024, arXiv:2410.00161; the per-token packed entries of KIVI, Liu et al., 2024, arXiv:2402.02750, without its
+per-channel keys, see the pool's docstring): a partial kernel per ``(row, split)`` writes the split's online softmax
+``m, l, acc``, and :mod:`kvtrim.cache.triton_paged`'s combine kernel merges the splits, writes the output and lse,
+and adds the continual metric from the stored logits. Only the partial kernel differs: where the float kernel loads
+a ``[BLOCK_N, head_dim]`` tile of keys, this one loads the tile's codes and the entries' float16 scale and zero
+point and computes ``k = zero + scale · code`` in float32 registers (then the pool's dtype, as
+:meth:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool.read_keys` returns them), and the same for values.
+
+The pool's layout, exactly (``quantized_block_pool.py``):
+
+* codes ``[num_blocks, block_size, head_dim · bits / 8]`` uint8, the entry of token ``t`` of a row at slot
+  ``table[t // block_size] · block_size + t % block_size``; ``int8``: one code per channel; ``int4``: channel
+  ``2i`` in the low nibble and ``2i + 1`` in the high nibble of byte ``i``; ``fp8``: the byte is a float8 e4m3 bit
+  pattern (decoded with integer ops: sign, 4 exponent bits of bias 7, 3 mantissa bits, subnormals below exponent
+  1; the quantizer never writes the NaN pattern);
+* scale and zero point ``[num_blocks, block_size, groups]`` float16, **per token for keys as well as values**,
+  channel ``c`` in group ``c // (head_dim / groups)`` (``groups`` 1 by default); ``fp8``'s zero points are 0;
+* no full-precision window: every entry of the pool is packed when written.
+
+Channels are handled as two halves, even and odd (``2i`` and ``2i + 1``), each ``ceil(head_dim / 2)`` wide: an
+int4 byte is loaded once and gives both (low and high nibble) with no interleaving in registers; int8 and fp8 load
+the two halves as two strided reads of the same cache lines. The logits are ``q_even · k_even + q_odd · k_odd`` (two
+``tl.dot``), ``P·V`` accumulates the two halves apart, and the partial accumulator is stored back interleaved, so
+the combine kernel sees the float kernel's ``acc [rows, splits, G, head_dim]``.
+
+No host reads: lengths, block ids and positions are loaded on the device; the grid and buffers depend on the shapes
+only (CUDA graphs capture it as they capture the float kernel). Checked on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, tests/cache/test_triton_paged_quant.py) against dequantize-then-attention; not yet
+measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import InvalidParameterError
+from .paged_kernels import FusedMetric, PackedKV
+from .quant import KVQuant, resolve_kv_quant
+from .triton_paged import CONFIGS, INTERPRETER_CONFIG, LOG2E, METRIC_BLOCK, _kernels, device_sms, split_plan
+
+__all__ = ["QUANT_FORMATS", "paged_decode_quant"]
+
+QUANT_FORMATS = ("int8", "int4", "fp8")  # the packed formats the kernel reads (KVQuant.name)
+_FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2}
+_fp8 = _half = None  # the device functions the kernels call, bound per mode by _bind_device_functions
+
+
+def _fp8_to_float(b):
+    """uint8 float8 e4m3 bit patterns -> float32 (exact; the NaN pattern never occurs in the pool)."""
+    b = b.to(tl.int32)
+    exp = (b >> 3) & 15
+    man = b & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # 2^(exp-7) · (1 + man/8)
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man · 2^-9
+    return tl.where(b >= 128, -mag, mag)
+
+
+def _load_half(codes_ptr, scale_ptr, zero_ptr, slot, offs_h, ok, PART: tl.constexpr, FMT: tl.constexpr,
+                  D: tl.constexpr, GROUPS: tl.constexpr, VG: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Channels ``2h + PART`` of the entries at ``slot [BLOCK_N]`` as float32 ``[BLOCK_N, HALF_PAD]`` (0 where
+    masked)."""
+    ch = offs_h * 2 + PART
+    mask = ok[:, None] & (ch < D)[None, :]
+    if FMT == 1:  # int4: byte h holds channels 2h (low nibble) and 2h + 1 (high nibble)
+        byte = tl.load(codes_ptr + slot[:, None] * HALF + offs_h[None, :], mask=mask, other=0).to(tl.int32)
+        code = ((byte >> 4) if PART == 1 else (byte & 15)).to(tl.float32)
+    else:
+        byte = tl.load(codes_ptr + slot[:, None] * D + ch[None, :], mask=mask, other=0)
+        code = _fp8(byte) if FMT == 2 else byte.to(tl.float32)
+    if GROUPS == 1:
+        scale = tl.load(scale_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
+        zero = tl.load(zero_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
+    else:
+        s_off = slot[:, None] * GROUPS + (ch // VG)[None, :]
+        scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, code * scale + zero, 0.0)
+
+
+def _quant_partial_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, score_ptr,
+    stride_qr, stride_qg, stride_tr, chunk, score_len, n_splits, scale_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr, FMT: tl.constexpr, GROUPS: tl.constexpr, VG: tl.constexpr, METRIC: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program ``(row, split)``: the split's online softmax over the packed entries of tokens ``[split·chunk,
+    min((split+1)·chunk, length))``, written as the float kernel's ``m, l [rows, splits, G]`` and ``acc [rows,
+    splits, G, D]`` (float32, log2 domain); with ``METRIC`` the scaled logits to ``score``."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_g = tl.arange(0, G_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_PAD)
+    g_ok = offs_g < G
+    even_ok = offs_h * 2 < D
+    odd_ok = offs_h * 2 + 1 < D
+    q_row = q_ptr + row * stride_qr + offs_g[:, None] * stride_qg
+    q_even = tl.load(q_row + offs_h[None, :] * 2, mask=g_ok[:, None] & even_ok[None, :], other=0.0)
+    q_odd = tl.load(q_row + offs_h[None, :] * 2 + 1, mask=g_ok[:, None] & odd_ok[None, :], other=0.0)
+    kv_ty = q_ptr.dtype.element_ty  # the pool's dtype: keys and values dequantized to it, as read_keys does
+    if DOT_F32:
+        q_even, q_odd = q_even.to(tl.float32), q_odd.to(tl.float32)
+    length = tl.load(len_ptr + row)
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    table_row = table_ptr + row.to(tl.int64) * stride_tr
+    score_row = score_ptr + (row.to(tl.int64) * G + offs_g[:, None]) * score_len
+
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([G_PAD], tl.float32)
+    acc_even = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+    acc_odd = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + offs_n
+        ok = t < end
+        slot = tl.load(table_row + t // BS, mask=ok, other=0).to(tl.int64) * BS + t % BS
+        k_even = _half(kc_ptr, ks_ptr, kz_ptr, slot, offs_h, ok, 0, FMT, D, GROUPS, VG, HALF)
+        k_odd = _half(kc_ptr, ks_ptr, kz_ptr, slot, offs_h, ok, 1, FMT, D, GROUPS, VG, HALF)
+        if not DOT_F32:
+            k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
+        s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
+        s = (s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)) * scale_log2  # [G_PAD, BLOCK_N]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        if METRIC:
+            tl.store(score_row + t[None, :], s, mask=g_ok[:, None] & ok[None, :])
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        v_even = _half(vc_ptr, vs_ptr, vz_ptr, slot, offs_h, ok, 0, FMT, D, GROUPS, VG, HALF)
+        v_odd = _half(vc_ptr, vs_ptr, vz_ptr, slot, offs_h, ok, 1, FMT, D, GROUPS, VG, HALF)
+        if DOT_F32:
+            p = p.to(kv_ty).to(tl.float32)  # P·V in the pool's dtype, as the float kernel does
+        else:
+            p = p.to(kv_ty)
+            v_even, v_odd = v_even.to(kv_ty), v_odd.to(kv_ty)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
+        m = m_new
+
+    part = row.to(tl.int64) * n_splits + split
+    tl.store(m_ptr + part * G + offs_g, m, mask=g_ok)
+    tl.store(l_ptr + part * G + offs_g, l_sum, mask=g_ok)
+    a_row = acc_ptr + (part * G + offs_g[:, None]) * D
+    tl.store(a_row + offs_h[None, :] * 2, acc_even, mask=g_ok[:, None] & even_ok[None, :])
+    tl.store(a_row + offs_h[None, :] * 2 + 1, acc_odd, mask=g_ok[:, None] & odd_ok[None, :])
+
+
+def _prune(configs, named_args, **kwargs):
+    """One configuration under the interpreter; otherwise no 128-token tile where its dequantized float32
+    temporaries grow too large (``head_dim > 128``, a padded group above 16, or a float32 pool)."""
+    if triton.knobs.runtime.interpret:
+        return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == INTERPRETER_CONFIG]
+    wide = kwargs["HALF_PAD"] > 64 or kwargs["G_PAD"] > 16 or named_args["q_ptr"].element_size() > 2
+    return [
+        c for c in configs
+        if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in CONFIGS and not (c.kwargs["BLOCK_N"] > 64 and wide)
+    ]  # fmt: skip
+
+
+@functools.cache
+def _device_functions(interpret: bool) -> dict:
+    """The kernel's device functions wrapped in the mode in force (``interpret`` is the cache key only)."""
+    return {"_fp8": triton.jit(_fp8_to_float), "_half": triton.jit(_load_half)}
+
+
+def _bind_device_functions(interpret: bool) -> None:
+    """Point the names the kernels call (``_fp8``, ``_half``) at the device functions of this mode: ``triton.jit``
+    picks interpreted or compiled when it wraps, and a kernel of one mode cannot call a function of the other."""
+    globals().update(_device_functions(interpret))
+
+
+@functools.cache
+def _partial(interpret: bool):
+    """``(partial jit, partial autotuned)`` wrapped in the mode in force (``interpret`` is the cache key only)."""
+    plain = triton.jit(_quant_partial_kernel)
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in (*CONFIGS, INTERPRETER_CONFIG)]
+    tuned = triton.autotune(
+        configs, key=["HALF_PAD", "G_PAD", "BS", "METRIC", "FMT", "GROUPS"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(plain)  # fmt: skip
+    return plain, tuned
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def check_format(kv_quant: str | KVQuant) -> KVQuant:
+    """``kv_quant`` as a :class:`KVQuant` the kernel reads, or :class:`InvalidParameterError` naming the formats."""
+    fmt = resolve_kv_quant(kv_quant)
+    if fmt is None or fmt.name not in QUANT_FORMATS:
+        raise InvalidParameterError(
+            f"the fused dequantizing Triton kernel reads kv_quant {', '.join(QUANT_FORMATS)}; got "
+            f"{None if fmt is None else fmt.name!r}"
+        )
+    if fmt.residual:
+        raise InvalidParameterError(f"the fused dequantizing Triton kernel reads no full-precision window; "
+                                    f"KVQuant.residual must be 0, got {fmt.residual}")  # fmt: skip
+    return fmt
+
+
+def paged_decode_quant(
+    q: torch.Tensor,
+    keys: PackedKV,
+    values: PackedKV,
+    seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_k: int,
+    scale: float,
+    metric: FusedMetric | None = None,
+    *,
+    kv_quant: str | KVQuant,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query per kernel row over packed entries, dequantized in registers (module docstring).
+
+    Args:
+        q: ``[B, G, d]`` in the pool's dtype (keys and values are dequantized to it), the ``G`` query heads of row
+            ``b``'s KV head
+        keys, values: the pool's packed tensors: codes ``[num_blocks, block_size, d · bits / 8]`` uint8, scale and
+            zero ``[num_blocks, block_size, groups]`` float16, contiguous
+        seqlens, block_table, max_seqlen_k, scale, metric, num_splits, block_n: as
+            :func:`kvtrim.cache.triton_paged.paged_decode`
+        kv_quant: the pool's format (``"int8"``, ``"int4"``, ``"fp8"`` or a :class:`KVQuant` with ``residual`` 0)
+    Returns:
+        ``(out [B, G, d]`` in ``q``'s dtype, ``lse [B, G]`` float32 log-sum-exp of the scaled logits)
+    """
+    del max_seqlen_k
+    fmt = check_format(kv_quant)
+    rows, g, d = q.shape
+    fmt.check_head_dim(d)
+    num_blocks, block_size = keys.codes.shape[:2]
+    groups = d // fmt.value_group_for(d)
+    for name, side in (("keys", keys), ("values", values)):
+        if side.codes.dtype != torch.uint8 or tuple(side.codes.shape) != (num_blocks, block_size, d * fmt.bits // 8):
+            raise InvalidParameterError(
+                f"{name}: codes must be uint8 [num_blocks, block_size, {d * fmt.bits // 8}] for kv_quant="
+                f"{fmt.name!r} at head_dim {d}, got {side.codes.dtype} {tuple(side.codes.shape)}"
+            )
+        for part in (side.scale, side.zero):
+            if tuple(part.shape) != (num_blocks, block_size, groups):
+                raise InvalidParameterError(
+                    f"{name}: scales and zero points must be [num_blocks, block_size, {groups}], got "
+                    f"{tuple(part.shape)}"
+                )
+        if not all(t.is_contiguous() for t in (side.codes, side.scale, side.zero)):
+            raise InvalidParameterError(f"{name}: the pool's codes, scales and zero points must be contiguous")
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise InvalidParameterError(f"block_n must be a power of two of at least 16, got {block_n!r}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    seqlens = seqlens.contiguous()
+    block_table = block_table.contiguous()
+    device = q.device
+    out = torch.empty(rows, g, d, dtype=q.dtype, device=device)
+    lse = torch.empty(rows, g, dtype=torch.float32, device=device)
+    if rows == 0:
+        return out, lse
+    max_tokens = block_table.shape[1] * block_size
+    splits, chunk = split_plan(rows, max_tokens, device_sms(device), num_splits)
+    m_part = torch.empty(rows, splits, g, dtype=torch.float32, device=device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(rows, splits, g, d, dtype=torch.float32, device=device)
+    if metric is None:
+        scores, metric_t, pos_t, qpos_t, heads, buffer = lse, lse, seqlens, seqlens, 1, 0
+    else:
+        scores = torch.empty(rows, g, max_tokens, dtype=torch.float32, device=device)
+        metric_t, pos_t = metric.metric, metric.positions
+        qpos_t, heads, buffer = metric.qpos.reshape(-1).contiguous(), metric.heads, metric.buffer
+        if not (metric_t.is_contiguous() and pos_t.is_contiguous()):
+            raise InvalidParameterError("the pool's metric and positions must be contiguous")
+    interpret = bool(triton.knobs.runtime.interpret)
+    # As in triton_paged: the interpreter multiplies bfloat16 dot operands as raw integers, so widen them there.
+    bf16_upcast = interpret and q.dtype == torch.bfloat16
+    _bind_device_functions(interpret)
+    plain, tuned = _partial(interpret)
+    combine = _kernels(interpret)[2]
+    half = (d + 1) // 2
+    args = (
+        q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero, block_table, seqlens,
+        m_part, l_part, acc_part, scores, q.stride(0), q.stride(1), block_table.stride(0), chunk, max_tokens, splits,
+        float(scale) * LOG2E,
+    )  # fmt: skip
+    consts = dict(
+        G=g, G_PAD=max(16, _pow2(g)), BS=block_size, D=d, HALF=half, HALF_PAD=max(16, _pow2(half)),
+        FMT=_FMT_CODE[fmt.name], GROUPS=groups, VG=d // groups, METRIC=metric is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 or bf16_upcast else "tf32", DOT_F32=bf16_upcast,
+    )  # fmt: skip
+    if block_n is None:
+        tuned[(rows, splits)](*args, **consts)
+    else:
+        plain[(rows, splits)](*args, **consts, BLOCK_N=block_n, num_warps=4)
+    combine[(rows, splits if metric is not None else 1)](
+        m_part, l_part, acc_part, out, lse, scores, block_table, seqlens, metric_t, pos_t, qpos_t,
+        block_table.stride(0), out.stride(0), out.stride(1), chunk, max_tokens, splits, heads, buffer,
+        G=g, G_PAD=_pow2(g), BS=block_size, D=d, D_PAD=max(16, _pow2(d)), METRIC=metric is not None,
+        BLOCK_M=METRIC_BLOCK,
+    )  # fmt: skip
+    return out, lse
