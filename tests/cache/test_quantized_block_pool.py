@@ -79,13 +79,19 @@ def test_bad_kv_quant_and_window_are_refused():
         QuantizedBlockPool(4, 4, 8, torch.float32, "int8").keys  # noqa: B018
 
 
-def test_block_table_kernels_refuse_kv_quant():
+def test_block_table_kernels_refuse_kv_quant(monkeypatch):
+    """The flash-attention kernels read unquantized blocks; the fused dequantizing Triton kernel needs CUDA (or
+    Triton's interpreter, off here): a CPU pool decodes on the gather path (tests/cache/test_triton_paged_quant.py
+    runs the kernel)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = dict(device="cpu", dtype=torch.float16, block_size=16, head_dim=64, kv_quant="int8")
     for name in ("flash", "triton"):
         with pytest.raises(InvalidParameterError, match=f"decode_kernel='{name}' cannot be used with kv_quant='int8'"):
             choose_decode_kernel(name, **args)
     auto = choose_decode_kernel("auto", **args)
-    assert auto.kernel is None and all("kv_quant='int8'" in why for _, why in auto.refused)
+    refused = dict(auto.refused)
+    assert auto.kernel is None and all("kv_quant='int8'" in refused[n] for n in ("vllm_flash_attn", "flash_attn"))
+    assert "triton_quant" in refused
     assert choose_decode_kernel("gather", **args).kernel is None
 
 

@@ -4,6 +4,8 @@ for a bad format or a block-table kernel."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -111,15 +113,31 @@ def test_static_decode_step_reads_the_quantized_pool(model, tok):
     assert got == want
 
 
-def test_bad_kv_quant_and_kernels_are_refused(model, tok):
+def test_fused_triton_kernel_gives_the_gather_paths_tokens(model, tok):
+    """decode_kernel="triton" on a quantized pool runs the fused dequantizing kernel (here under Triton's
+    interpreter, on the CPU model) and generates the gather path's tokens, compression included."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        pytest.skip("the tiny model is on the CPU: the fused kernel runs there only under Triton's interpreter")
+    prompts = [random_text(30 + 11 * i, seed=i) for i in range(2)]
+    kw = dict(max_tokens=3, compression_rate=4)
+    _, want = _run(model, tok, prompts, "int4", **kw)
+    engine, got = _run(model, tok, prompts, "int4", decode_kernel="triton", **kw)
+    assert engine.decode_kernel == "triton_quant" and got == want
+
+
+def test_bad_kv_quant_and_kernels_are_refused(model, tok, monkeypatch):
     with pytest.raises(InvalidParameterError, match="kv_quant must be one of"):
         Engine(model, tok, kv_blocks=64, kv_quant="int3")
+    with pytest.raises(InvalidParameterError, match="decode_kernel='flash' cannot be used with kv_quant='int4'"):
+        Engine(model, tok, kv_blocks=64, kv_quant="int4", decode_kernel="flash")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU pool: the fused Triton kernel needs CUDA
     with pytest.raises(InvalidParameterError, match="decode_kernel='triton' cannot be used with kv_quant='int4'"):
         Engine(model, tok, kv_blocks=64, kv_quant="int4", decode_kernel="triton")
     engine = Engine(model, tok, kv_blocks=64, kv_quant="int4", decode_kernel="auto")
-    assert engine.decode_kernel == "gather" and all(
-        "kv_quant" in why for why in engine.stats.decode_kernel_refused.values()
-    )
+    refused = engine.stats.decode_kernel_refused
+    assert engine.decode_kernel == "gather" and all("kv_quant" in refused[n] for n in ("vllm_flash_attn", "flash_attn"))
+    assert "CUDA device" in refused["triton_quant"]  # "auto" never picks Triton's interpreter
 
 
 def test_serve_cli_rejects_a_bad_kv_quant_before_loading():

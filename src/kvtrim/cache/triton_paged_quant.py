@@ -45,13 +45,22 @@ import triton.language as tl
 from ..errors import InvalidParameterError
 from .paged_kernels import FusedMetric, PackedKV
 from .quant import KVQuant, resolve_kv_quant
-from .triton_paged import CONFIGS, INTERPRETER_CONFIG, LOG2E, METRIC_BLOCK, _kernels, device_sms, split_plan
+from .triton_paged import (
+    CONFIGS,
+    INTERPRETER_CONFIG,
+    LOG2E,
+    METRIC_BLOCK,
+    _kernels,
+    device_sms,
+    interpreter_on,
+    split_plan,
+)
 
-__all__ = ["QUANT_FORMATS", "paged_decode_quant"]
+__all__ = ["QUANT_FORMATS", "interpreter_on", "paged_decode_quant"]
 
 QUANT_FORMATS = ("int8", "int4", "fp8")  # the packed formats the kernel reads (KVQuant.name)
 _FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2}
-_fp8 = _half = None  # the device functions the kernels call, bound per mode by _bind_device_functions
+_fp8 = _half = _bf16 = None  # the device functions the kernels call, bound per mode by _bind_device_functions
 
 
 def _fp8_to_float(b):
@@ -62,6 +71,14 @@ def _fp8_to_float(b):
     normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # 2^(exp-7) · (1 + man/8)
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man · 2^-9
     return tl.where(b >= 128, -mag, mag)
+
+
+def _round_to_bf16(x):
+    """float32 -> the nearest bfloat16 value (ties to even), still float32. The interpreter's float32 -> bfloat16
+    cast truncates where a GPU rounds to nearest; this is what the GPU computes."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
 
 
 def _load_half(codes_ptr, scale_ptr, zero_ptr, slot, offs_h, ok, PART: tl.constexpr, FMT: tl.constexpr,
@@ -126,7 +143,9 @@ def _quant_partial_kernel(
         slot = tl.load(table_row + t // BS, mask=ok, other=0).to(tl.int64) * BS + t % BS
         k_even = _half(kc_ptr, ks_ptr, kz_ptr, slot, offs_h, ok, 0, FMT, D, GROUPS, VG, HALF)
         k_odd = _half(kc_ptr, ks_ptr, kz_ptr, slot, offs_h, ok, 1, FMT, D, GROUPS, VG, HALF)
-        if not DOT_F32:
+        if DOT_F32:  # bfloat16 values held in float32 (the interpreter's bf16 dot), rounded as a GPU rounds
+            k_even, k_odd = _bf16(k_even), _bf16(k_odd)
+        else:  # rounded to the pool's dtype, as read_keys returns them
             k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
         s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
         s = (s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)) * scale_log2  # [G_PAD, BLOCK_N]
@@ -140,10 +159,9 @@ def _quant_partial_kernel(
         v_even = _half(vc_ptr, vs_ptr, vz_ptr, slot, offs_h, ok, 0, FMT, D, GROUPS, VG, HALF)
         v_odd = _half(vc_ptr, vs_ptr, vz_ptr, slot, offs_h, ok, 1, FMT, D, GROUPS, VG, HALF)
         if DOT_F32:
-            p = p.to(kv_ty).to(tl.float32)  # P·V in the pool's dtype, as the float kernel does
-        else:
-            p = p.to(kv_ty)
-            v_even, v_odd = v_even.to(kv_ty), v_odd.to(kv_ty)
+            p, v_even, v_odd = _bf16(p), _bf16(v_even), _bf16(v_odd)
+        else:  # P·V in the pool's dtype, as the float kernel does
+            p, v_even, v_odd = p.to(kv_ty), v_even.to(kv_ty), v_odd.to(kv_ty)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
         m = m_new
@@ -171,12 +189,13 @@ def _prune(configs, named_args, **kwargs):
 @functools.cache
 def _device_functions(interpret: bool) -> dict:
     """The kernel's device functions wrapped in the mode in force (``interpret`` is the cache key only)."""
-    return {"_fp8": triton.jit(_fp8_to_float), "_half": triton.jit(_load_half)}
+    return {"_fp8": triton.jit(_fp8_to_float), "_half": triton.jit(_load_half), "_bf16": triton.jit(_round_to_bf16)}
 
 
 def _bind_device_functions(interpret: bool) -> None:
-    """Point the names the kernels call (``_fp8``, ``_half``) at the device functions of this mode: ``triton.jit``
-    picks interpreted or compiled when it wraps, and a kernel of one mode cannot call a function of the other."""
+    """Point the names the kernels call (``_fp8``, ``_half``, ``_bf16``) at the device functions of this mode:
+    ``triton.jit`` picks interpreted or compiled when it wraps, and a kernel of one mode cannot call a function of
+    the other."""
     globals().update(_device_functions(interpret))
 
 
@@ -281,7 +300,7 @@ def paged_decode_quant(
         qpos_t, heads, buffer = metric.qpos.reshape(-1).contiguous(), metric.heads, metric.buffer
         if not (metric_t.is_contiguous() and pos_t.is_contiguous()):
             raise InvalidParameterError("the pool's metric and positions must be contiguous")
-    interpret = bool(triton.knobs.runtime.interpret)
+    interpret = interpreter_on()
     # As in triton_paged: the interpreter multiplies bfloat16 dot operands as raw integers, so widen them there.
     bf16_upcast = interpret and q.dtype == torch.bfloat16
     _bind_device_functions(interpret)

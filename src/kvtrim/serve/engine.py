@@ -168,8 +168,9 @@ class Engine:
             (:class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`), so ``kv_memory_bytes`` holds about
             1.9x (int8, fp8) or 3.6x (int4) more entries than float16 blocks (3.8x and
             7.1x more than float32); admission, preemption and compression count blocks of packed bytes. Decode
-            attention then runs on the gather path (``decode_kernel="auto"`` picks it; ``"flash"``/``"triton"``
-            raise). See docs/quantization.md.
+            attention then runs the fused dequantizing Triton kernel (``decode_kernel="triton"``, or ``"auto"`` on
+            CUDA; :mod:`kvtrim.cache.triton_paged_quant`) or the gather path (``"gather"``, and ``"auto"`` where
+            the kernel cannot run); ``"flash"`` raises. See docs/quantization.md.
     """
 
     def __init__(
