@@ -10,7 +10,12 @@ every available kernel is called through kvtrim's own wrappers (:mod:`kvtrim.cac
 * ``vllm_flash_attn``: vLLM's fork of flash-attention and ``flash_attn``: upstream flash-attn 2 (paged mode needs a
   block size that is a multiple of 256), each when importable and when its first call works (else the row says why);
 * ``gather``: the gather + SDPA path (every row's blocks gathered into a padded ``[n, kv_heads, S, d]`` copy, then
-  one masked SDPA), as :class:`kvtrim.cache.paged.PagedBatchCache` does without a kernel.
+  one masked SDPA), as :class:`kvtrim.cache.paged.PagedBatchCache` does without a kernel;
+* ``triton_quant_int8``, ``triton_quant_int4``, ``triton_quant_fp8`` (``--quant-formats``; the option with no
+  format leaves them out): the fused dequantizing Triton kernel (:mod:`kvtrim.cache.triton_paged_quant`)
+  over the same keys and values packed as a ``QuantizedBlockPool`` holds them (codes plus per-token float16 scale
+  and zero point); its bytes are the codes, scales, zero points and block tables, and its output is compared with
+  the gather path over the dequantized entries (what the kernel should equal), not over the float ones.
 
 Time: on CUDA, CUDA events around each call (``--warmup`` untimed calls first, which also compile and autotune),
 median of ``--iters``, and the same over replays of a CUDA graph of one call (device time without the host's launch
@@ -34,6 +39,7 @@ Writes ``<out-dir>/bench_paged_kernels_<device>.json`` and ``.md`` (default
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import json
 import os
@@ -62,6 +68,7 @@ PEAK_GBPS = (
     ("L4", 300.0),
 )
 DEFAULT_SHAPES = ("32x2048", "1x32768", "4x8192")
+QUANT_FORMATS = ("int8", "int4", "fp8")
 
 
 def peak_gbps(device_name: str) -> float | None:
@@ -107,6 +114,28 @@ class Case:
         self.kv_heads = args.kv_heads
         elt = self.keys.element_size()
         self.bytes_read = 2 * self.rows * context * d * elt + self.rows * self.width * 4  # K, V and block tables
+        self._packed: dict[str, tuple] = {}
+
+    def packed(self, fmt: str) -> tuple:
+        """``(keys PackedKV, values PackedKV, dequantized case, bytes read)`` for ``fmt``, quantized once per shape
+        as a ``QuantizedBlockPool`` writes entries (per-token scales)."""
+        if fmt not in self._packed:
+            from kvtrim.cache.paged_kernels import PackedKV
+            from kvtrim.cache.quant import KVQuant, dequantize_values, quantize_values
+
+            quant = KVQuant(fmt)
+            sides, plain = [], []
+            for x in (self.keys, self.values):
+                codes, scale, zero = quantize_values(x, quant)
+                sides.append(PackedKV(codes, scale, zero))
+                plain.append(dequantize_values(codes, scale, zero, quant, x.dtype))
+            per_entry = sum(t[0, 0].numel() * t.element_size() for side in sides for t in (side.codes, side.scale,
+                                                                                            side.zero))  # fmt: skip
+            dequantized = copy.copy(self)
+            dequantized.keys, dequantized.values, dequantized._packed = plain[0], plain[1], {}
+            nbytes = self.rows * self.context * per_entry + self.rows * self.width * 4
+            self._packed[fmt] = (sides[0], sides[1], dequantized, nbytes)
+        return self._packed[fmt]
 
 
 def gather_sdpa(case: Case) -> torch.Tensor:
@@ -159,6 +188,17 @@ def kernel_calls(case: Case, args: argparse.Namespace) -> dict[str, Callable[[],
                 case.q, kc, vc, case.seqlens, case.table, max_k, case.scale
             )[0]
     calls["gather"] = lambda: gather_sdpa(case)
+    if args.quant_formats:
+        quant_kernel = paged_kernels.triton_quant_kernel()
+        for fmt in args.quant_formats:
+            if quant_kernel is None:
+                calls[f"triton_quant_{fmt}"] = "the triton package is not importable"
+                continue
+            keys, values, _, _ = case.packed(fmt)
+            options = {"kv_quant": fmt, "num_splits": args.splits, "block_n": args.block_n}
+            calls[f"triton_quant_{fmt}"] = lambda keys=keys, values=values, options=options: quant_kernel.call(
+                case.q, keys, values, case.seqlens, case.table, max_k, case.scale, **options
+            )[0]
     return calls
 
 
@@ -208,7 +248,7 @@ def time_graph(fn: Callable[[], torch.Tensor], device: torch.device, iters: int)
 
 def measure(case: Case, args: argparse.Namespace, device: torch.device, peak: float | None) -> list[dict]:
     rows = []
-    want = gather_sdpa(case).float()
+    plain_want = gather_sdpa(case).float()
     for name, call in kernel_calls(case, args).items():
         if args.kernels and name not in args.kernels:
             continue
@@ -216,6 +256,10 @@ def measure(case: Case, args: argparse.Namespace, device: torch.device, peak: fl
         if isinstance(call, str):
             rows.append({**row, "status": "skipped", "reason": call})
             continue
+        want, nbytes = plain_want, case.bytes_read
+        if name.startswith("triton_quant_"):  # against the gather path over the dequantized entries, packed bytes
+            _, _, dequantized, nbytes = case.packed(name.removeprefix("triton_quant_"))
+            want = gather_sdpa(dequantized).float()
         try:
             err = (call().float() - want).abs().max().item()
             times = time_call(call, device, args.warmup, args.iters)
@@ -223,7 +267,7 @@ def measure(case: Case, args: argparse.Namespace, device: torch.device, peak: fl
             rows.append({**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]})
             continue
         ms = statistics.median(times)
-        row.update(status="ok", ms_median=ms, ms_min=min(times), ms_max=max(times), bytes_read=case.bytes_read)
+        row.update(status="ok", ms_median=ms, ms_min=min(times), ms_max=max(times), bytes_read=nbytes)
         graph_ms = None
         if device.type == "cuda" and not args.no_graphs:
             try:
@@ -232,21 +276,22 @@ def measure(case: Case, args: argparse.Namespace, device: torch.device, peak: fl
                 row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
         row["graph_ms_median"] = graph_ms
         row["timed"] = "eager" if graph_ms is None else "graph"
-        gbps = case.bytes_read / ((graph_ms or ms) * 1e-3) / 1e9
+        gbps = nbytes / ((graph_ms or ms) * 1e-3) / 1e9
         row.update(gbps=gbps, pct_peak=None if peak is None else 100 * gbps / peak, max_abs_diff_vs_gather=err)
         if name.startswith("triton"):
-            row.update(triton_details(case, args, device))
+            row.update(triton_details(case, args, device, quant=name.startswith("triton_quant_")))
         rows.append(row)
     return rows
 
 
-def triton_details(case: Case, args: argparse.Namespace, device: torch.device) -> dict:
-    """The split plan and the tile the Triton kernel ran with."""
-    from kvtrim.cache import triton_paged
+def triton_details(case: Case, args: argparse.Namespace, device: torch.device, quant: bool = False) -> dict:
+    """The split plan and the tile the Triton kernel (``quant``: the fused dequantizing one) ran with."""
+    from kvtrim.cache import triton_paged, triton_paged_quant
 
     max_tokens = case.width * case.keys.shape[1]
     splits, chunk = triton_paged.split_plan(case.rows, max_tokens, triton_paged.device_sms(device), args.splits)
-    tuned = triton_paged._kernels(triton_paged.interpreter_on())[1]
+    interpret = triton_paged.interpreter_on()
+    tuned = triton_paged_quant._partial(interpret)[1] if quant else triton_paged._kernels(interpret)[1]
     best = getattr(tuned, "best_config", None)
     config = args.block_n and {"BLOCK_N": args.block_n, "num_warps": 4}
     if config is None and best is not None:
@@ -261,7 +306,9 @@ def markdown(result: dict) -> str:
         "",
         f"q heads {meta['q_heads']}, KV heads {meta['kv_heads']}, head_dim {meta['head_dim']}, block size "
         f"{meta['block_size']}; median of {meta['iters']} calls after {meta['warmup']} (eager, and replays of a CUDA "
-        f"graph of one call on CUDA); bandwidth = K/V + block-table bytes / median time (the graph's when captured); "
+        f"graph of one call on CUDA); bandwidth = K/V + block-table bytes / median time (the graph's when captured; "
+        f"triton_quant_*: codes, scales, zero points and block tables, output compared with gather over the "
+        f"dequantized entries); "
         + (f"peak {meta['peak_gbps']:g} GB/s" if meta["peak_gbps"] else "no peak bandwidth known (--peak-gbps)")
         + f". {meta['date']}",
         "",
@@ -297,7 +344,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--kernels", nargs="+", default=None, help="only these (triton, triton+metric, vllm_flash_attn, "
-                   "flash_attn, gather)")  # fmt: skip
+                   "flash_attn, gather, triton_quant_int8, triton_quant_int4, triton_quant_fp8)")  # fmt: skip
+    p.add_argument("--quant-formats", nargs="*", choices=QUANT_FORMATS, default=list(QUANT_FORMATS),
+                   help="packed formats of the fused dequantizing Triton kernel (none given: left out)")  # fmt: skip
     p.add_argument("--no-metric", action="store_true", help="leave out triton+metric")
     p.add_argument("--splits", type=int, default=None, help="force the Triton kernel's splits per row")
     p.add_argument("--block-n", type=int, default=None, help="force the Triton kernel's tokens per loop step")

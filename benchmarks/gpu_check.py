@@ -17,7 +17,10 @@ llama-8b's linear layers (7 B non-embedding parameters; only the last position's
 * ``tests``  ~3 min. Every CUDA test file (the required ones plus any file under tests/ that checks for CUDA),
   tiny models; dominated by Triton compiles (~40 specialisations x ~2 s) and a few dozen tiny engine runs. The
   pytest run is stopped at 7.5 min.
-* ``kernels`` bounded by ``bench_paged_kernels.py``'s own defaults; stopped at 7.5 min.
+* ``kernels`` bounded by ``bench_paged_kernels.py``'s own defaults; stopped at 7.5 min. Besides the float kernels it
+  times the fused dequantizing Triton kernel over int8, int4 and fp8 copies of the same pool (rows
+  ``triton_quant_*``: packed bytes per second, output against gather over the dequantized entries); its three
+  autotunings (one per format, ~6 tiles x ~2 s of compile each) add ~40 s to the 13 s measured without it.
 * ``methods`` ~3.5 min (4.5 at worst). 7 methods x contexts {4k, 32k} x batches {1, 8}: 332 k prompt tokens per
   method = 4.6 PFLOP linear (9 s) + 2.6 PFLOP causal attention (7.5 s; ~15 s if a masked prefill piece falls back
   from flash to the memory-efficient kernel), ~17-24 s of prefill; + compression and 4 x 19 decode steps (<= 50 ms
@@ -63,6 +66,7 @@ REQUIRED_TESTS = (
     "tests/serve/test_engine_cuda.py",
     "tests/cache/test_paged_kernels.py",
     "tests/cache/test_triton_paged.py",
+    "tests/cache/test_triton_paged_quant.py",
     "tests/serve/test_engine_triton.py",
 )
 CUDA_TEST_PATTERN = re.compile(r"torch\.cuda\.is_available\(\)|mark\.cuda\b|requires_cuda")

@@ -26,12 +26,12 @@ def bench():
 def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
     result = bench.main(
         ["--device", "cpu", "--shapes", "2x40", "1x300", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
-         "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path)]
+         "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path), "--quant-formats", "int4"]
     )  # fmt: skip
     saved = json.loads((tmp_path / "bench_paged_kernels_cpu.json").read_text())
     assert saved == json.loads(json.dumps(result))
     rows = saved["rows"]
-    kernels = ["triton", "triton+metric", "vllm_flash_attn", "flash_attn", "gather"]
+    kernels = ["triton", "triton+metric", "vllm_flash_attn", "flash_attn", "gather", "triton_quant_int4"]
     assert [(r["batch"], r["context"], r["kernel"]) for r in rows] == [
         (b, c, k) for b, c in ((2, 40), (1, 300)) for k in kernels
     ]
@@ -41,10 +41,12 @@ def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
             continue
         assert r["status"] == "ok" and r["ms_median"] > 0 and r["gbps"] > 0 and r["pct_peak"] is None
         assert r["timed"] == "eager" and r["graph_ms_median"] is None  # graphs are CUDA only
-        assert r["max_abs_diff_vs_gather"] < 1e-5  # every kernel computes the same attention
-        # K and V of rows * context entries (head_dim 32, fp32) plus the block tables
+        assert r["max_abs_diff_vs_gather"] < 1e-5  # every kernel computes the same attention (quant: dequantized)
+        # K and V of rows * context entries (head_dim 32, fp32; int4: 16 code bytes + float16 scale and zero)
+        # plus the block tables
         width = -(-r["context"] // 16)
-        assert r["bytes_read"] == 2 * r["rows"] * r["context"] * 32 * 4 + r["rows"] * width * 4
+        entry = 2 * (16 + 2 + 2) if r["kernel"] == "triton_quant_int4" else 2 * 32 * 4
+        assert r["bytes_read"] == r["rows"] * r["context"] * entry + r["rows"] * width * 4
     triton_long = next(r for r in rows if r["kernel"] == "triton" and r["context"] == 300)
     assert triton_long["splits"] == 2 and triton_long["config"]["BLOCK_N"] > 0  # a long row is split
     # no target shape was run and a CPU has no peak: both bandwidth targets are present, unmeasured
