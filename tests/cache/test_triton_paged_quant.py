@@ -119,6 +119,7 @@ CASES = [
     ("int4", torch.float32, 4, 32, 8, [29, 3, 17, 40], 2, True, 2),  # two sequences of two KV heads
     ("fp8", torch.float32, 2, 16, 4, [13, 6, 1], 4, True, 0),
     ("int4", torch.float16, 4, 24, 12, [25, 11], 3, False, 0),  # head_dim 24: halves of 12 (padded to 16)
+    ("fp8", torch.float32, 3, 24, 12, [30, 7, 12], 2, True, 0),  # one-byte codes split into padded halves
     ("int8", torch.bfloat16, 4, 64, 16, [40, 9], None, True, 1),  # the split heuristic
     (KVQuant("int4", value_group=8), torch.float32, 3, 32, 8, [19, 4, 33], 3, True, 0),  # 4 scales per entry
     (KVQuant("int8", value_group=16), torch.float16, 2, 32, 16, [21, 16], 2, False, 0),

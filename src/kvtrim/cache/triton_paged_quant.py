@@ -60,7 +60,8 @@ __all__ = ["QUANT_FORMATS", "interpreter_on", "paged_decode_quant"]
 
 QUANT_FORMATS = ("int8", "int4", "fp8")  # the packed formats the kernel reads (KVQuant.name)
 _FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2}
-_fp8 = _half = _bf16 = None  # the device functions the kernels call, bound per mode by _bind_device_functions
+# the device functions the kernels call, bound per mode by _bind_device_functions
+_fp8 = _affine = _entries = _bf16 = None
 
 
 def _fp8_to_float(b):
@@ -81,18 +82,8 @@ def _round_to_bf16(x):
     return b.to(tl.float32, bitcast=True)
 
 
-def _load_half(codes_ptr, scale_ptr, zero_ptr, slot, offs_h, ok, PART: tl.constexpr, FMT: tl.constexpr,
-                  D: tl.constexpr, GROUPS: tl.constexpr, VG: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """Channels ``2h + PART`` of the entries at ``slot [BLOCK_N]`` as float32 ``[BLOCK_N, HALF_PAD]`` (0 where
-    masked)."""
-    ch = offs_h * 2 + PART
-    mask = ok[:, None] & (ch < D)[None, :]
-    if FMT == 1:  # int4: byte h holds channels 2h (low nibble) and 2h + 1 (high nibble)
-        byte = tl.load(codes_ptr + slot[:, None] * HALF + offs_h[None, :], mask=mask, other=0).to(tl.int32)
-        code = ((byte >> 4) if PART == 1 else (byte & 15)).to(tl.float32)
-    else:
-        byte = tl.load(codes_ptr + slot[:, None] * D + ch[None, :], mask=mask, other=0)
-        code = _fp8(byte) if FMT == 2 else byte.to(tl.float32)
+def _group_affine(scale_ptr, zero_ptr, slot, ok, ch, mask, GROUPS: tl.constexpr, VG: tl.constexpr):
+    """``(scale, zero)`` float32 of channels ``ch`` of the entries at ``slot`` (``[BLOCK_N, 1]`` with one group)."""
     if GROUPS == 1:
         scale = tl.load(scale_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
         zero = tl.load(zero_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
@@ -100,7 +91,32 @@ def _load_half(codes_ptr, scale_ptr, zero_ptr, slot, offs_h, ok, PART: tl.conste
         s_off = slot[:, None] * GROUPS + (ch // VG)[None, :]
         scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(mask, code * scale + zero, 0.0)
+    return scale, zero
+
+
+def _load_entries(codes_ptr, scale_ptr, zero_ptr, slot, ok, FMT: tl.constexpr, D: tl.constexpr,
+                  GROUPS: tl.constexpr, VG: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """The entries at ``slot [BLOCK_N]`` dequantized, as float32 ``(even, odd)`` channels ``[BLOCK_N, HALF_PAD]``
+    (channel ``2h`` and ``2h + 1`` at column ``h``; 0 where masked)."""
+    offs_h = tl.arange(0, HALF_PAD)
+    even_mask = ok[:, None] & (offs_h * 2 < D)[None, :]
+    odd_mask = ok[:, None] & (offs_h * 2 + 1 < D)[None, :]
+    if FMT == 1:  # int4: byte h holds channels 2h (low nibble) and 2h + 1 (high nibble)
+        byte = tl.load(codes_ptr + slot[:, None] * HALF + offs_h[None, :], mask=even_mask, other=0).to(tl.int32)
+        even, odd = (byte & 15).to(tl.float32), (byte >> 4).to(tl.float32)
+    else:  # one byte per channel: the entry's row of bytes in one contiguous load, then split even / odd
+        offs_c = tl.arange(0, 2 * HALF_PAD)
+        byte = tl.load(codes_ptr + slot[:, None] * D + offs_c[None, :], mask=ok[:, None] & (offs_c < D)[None, :],
+                       other=0)  # fmt: skip
+        code = _fp8(byte) if FMT == 2 else byte.to(tl.float32)
+        even, odd = tl.split(tl.reshape(code, [BLOCK_N, HALF_PAD, 2]))
+    scale, zero = _affine(scale_ptr, zero_ptr, slot, ok, offs_h * 2, even_mask, GROUPS, VG)
+    even = tl.where(even_mask, even * scale + zero, 0.0)
+    if GROUPS != 1:  # channel 2h + 1 is in the group of 2h when groups are even (int4 needs that; int8 may not)
+        scale, zero = _affine(scale_ptr, zero_ptr, slot, ok, offs_h * 2 + 1, odd_mask, GROUPS, VG)
+    odd = tl.where(odd_mask, odd * scale + zero, 0.0)
+    return even, odd
 
 
 def _quant_partial_kernel(
@@ -141,8 +157,7 @@ def _quant_partial_kernel(
         t = t0 + offs_n
         ok = t < end
         slot = tl.load(table_row + t // BS, mask=ok, other=0).to(tl.int64) * BS + t % BS
-        k_even = _half(kc_ptr, ks_ptr, kz_ptr, slot, offs_h, ok, 0, FMT, D, GROUPS, VG, HALF)
-        k_odd = _half(kc_ptr, ks_ptr, kz_ptr, slot, offs_h, ok, 1, FMT, D, GROUPS, VG, HALF)
+        k_even, k_odd = _entries(kc_ptr, ks_ptr, kz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N)
         if DOT_F32:  # bfloat16 values held in float32 (the interpreter's bf16 dot), rounded as a GPU rounds
             k_even, k_odd = _bf16(k_even), _bf16(k_odd)
         else:  # rounded to the pool's dtype, as read_keys returns them
@@ -156,8 +171,7 @@ def _quant_partial_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v_even = _half(vc_ptr, vs_ptr, vz_ptr, slot, offs_h, ok, 0, FMT, D, GROUPS, VG, HALF)
-        v_odd = _half(vc_ptr, vs_ptr, vz_ptr, slot, offs_h, ok, 1, FMT, D, GROUPS, VG, HALF)
+        v_even, v_odd = _entries(vc_ptr, vs_ptr, vz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N)
         if DOT_F32:
             p, v_even, v_odd = _bf16(p), _bf16(v_even), _bf16(v_odd)
         else:  # P·V in the pool's dtype, as the float kernel does
@@ -189,13 +203,14 @@ def _prune(configs, named_args, **kwargs):
 @functools.cache
 def _device_functions(interpret: bool) -> dict:
     """The kernel's device functions wrapped in the mode in force (``interpret`` is the cache key only)."""
-    return {"_fp8": triton.jit(_fp8_to_float), "_half": triton.jit(_load_half), "_bf16": triton.jit(_round_to_bf16)}
+    return {"_fp8": triton.jit(_fp8_to_float), "_affine": triton.jit(_group_affine),
+            "_entries": triton.jit(_load_entries), "_bf16": triton.jit(_round_to_bf16)}  # fmt: skip
 
 
 def _bind_device_functions(interpret: bool) -> None:
-    """Point the names the kernels call (``_fp8``, ``_half``, ``_bf16``) at the device functions of this mode:
-    ``triton.jit`` picks interpreted or compiled when it wraps, and a kernel of one mode cannot call a function of
-    the other."""
+    """Point the names the kernels call (``_fp8``, ``_affine``, ``_entries``, ``_bf16``) at the device functions of
+    this mode: ``triton.jit`` picks interpreted or compiled when it wraps, and a kernel of one mode cannot call a
+    function of the other."""
     globals().update(_device_functions(interpret))
 
 
