@@ -24,14 +24,16 @@ The pool's layout, exactly (``quantized_block_pool.py``):
 
 Channels are handled as two halves, even and odd (``2i`` and ``2i + 1``), each ``ceil(head_dim / 2)`` wide: an
 int4 byte is loaded once and gives both (low and high nibble) with no interleaving in registers; int8 and fp8 load
-the two halves as two strided reads of the same cache lines. The logits are ``q_even · k_even + q_odd · k_odd`` (two
-``tl.dot``), ``P·V`` accumulates the two halves apart, and the partial accumulator is stored back interleaved, so
-the combine kernel sees the float kernel's ``acc [rows, splits, G, head_dim]``.
+each entry's row of bytes in one contiguous read and split it into the two halves (two strided reads instead made
+the sm_90 build spill registers). The logits are ``q_even · k_even + q_odd · k_odd`` (two ``tl.dot``), ``P·V``
+accumulates the two halves apart, and the partial accumulator is stored back interleaved, so the combine kernel
+sees the float kernel's ``acc [rows, splits, G, head_dim]``.
 
 No host reads: lengths, block ids and positions are loaded on the device; the grid and buffers depend on the shapes
 only (CUDA graphs capture it as they capture the float kernel). Checked on CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``, tests/cache/test_triton_paged_quant.py) against dequantize-then-attention; not yet
-measured on a GPU.
+(``TRITON_INTERPRET=1``, tests/cache/test_triton_paged_quant.py) against dequantize-then-attention, and built for
+sm_90 with Triton's bundled ``ptxas`` (tests/cache/test_triton_paged_quant_compile.py: tensor-core dots, no
+register spills); not yet run or measured on a GPU.
 """
 
 from __future__ import annotations
