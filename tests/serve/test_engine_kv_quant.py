@@ -115,14 +115,16 @@ def test_static_decode_step_reads_the_quantized_pool(model, tok):
 
 def test_fused_triton_kernel_gives_the_gather_paths_tokens(model, tok):
     """decode_kernel="triton" on a quantized pool runs the fused dequantizing kernel (here under Triton's
-    interpreter, on the CPU model) and generates the gather path's tokens, compression included."""
+    interpreter, on the CPU model) through the static decode step (the one CUDA graphs capture) and generates the
+    eager gather path's tokens, compression included."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
         pytest.skip("the tiny model is on the CPU: the fused kernel runs there only under Triton's interpreter")
     prompts = [random_text(30 + 11 * i, seed=i) for i in range(2)]
     kw = dict(max_tokens=3, compression_rate=4)
     _, want = _run(model, tok, prompts, "int4", **kw)
-    engine, got = _run(model, tok, prompts, "int4", decode_kernel="triton", **kw)
+    engine, got = _run(model, tok, prompts, "int4", decode_kernel="triton", decode_buckets=True, static_decode=True,
+                       **kw)  # fmt: skip
     assert engine.decode_kernel == "triton_quant" and got == want
 
 
