@@ -22,6 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+
 from kvtrim.cache import paged_kernels
 from kvtrim.cache.paged import PagedBatchCache, PagedSequence
 from kvtrim.cache.paged_kernels import FusedMetric, PackedKV
@@ -145,6 +148,30 @@ def test_fused_kernel_equals_dequantize_then_attention(fmt, dtype, group, head_d
         assert not torch.equal(pool_metric, case.metric)
     else:
         assert torch.equal(pool_metric, case.metric)
+
+
+_fp8_device = None  # the kernel's fp8 decoder, wrapped in the mode in force by the test below
+
+
+def _fp8_table_kernel(src_ptr, dst_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(dst_ptr + offs, _fp8_device(tl.load(src_ptr + offs)))
+
+
+def test_every_fp8_code_decodes_exactly():
+    """The kernel decodes e4m3 bytes with integer operations: every finite pattern (subnormals, zeros of both
+    signs, ±448) equals torch's float8_e4m3fn value."""
+    global _fp8_device
+    from kvtrim.cache import triton_paged_quant
+
+    _fp8_device = triton.jit(triton_paged_quant._fp8_to_float)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    got = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    triton.jit(_fp8_table_kernel)[(1,)](codes, got)
+    want = codes.cpu().view(torch.float8_e4m3fn).float()
+    finite = ~torch.isnan(want)
+    assert int(finite.sum()) == 254 and torch.equal(got.cpu()[finite], want[finite])
+    assert torch.equal(torch.signbit(got.cpu()[finite]), torch.signbit(want[finite]))
 
 
 def test_split_count_does_not_change_the_result():

@@ -115,7 +115,7 @@ def _load_entries(codes_ptr, scale_ptr, zero_ptr, slot, ok, FMT: tl.constexpr, D
         even, odd = tl.split(tl.reshape(code, [BLOCK_N, HALF_PAD, 2]))
     scale, zero = _affine(scale_ptr, zero_ptr, slot, ok, offs_h * 2, even_mask, GROUPS, VG)
     even = tl.where(even_mask, even * scale + zero, 0.0)
-    if GROUPS != 1:  # channel 2h + 1 is in the group of 2h when groups are even (int4 needs that; int8 may not)
+    if GROUPS != 1:  # with an odd value_group (int8, fp8) channel 2h + 1 may sit in another group than 2h
         scale, zero = _affine(scale_ptr, zero_ptr, slot, ok, offs_h * 2 + 1, odd_mask, GROUPS, VG)
     odd = tl.where(odd_mask, odd * scale + zero, 0.0)
     return even, odd
