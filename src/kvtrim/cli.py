@@ -398,7 +398,8 @@ def serve(
         str,
         typer.Option(
             help="decode attention: gather (gather + SDPA), flash (flash-attention block-table kernel, CUDA), "
-            "triton (kvtrim's Triton block-table kernel, CUDA, any block size) or auto"
+            "triton (kvtrim's Triton block-table kernel, CUDA, any block size; with --kv-quant the fused "
+            "dequantizing one) or auto"
         ),
     ] = "gather",
     decode_buckets: Annotated[bool, typer.Option(help="pad decode batches to static shapes")] = False,
