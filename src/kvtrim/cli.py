@@ -146,7 +146,12 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="sampling seed (same seed, same answers)")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="string ending an answer (repeatable)")] = None,
     kv_quant: Annotated[
-        str | None, typer.Option("--kv-quant", help="hold the kept entries as int8, int4 or fp8 (docs/quantization.md)")
+        str | None,
+        typer.Option(
+            "--kv-quant",
+            help="hold the kept entries as int8, int4 or fp8, optionally with settings, e.g. int4:group_size=64 "
+            "(docs/quantization.md)",
+        ),
     ] = None,
 ) -> None:
     """Compress the context's KV cache and answer the question(s) from it."""
@@ -303,7 +308,11 @@ def eval_command(
     dtype: DtypeOption = "float32",
     kv_quant: Annotated[
         str | None,
-        typer.Option("--kv-quant", help="hold every config's entries as int8, int4 or fp8 (one format per --out)"),
+        typer.Option(
+            "--kv-quant",
+            help="hold every config's entries as int8, int4 or fp8, optionally with settings, e.g. "
+            "int4:group_size=64 (one format per --out)",
+        ),
     ] = None,
 ) -> None:
     """Sweep tasks × methods × ratios (or budgets) on one model; one JSONL record per sample and config."""

@@ -111,6 +111,28 @@ def test_resolve_kv_quant():
         KVQuant("int4").check_head_dim(63)
 
 
+def test_default_group_sizes():
+    assert KVQuant("int4").group_size == 32 and KVQuant("int8").group_size == 64 and KVQuant("fp8").group_size == 64
+    assert KVQuant("int4", group_size=64).group_size == 64
+
+
+def test_resolve_kv_quant_spec_strings():
+    assert resolve_kv_quant("int4:group_size=64") == KVQuant("int4", group_size=64)
+    assert resolve_kv_quant("int8: group_size=32, residual=16,value_group=32") == KVQuant(
+        "int8", group_size=32, residual=16, value_group=32
+    )
+    for bad, match in [
+        ("int4:", "nothing after ':'"),
+        ("int4:size=3", "fields \\('group_size', 'residual', 'value_group'\\), each once"),
+        ("int4:residual=1,residual=2", "each once"),
+        ("int4:group_size=x", "group_size must be an integer, got 'x'"),
+        ("int4:group_size=0", "group_size must be an integer >= 1"),
+        ("int3:group_size=32", "kv_quant must be one of"),
+    ]:
+        with pytest.raises(InvalidParameterError, match=match):
+            resolve_kv_quant(bad)
+
+
 def test_padding_does_not_widen_key_steps():
     fmt = KVQuant("int8", group_size=4)
     x = _x(1, 1, 8, 4)
@@ -161,4 +183,3 @@ def test_fp8_entry_bytes_equal_int8s_and_padding_does_not_widen_the_scale():
     _, scale, _ = quantize_keys(padded, fmt, valid)
     _, ref, _ = quantize_keys(x[..., 1:, :].repeat(1, 1, 2, 1)[..., :4, :], fmt)
     assert torch.equal(scale, ref)
-

@@ -29,6 +29,7 @@ import torch
 from ..errors import InvalidParameterError
 
 __all__ = [
+    "DEFAULT_GROUP_SIZE",
     "KV_QUANT_CHOICES",
     "SCALE_DTYPE",
     "KVQuant",
@@ -47,6 +48,9 @@ SCALE_DTYPE = torch.float16
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 _BITS = {"int8": 8, "int4": 4, "fp8": 8}
+# Tokens per key group when none is given. int4 at 64 lost a passkey sample the float cache and int4 at 32 both
+# answer (docs/quantization.md, "Choosing the group size"); 8-bit formats lose nothing at 64.
+DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 32, "fp8": 64}
 _MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
 
 
@@ -57,20 +61,23 @@ class KVQuant:
     Attributes:
         name: ``"int8"``, ``"int4"`` or ``"fp8"``
         group_size: tokens per key group (one per-channel scale per group); the full-precision window is
-            quantized a whole group at a time
+            quantized a whole group at a time. Default (None): 32 for ``int4`` (KIVI's group), 64 for ``int8``
+            and ``fp8`` (see ``DEFAULT_GROUP_SIZE``)
         residual: full-precision entries always kept after the last full group (KIVI's ``R``); the window holds
             between ``residual`` and ``residual + group_size - 1`` entries once that many exist
         value_group: channels per value group (None: the whole ``head_dim``, one scale per token)
     """
 
     name: str
-    group_size: int = 64
+    group_size: int | None = None
     residual: int = 0
     value_group: int | None = None
 
     def __post_init__(self):
         if self.name not in KV_QUANT_CHOICES:
             raise InvalidParameterError(f"kv_quant must be one of {KV_QUANT_CHOICES} or None, got {self.name!r}")
+        if self.group_size is None:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE[self.name])
         for field, value, low in (("group_size", self.group_size, 1), ("residual", self.residual, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidParameterError(f"{field} must be an integer >= {low}, got {value!r}")
@@ -117,13 +124,37 @@ class KVQuant:
         )
 
 
+_SPEC_FIELDS = ("group_size", "residual", "value_group")
+
+
 def resolve_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
-    """``None``, ``"int8"``, ``"int4"``, ``"fp8"`` or a :class:`KVQuant` -> a :class:`KVQuant` (or None)."""
+    """``None``, a format name, a spec string or a :class:`KVQuant` -> a :class:`KVQuant` (or None).
+
+    A spec string is a format name, optionally followed by ``:`` and comma-separated ``field=integer`` settings of
+    :class:`KVQuant`: ``"int4"``, ``"int4:group_size=64"``, ``"int8:group_size=32,residual=32,value_group=32"``
+    (what ``--kv-quant`` takes on the command line).
+    """
     if kv_quant is None or isinstance(kv_quant, KVQuant):
         return kv_quant
-    if isinstance(kv_quant, str) and kv_quant in KV_QUANT_CHOICES:
-        return KVQuant(kv_quant)
-    raise InvalidParameterError(f"kv_quant must be one of {KV_QUANT_CHOICES} or None, got {kv_quant!r}")
+    if not isinstance(kv_quant, str):
+        raise InvalidParameterError(f"kv_quant must be one of {KV_QUANT_CHOICES} or None, got {kv_quant!r}")
+    name, sep, settings = kv_quant.partition(":")
+    if name not in KV_QUANT_CHOICES:
+        raise InvalidParameterError(f"kv_quant must be one of {KV_QUANT_CHOICES} or None, got {kv_quant!r}")
+    fields: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in settings.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in _SPEC_FIELDS or key in fields:
+            raise InvalidParameterError(
+                f"kv_quant {kv_quant!r}: settings after ':' are field=integer with fields {_SPEC_FIELDS}, each once"
+            )
+        try:
+            fields[key] = int(value)
+        except ValueError:
+            raise InvalidParameterError(f"kv_quant {kv_quant!r}: {key} must be an integer, got {value!r}") from None
+    if sep and not fields:
+        raise InvalidParameterError(f"kv_quant {kv_quant!r}: nothing after ':'; give field=integer settings")
+    return KVQuant(name, **fields)
 
 
 # ---------------------------------------------------------------------------------------------------- packing
