@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InvalidParameterError, UnsupportedModelError
 
-PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 # Why each other vLLM 0.32 ``CacheDType`` cannot be compacted by moving one element per (slot, head, channel).
 _REFUSED_CACHE_DTYPES = {
