@@ -13,7 +13,7 @@ from kvtrim.methods import get_method
 from kvtrim.scoring.partitions import kept_length
 from kvtrim.vllm.config import ENV_VAR, load_config, parse_config
 from kvtrim.vllm.evictor import PendingEviction, evict_layer
-from kvtrim.vllm.kv_layout import check_cache_dtype, entry_format, probe_layout
+from kvtrim.vllm.kv_layout import entry_format, probe_layout
 
 
 def test_keep_count_follows_budget_ratio_and_lag_partitions():
@@ -276,9 +276,27 @@ def test_cache_formats_that_are_not_one_element_per_entry_are_refused(dtype, why
         entry_format(dtype)
 
 
-def test_fp8_with_per_head_budgets_is_refused_and_plain_formats_pass():
-    with pytest.raises(InvalidParameterError, match=r"kv_cache_dtype='fp8' with method 'adakv': per-head budgets"):
-        check_cache_dtype("fp8", "adakv", per_head=True)
-    assert check_cache_dtype("fp8_e5m2", "snapkv", per_head=False).fp8 == torch.float8_e5m2
-    assert check_cache_dtype("auto", "adakv", per_head=True).fp8 is None
+def test_fp8_and_plain_formats_pass():
+    assert entry_format("fp8_e5m2").fp8 == torch.float8_e5m2 and entry_format("fp8").fp8 == torch.float8_e4m3fn
+    assert entry_format("auto").fp8 is None and entry_format("bfloat16").fp8 is None
     assert entry_format("fp8", fnuz=True).fp8 == torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize("impl_class", [_TransposedImpl, _Fp8TransposedImpl])
+def test_one_head_sub_pages_of_a_head_major_layout(impl_class):
+    h, d, bs = 3, 8, 4
+    dtype = torch.uint8 if impl_class is _Fp8TransposedImpl else torch.float32
+    layout = probe_layout(impl_class(h, d, bs), None, torch.zeros(4, h, bs, 2 * d, dtype=dtype), torch.float32)
+    sub = layout.one_head()
+    # the same map a probe of the one-head view learns (sub-page b·H + h is head h's slice of block b)
+    direct = probe_layout(impl_class(1, d, bs), None, torch.zeros(12, 1, bs, 2 * d, dtype=dtype), torch.float32)
+    assert torch.equal(sub.key_index, direct.key_index) and torch.equal(sub.value_index, direct.value_index)
+    assert sub.block_stride == direct.block_stride == 2 * bs * d
+    cache = torch.zeros(4, h, bs, 2 * d, dtype=dtype)
+    keys = torch.randint(1, 100, (5, 1, d)).to(dtype)
+    values = torch.randint(1, 100, (5, 1, d)).to(dtype)
+    slots = torch.tensor([7 * bs + 1, 7 * bs + 2, 2 * bs, 11 * bs + 3, 0])  # sub-pages 7, 2, 11, 0
+    sub.write_slots(cache, slots, keys, values)
+    k, v = layout.read(cache, torch.tensor([2]), bs)  # block 2 = sub-pages 6, 7, 8: head 1 holds two of them
+    assert torch.equal(k[1:3, 1], keys[:2, 0]) and torch.equal(v[1:3, 1], values[:2, 0])
+    assert int((cache != 0).sum()) == 5 * 2 * d

@@ -167,21 +167,19 @@ def evict_layer_heads(
     ratio: float | None,
     isa: str,
     module=None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> list[int]:
     """Per-head budgets: each KV head keeps its own count, written to its own one-head sub-pages.
 
     The method splits ``kv_heads · pending.head_budget`` entries among this layer's heads (AdaKV); each head's
     kept entries, in position order, go to the sub-pages ``pending.pages`` assigns it in this layer
-    (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``. Unquantized caches only: the
-    one-head writes go through vLLM's cache-update op, which would encode fp8 entries again (refused at start-up,
-    :func:`~kvtrim.vllm.kv_layout.check_cache_dtype`).
+    (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``. An fp8 cache's kept bytes are moved
+    into the sub-pages as they are (:meth:`~kvtrim.vllm.kv_layout.BlockLayout.one_head`), not encoded again.
     """
-    if layout.entry.fp8 is not None:
-        raise RuntimeError(f"kvtrim: per-head budgets ({pipeline.name}) do not run on an fp8 KV cache")
     budget = pending.head_budget
     fixed = None if pending.head_counts is None else torch.from_numpy(pending.head_counts[layer_idx])
     keys, values, selection, kept = _score_and_select(
-        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed, scales
     )
     kv_heads = keys.shape[1]
     counts = kept.cpu().numpy()
@@ -192,10 +190,15 @@ def evict_layer_heads(
             f"{total} in total: the request's blocks were sized for that total"
         )
     slots = pending.pages.place(layer_idx, counts)
+    sub_pages = layout.one_head() if layout.entry.fp8 is not None else None
     for h in range(kv_heads):
         if not counts[h]:
             continue
         index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
+        if sub_pages is not None:  # fp8: move the stored bytes
+            head_slots = torch.from_numpy(slots[h]).to(keys.device)
+            sub_pages.write_slots(kv_cache, head_slots, keys[index, h].unsqueeze(1), values[index, h].unsqueeze(1))
+            continue
         folded_cache_write(
             keys[index, h].unsqueeze(1),
             values[index, h].unsqueeze(1),

@@ -82,21 +82,6 @@ def entry_format(kv_cache_dtype: str, fnuz: bool = False) -> EntryFormat:
     )
 
 
-def check_cache_dtype(kv_cache_dtype: str, method: str, per_head: bool) -> EntryFormat:
-    """Start-up check of vLLM's ``kv_cache_dtype`` against a kvtrim configuration (``method``, whether its budgets
-    vary by head); raises :class:`InvalidParameterError` naming ``kv_cache_dtype`` and what is refused."""
-    entry = entry_format(kv_cache_dtype)
-    if per_head and entry.fp8 is not None:
-        raise InvalidParameterError(
-            f"kv_cache_dtype={kv_cache_dtype!r} with method {method!r}: per-head budgets keep each KV head's "
-            "entries in one-head sub-pages, written and read through vLLM's CPU ops without the layer's k_scale / "
-            "v_scale, and the kept fp8 codes would be encoded again (vLLM's CPU kernel rounds toward zero, so "
-            "bytes could change); use an unquantized cache (kv_cache_dtype='auto') with per-head methods, or a "
-            "method with the same count in every head (snapkv, pyramidkv, ...) with fp8"
-        )
-    return entry
-
-
 @dataclass(frozen=True)
 class BlockLayout:
     """Where a block's entries lie in the flat cache.
@@ -127,6 +112,29 @@ class BlockLayout:
         stored (fp8: the ``uint8`` codes)."""
         flat = cache.view(-1)
         return flat[self._offsets(self.key_index, blocks, count)], flat[self._offsets(self.value_index, blocks, count)]
+
+    def write_slots(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` (stored elements) at ``slots`` ``[n]``
+        (``block · block_size + offset``)."""
+        flat = cache.view(-1)
+        slots = slots.to(self.key_index.device, torch.long)
+        block, offset = slots // self.block_size, slots % self.block_size
+        for index, x in ((self.key_index, keys), (self.value_index, values)):
+            flat[block.view(-1, 1, 1) * self.block_stride + index[offset]] = x.to(flat.dtype)
+
+    def one_head(self) -> BlockLayout:
+        """The layout of the cache's one-head sub-pages (head ``h`` of block ``b`` is sub-page ``b·H + h``,
+        :mod:`kvtrim.vllm.folded_attention`): head 0's map, at ``block_stride / H``. Raises
+        :class:`UnsupportedModelError` unless every head's slice of a block is laid out alike (head-major)."""
+        heads = self.key_index.shape[1]
+        stride = self.block_stride // heads
+        shift = torch.arange(heads, device=self.key_index.device).view(1, -1, 1) * stride
+        for index in (self.key_index, self.value_index):
+            local = index - shift
+            if self.block_stride % heads or not torch.equal(local, local[:, :1].expand_as(local)):
+                raise UnsupportedModelError("the cache's blocks are not head-major: no one-head sub-pages")
+        key_index, value_index = self.key_index[:, :1].contiguous(), self.value_index[:, :1].contiguous()
+        return BlockLayout(key_index, value_index, stride, self.entry)
 
     def write(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` (as :meth:`read` returns them: stored elements) in

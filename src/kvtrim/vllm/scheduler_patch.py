@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidParameterError
 from .config import VLLMEvictionConfig, load_config
-from .kv_layout import check_cache_dtype
+from .kv_layout import entry_format
 from .wrappers import UnpatchedVLLMError, bypassed, wrap
 
 PATCHED_SCHEDULER_METHODS = ("_update_after_schedule",)  # besides __init__, which runs the check itself
@@ -43,10 +43,10 @@ def model_num_layers(vllm_config) -> int:
     return int(vllm_config.model_config.hf_text_config.num_hidden_layers)
 
 
-def _check_supported(scheduler, config: VLLMEvictionConfig) -> None:
+def _check_supported(scheduler) -> None:
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-    check_cache_dtype(scheduler.cache_config.cache_dtype, config.method, config.per_head)
+    entry_format(scheduler.cache_config.cache_dtype)  # refuses a cache format the worker cannot compact
 
     if scheduler.cache_config.enable_prefix_caching:
         raise ValueError(
@@ -76,7 +76,7 @@ def _patch_init(orig):
         config = load_config(self.vllm_config.additional_config)
         self._kvtrim_state = None
         if config is not None:
-            _check_supported(self, config)
+            _check_supported(self)
             state = SchedulerState(config, num_layers=model_num_layers(self.vllm_config))
             if config.per_head:
                 vc = self.vllm_config

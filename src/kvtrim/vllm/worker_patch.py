@@ -418,12 +418,12 @@ def _patch_forward(orig):
             for pending in state.pending:
                 module = _module_view(state, layer.layer_name)
                 args = (layout, kv_cache, query, pending, idx, state.num_layers, self.scale, ratio)
+                # an fp8 cache: scored as code · scale with the layer's per-tensor scales (1.0 when unquantized)
+                scales = (float(layer._k_scale_float), float(layer._v_scale_float))
                 if pending.pages is None:
-                    # an fp8 cache: scored as code · scale with the layer's per-tensor scales (1.0 when unquantized)
-                    scales = (float(layer._k_scale_float), float(layer._v_scale_float))
                     evict_layer(state.pipeline, *args, module=module, scales=scales)
                     continue
-                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module)
+                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module, scales)
                 state.ragged_layers += len(set(counts)) > 1
         state.step_layers += 1
         state.layer_evictions += len(state.pending)
