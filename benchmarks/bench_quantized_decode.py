@@ -9,6 +9,9 @@ compression (measured from the store tensors) and their ratio to a float16 cache
 milliseconds per token (wall and CPU time of this process; the best of ``--reps`` runs), and how many generated
 tokens equal the unquantized run's of the same method.
 
+``--methods think think_snapkv`` runs ThinK (ratio 0.5 of the key channels, no token evicted) and ThinK on SnapKV
+(ratio 0.875 of the tokens, half of the kept keys' channels) instead: channel-pruned keys, quantized or not.
+
 ``--layer-only`` measures instead the two parts of one layer's decoding step on a SmolLM2-shaped layer (3 KV
 heads, 9 query heads, head_dim 64, ``--length`` entries, float32): dequantizing the keys and values into the
 attention buffer, and the attention call itself (CPU time, the median of 300 calls).
@@ -51,6 +54,11 @@ METHODS = (
     ("snapkv", "snapkv", 0.875, None),
     ("adakv", "adakv", 0.875, None),
     ("adakv padded", "adakv", 0.875, "dense"),
+)
+# run with --methods (key-channel pruning: ThinK's ratio is the fraction of key channels pruned)
+EXTRA_METHODS = (
+    ("think", "think", 0.5, None),
+    ("think_snapkv", "think_snapkv", 0.875, None),
 )
 
 
@@ -104,6 +112,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="512-token prompt, 16 tokens, 1 run")
     parser.add_argument("--layer-only", action="store_true", help="only the per-layer dequantize/attention costs")
     parser.add_argument("--out", default="benchmarks/results/quantized_decode_smollm2_1k/quantized_decode.json")
+    labels = [m[0] for m in METHODS + EXTRA_METHODS]
+    parser.add_argument(
+        "--methods", nargs="+", choices=labels, default=[m[0] for m in METHODS], help="configurations to run"
+    )
     args = parser.parse_args()
     if args.quick:
         args.length, args.tokens, args.reps = 512, 16, 1
@@ -124,7 +136,7 @@ def main() -> None:
     rows = []
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         pre = Prefill.plain(model, ids, torch.ones_like(ids), get_method("snapkv").observation)
-        for label, method, ratio, layout in METHODS:
+        for label, method, ratio, layout in (m for m in METHODS + EXTRA_METHODS if m[0] in args.methods):
             pipeline = None if method is None else get_method(method)
             if layout is not None:
                 pipeline = dataclasses.replace(pipeline, layout=layout)

@@ -48,3 +48,12 @@ def test_bad_kv_quant_is_refused_before_loading(saved_model, context_file):
     out = _generate(saved_model, context_file, "--kv-quant", "fp4")
     assert out.exit_code == 2
     assert "kv_quant must be one of ('int8', 'int4', 'fp8') or None, got 'fp4'" in out.output
+
+
+def test_think_takes_kv_quant_on_the_command_line(saved_model, context_file):
+    plain = _generate(saved_model, context_file, "--json", "--method", "think")
+    fp8 = _generate(saved_model, context_file, "--json", "--method", "think", "--kv-quant", "fp8")
+    assert plain.exit_code == 0 and fp8.exit_code == 0, fp8.output
+    p, q = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (plain, fp8))
+    assert q["kv_quant"] == "fp8" and q["kv_entries_after"] == p["kv_entries_after"]
+    assert q["kv_bytes_after"] < p["kv_bytes_after"] / 2

@@ -149,9 +149,14 @@ def test_invalid_kv_quant_raises_naming_the_parameter(llama, tokenizer, bad):
         KVTrimCache(2, kv_quant=bad)
 
 
-def test_channel_pruning_with_quantized_entries_raises(llama, tokenizer):
-    with pytest.raises(InvalidParameterError, match=r"prunes key channels.*kv_quant=None"):
-        kvtrim.generate(llama, tokenizer, CTX, "q?", method="think", ratio=0.5, kv_quant="int8")
+def test_channel_pruning_composes_with_quantized_entries(llama, tokenizer):
+    """ThinK used to refuse kv_quant; its pruned keys are now held packed (tests/integration/
+    test_quantized_channel_pruned_cache.py)."""
+    plain = kvtrim.generate(llama, tokenizer, CTX, "q?", method="think", ratio=0.5, max_new_tokens=3)
+    quant = kvtrim.generate(llama, tokenizer, CTX, "q?", method="think", ratio=0.5, max_new_tokens=3, kv_quant="int8")
+    assert quant.stats.kv_entries_after == plain.stats.kv_entries_after
+    assert quant.stats.compression_metadata["key_channels_kept"] == 8
+    assert quant.stats.kv_bytes_after < plain.stats.kv_bytes_after / 2
 
 
 @pytest.mark.parametrize(

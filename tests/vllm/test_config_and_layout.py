@@ -13,7 +13,7 @@ from kvtrim.methods import get_method
 from kvtrim.scoring.partitions import kept_length
 from kvtrim.vllm.config import ENV_VAR, load_config, parse_config
 from kvtrim.vllm.evictor import PendingEviction, evict_layer
-from kvtrim.vllm.kv_layout import probe_layout
+from kvtrim.vllm.kv_layout import entry_format, probe_layout
 
 
 def test_keep_count_follows_budget_ratio_and_lag_partitions():
@@ -182,3 +182,121 @@ def test_evict_layer_uses_the_layers_own_pyramid_count():
     want, _ = layout.read(cache2, blocks, 5)
     assert torch.equal(got, want)
     assert not torch.equal(got, keys[:5])
+
+
+# ------------------------------------------------------------------------------------------------ fp8 caches
+class _Fp8TransposedImpl(_TransposedImpl):
+    """The transposed layout of a ``uint8`` fp8 cache: each element is the byte of ``x / scale`` as a float8 number,
+    rounded toward zero as vLLM's CPU kernel does (per-tensor ``k_scale`` / ``v_scale`` from the layer)."""
+
+    def __init__(self, kv_heads, head_dim, block, kv_cache_dtype="fp8"):
+        super().__init__(kv_heads, head_dim, block)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+
+    def encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        x = (x.float() / scale).clamp(-448.0, 448.0)
+        code = x.to(self.fp8).view(torch.uint8)
+        over = code.view(self.fp8).float().abs() > x.abs()  # rounded away from zero: one step back
+        return torch.where(over & ((code & 0x7F) > 0), code - 1, code)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        scales = (1.0, 1.0) if layer is None else (layer._k_scale_float, layer._v_scale_float)
+        super().do_kv_cache_update(layer, self.encode(key, scales[0]), self.encode(value, scales[1]), kv_cache,
+                                   slot_mapping)  # fmt: skip
+
+
+class _Layer:
+    def __init__(self, k_scale: float, v_scale: float):
+        self._k_scale_float, self._v_scale_float = k_scale, v_scale
+
+
+def _fp8_prompt(impl, cache, p, blocks, scales, seed=0):
+    torch.manual_seed(seed)
+    keys, values = torch.randn(p, impl.num_kv_heads, impl.head_size), torch.randn(p, impl.num_kv_heads, impl.head_size)
+    slots = blocks.repeat_interleave(impl.block) * impl.block + torch.arange(len(blocks) * impl.block) % impl.block
+    impl.do_kv_cache_update(_Layer(*scales), keys, values, cache, slots[:p])
+    return keys, values
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_probe_learns_an_fp8_layout_whatever_the_layers_scales(kv_cache_dtype):
+    h, d, bs = 3, 8, 16  # 16 slots: two base-8 digits
+    impl = _Fp8TransposedImpl(h, d, bs, kv_cache_dtype)
+    cache = torch.zeros(6, h, bs, 2 * d, dtype=torch.uint8)
+    layout = probe_layout(impl, _Layer(0.37, 3.0), cache, torch.float32)  # the probe writes with unit scales
+    assert layout.entry.fp8 == impl.fp8 and layout.entry.kv_cache_dtype == kv_cache_dtype
+    blocks = torch.tensor([5, 2])
+    keys, values = _fp8_prompt(impl, cache, 20, blocks, (0.37, 3.0))
+    k, v = layout.read(cache, blocks, 20)
+    assert k.dtype == torch.uint8
+    assert torch.equal(k, impl.encode(keys, 0.37)) and torch.equal(v, impl.encode(values, 3.0))
+    decoded = layout.entry.decode(k, 0.37, torch.float32)  # code · k_scale: within one fp8 step of the keys
+    assert torch.equal(decoded, impl.encode(keys, 0.37).view(impl.fp8).float() * 0.37)
+    assert bool(((decoded - keys).abs() <= 0.25 * keys.abs() + 1e-3).all())  # 2 mantissa bits at worst (e5m2)
+
+
+def test_fp8_eviction_scores_decoded_keys_and_moves_the_bytes():
+    h, d, bs, p, keep = 2, 8, 4, 15, 7
+    impl, scales = _Fp8TransposedImpl(h, d, bs), (0.05, 0.2)
+    cache = torch.zeros(8, h, bs, 2 * d, dtype=torch.uint8)
+    layout = probe_layout(impl, _Layer(*scales), cache, torch.float32)
+    blocks = torch.tensor([3, 0, 5, 2])
+    _fp8_prompt(impl, cache, p, blocks, scales, seed=3)
+    stored_k, stored_v = layout.read(cache, blocks, p)
+    query = torch.randn(p, 2 * h, d, generator=torch.Generator().manual_seed(99))  # codes at scale 1 pick others
+    pipeline = get_method("snapkv", window=4, kernel=3)
+    evict_layer(pipeline, layout, cache, query, PendingEviction("r", 0, p, p, keep, blocks), 0, 1, d**-0.5, None,
+                scales=scales)  # fmt: skip
+    k, v = layout.read(cache, blocks, keep)
+    # Reference: the same SnapKV rule as above, on the keys attention sees (code · k_scale).
+    keys = layout.entry.decode(stored_k, scales[0], torch.float32)
+    q = query[-4:].view(4, h, 2, d)
+    att = torch.softmax(torch.einsum("whgd,phd->hgwp", q, keys) * d**-0.5 + _causal(p, 4), dim=-1)
+    score = torch.nn.functional.max_pool1d(att.mean(2).mean(1).unsqueeze(1), 3, 1, 1).squeeze(1)
+    score[:, -4:] = float("inf")
+    idx = score.topk(keep, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(k, stored_k[idx.T, torch.arange(h)])  # the kept bytes, unchanged
+    assert torch.equal(v, stored_v[idx.T, torch.arange(h)])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "why"),
+    [
+        ("int8_per_token_head", "scale per \\(token, head\\)"),
+        ("fp8_per_token_head", "scale per \\(token, head\\)"),
+        ("nvfp4", "two 4-bit codes per byte"),
+        ("turboquant_k8v4", "sub-byte codes"),
+        ("fp8_ds_mla", "MLA latent cache"),
+        ("fp8_inc", "Gaudi"),
+    ],
+)
+def test_cache_formats_that_are_not_one_element_per_entry_are_refused(dtype, why):
+    with pytest.raises(InvalidParameterError, match=rf"kv_cache_dtype='{dtype}'.*must be one of.*{why}"):
+        entry_format(dtype)
+
+
+def test_fp8_and_plain_formats_pass():
+    assert entry_format("fp8_e5m2").fp8 == torch.float8_e5m2 and entry_format("fp8").fp8 == torch.float8_e4m3fn
+    assert entry_format("auto").fp8 is None and entry_format("bfloat16").fp8 is None
+    assert entry_format("fp8", fnuz=True).fp8 == torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize("impl_class", [_TransposedImpl, _Fp8TransposedImpl])
+def test_one_head_sub_pages_of_a_head_major_layout(impl_class):
+    h, d, bs = 3, 8, 4
+    dtype = torch.uint8 if impl_class is _Fp8TransposedImpl else torch.float32
+    layout = probe_layout(impl_class(h, d, bs), None, torch.zeros(4, h, bs, 2 * d, dtype=dtype), torch.float32)
+    sub = layout.one_head()
+    # the same map a probe of the one-head view learns (sub-page b·H + h is head h's slice of block b)
+    direct = probe_layout(impl_class(1, d, bs), None, torch.zeros(12, 1, bs, 2 * d, dtype=dtype), torch.float32)
+    assert torch.equal(sub.key_index, direct.key_index) and torch.equal(sub.value_index, direct.value_index)
+    assert sub.block_stride == direct.block_stride == 2 * bs * d
+    cache = torch.zeros(4, h, bs, 2 * d, dtype=dtype)
+    keys = torch.randint(1, 100, (5, 1, d)).to(dtype)
+    values = torch.randint(1, 100, (5, 1, d)).to(dtype)
+    slots = torch.tensor([7 * bs + 1, 7 * bs + 2, 2 * bs, 11 * bs + 3, 0])  # sub-pages 7, 2, 11, 0
+    sub.write_slots(cache, slots, keys, values)
+    k, v = layout.read(cache, torch.tensor([2]), bs)  # block 2 = sub-pages 6, 7, 8: head 1 holds two of them
+    assert torch.equal(k[1:3, 1], keys[:2, 0]) and torch.equal(v[1:3, 1], values[:2, 0])
+    assert int((cache != 0).sum()) == 5 * 2 * d

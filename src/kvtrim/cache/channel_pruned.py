@@ -5,6 +5,14 @@ A :class:`ChannelPrunedStore` wraps a :class:`~kvtrim.cache.dense.DenseStore` or
 KV head), together with the indices of those channels ``[batch, kv_heads, d_kept]``. Values keep their full
 head dimension. Memory drops for real: the key buffers are ``d_kept`` wide.
 
+With quantized entries (``kv_quant``) the inner store is a
+:class:`~kvtrim.cache.quantized_dense.QuantizedDenseStore` or
+:class:`~kvtrim.cache.quantized_ragged.QuantizedRaggedStore` whose keys hold ``d_kept`` channels: packed key codes
+``ceil(d_kept·bits/8)`` bytes per entry and per-channel key scales and zero points over the kept channels only;
+values stay quantized per token over the full head dimension. A key scale belongs to one channel of one group, so
+pruning moves the kept channels' codes and scales unchanged (the pruned keys are exactly the quantized keys on
+those channels), and keys appended later are quantized in groups over the kept channels.
+
 Attention gathers each query head's channels to the kept channels of its KV head, so ``q[kept] · k[kept]`` is
 the dot product with the pruned channels dropped (equal to ``q · k`` with those key channels zeroed); the scale
 stays ``1/sqrt(head_dim)`` of the unpruned model. Tokens appended later (decoding, questions) are pruned to the
@@ -16,7 +24,12 @@ from __future__ import annotations
 import torch
 
 from .dense import DenseStore
+from .quant import KVQuant
+from .quantized_dense import QuantizedDenseStore
+from .quantized_ragged import QuantizedRaggedStore
 from .ragged import RaggedStore
+
+InnerStore = DenseStore | RaggedStore | QuantizedDenseStore | QuantizedRaggedStore
 
 
 def gather_channels(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
@@ -26,7 +39,7 @@ def gather_channels(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
 
 
 class ChannelPrunedStore:
-    """A dense or ragged store holding channel-pruned keys plus the kept channel indices.
+    """A dense or ragged store, quantized or not, holding channel-pruned keys plus the kept channel indices.
 
     Attributes:
         inner: the store of ``(pruned keys [.., d_kept], values [.., head_dim], positions)``
@@ -34,17 +47,19 @@ class ChannelPrunedStore:
         head_dim: the unpruned key head dimension
     """
 
-    def __init__(self, inner: DenseStore | RaggedStore, channels: torch.Tensor, head_dim: int):
+    def __init__(self, inner: InnerStore, channels: torch.Tensor, head_dim: int):
         self.inner = inner
         self.channels = channels
         self.head_dim = head_dim
 
     @classmethod
-    def prune(cls, store: DenseStore | RaggedStore, channels: torch.Tensor) -> ChannelPrunedStore:
+    def prune(cls, store: InnerStore, channels: torch.Tensor) -> ChannelPrunedStore:
         """Keep only ``channels`` ``[batch, kv_heads, d_kept]`` of ``store``'s keys (a new store; values, positions
-        and slot statistics are shared with ``store``)."""
+        and slot statistics are shared with ``store``). Quantized keys keep their codes and per-channel scales."""
         if isinstance(store, ChannelPrunedStore):
             raise ValueError("the keys of this store are already channel-pruned")
+        if isinstance(store, (QuantizedDenseStore, QuantizedRaggedStore)):
+            return cls(store.with_key_channels(channels), channels, store.head_dim)
         b, h, dk = channels.shape
         if isinstance(store, DenseStore):
             keys = gather_channels(store.keys, channels).contiguous()
@@ -67,6 +82,11 @@ class ChannelPrunedStore:
     @property
     def layout(self) -> str:
         return self.inner.layout
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        """The entry format of the inner store (None: entries in the model's dtype)."""
+        return self.inner.kv_quant if isinstance(self.inner, (QuantizedDenseStore, QuantizedRaggedStore)) else None
 
     @property
     def kept_channels(self) -> int:
@@ -135,7 +155,8 @@ class ChannelPrunedStore:
         return self.inner.entries_per_head()
 
     def nbytes(self) -> int:
-        """Bytes of the (pruned) key and value buffers."""
+        """Bytes of the (pruned) key and value buffers (packed codes, scales, zero points and full-precision window
+        when quantized)."""
         return self.inner.nbytes()
 
     def index_nbytes(self) -> int:

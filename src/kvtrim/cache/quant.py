@@ -9,7 +9,8 @@
   ``x ~ zero + code * scale``. Scales and zero points are float16, and codes are computed from the float16-rounded
   scale and zero point, so the error of an element is at most half a step plus the float16 rounding of ``zero``.
 * ``int8``: one code per byte. ``int4``: two codes per byte along the last axis, the even channel in the low nibble
-  and the odd channel in the high nibble (``byte = c[2i] | c[2i+1] << 4``).
+  and the odd channel in the high nibble (``byte = c[2i] | c[2i+1] << 4``); an odd number of channels (keys pruned
+  to an odd count of channels, ThinK) ends with a byte whose high nibble is unused (zero).
 * ``fp8``: float8 e4m3 (``torch.float8_e4m3fn``, largest finite value 448), symmetric: the same groups, a scale of
   ``max |x| / 448`` per group and a zero point of 0; the code byte is the float8 number's bit pattern (a uint8 view),
   so codes, scales and zero points keep the integer formats' shapes and every store holds them the same way. A code
@@ -36,9 +37,11 @@ __all__ = [
     "dequantize_keys",
     "dequantize_values",
     "pack_codes",
+    "packed_width",
     "quantize_keys",
     "quantize_values",
     "resolve_kv_quant",
+    "take_code_channels",
     "unpack_codes",
     "unpack_codes_as",
 ]
@@ -158,27 +161,46 @@ def resolve_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
 
 
 # ---------------------------------------------------------------------------------------------------- packing
+def packed_width(d: int, bits: int) -> int:
+    """Bytes that hold ``d`` codes of ``bits`` bits (``ceil(d * bits / 8)``)."""
+    return -(-d * bits // 8)
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., d]`` integer codes in ``[0, 2**bits)`` -> ``[..., d * bits / 8]`` uint8."""
+    """``[..., d]`` integer codes in ``[0, 2**bits)`` -> ``[..., ceil(d * bits / 8)]`` uint8 (an odd ``d`` at 4 bits
+    leaves the last byte's high nibble zero)."""
     codes = codes.to(torch.uint8)
     if bits == 8:
         return codes
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    low, high = codes[..., 0::2], codes[..., 1::2]
+    if high.shape[-1] < low.shape[-1]:
+        return torch.cat([low[..., :-1] | (high << 4), low[..., -1:]], dim=-1)
+    return low | (high << 4)
 
 
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., d * bits / 8]`` uint8 -> ``[..., d]`` uint8 codes (inverse of :func:`pack_codes`)."""
+def unpack_codes(packed: torch.Tensor, bits: int, width: int | None = None) -> torch.Tensor:
+    """``[..., ceil(d * bits / 8)]`` uint8 -> ``[..., d]`` uint8 codes (inverse of :func:`pack_codes`; ``width`` =
+    ``d``, None: every nibble)."""
     if bits == 8:
         return packed
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    return codes if width is None else codes[..., :width]
+
+
+def take_code_channels(packed: torch.Tensor, index: torch.Tensor, bits: int, width: int) -> torch.Tensor:
+    """The packed codes of some channels: ``packed`` ``[..., ceil(width * bits / 8)]`` uint8 holding ``width``
+    channels, ``index`` ``[..., k]`` (the same leading shape) the channels to take, in order -> ``[..., ceil(k * bits
+    / 8)]`` uint8. Codes move unchanged (a per-channel key scale moves with its channel, so the entries they stand
+    for are exactly the same)."""
+    return pack_codes(torch.gather(unpack_codes(packed, bits, width), -1, index), bits)
 
 
 def unpack_codes_as(
     packed: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None, *, fp8: bool = False
 ) -> torch.Tensor:
     """``[..., d * bits / 8]`` uint8 -> the codes as numbers ``[..., d]`` in ``dtype`` (written into ``out`` when
-    given), in one pass: what a caller that applies the scales itself (after a matmul) multiplies with. ``fp8``:
-    the bytes are float8 e4m3 numbers (:attr:`KVQuant.is_float`)."""
+    given, whose last axis is then ``d``), in one pass: what a caller that applies the scales itself (after a
+    matmul) multiplies with. ``fp8``: the bytes are float8 e4m3 numbers (:attr:`KVQuant.is_float`)."""
     return _codes_into(packed, bits, dtype, out, fp8)
 
 
@@ -238,13 +260,21 @@ def dequantize_values(
 
 
 def _codes_into(
-    codes: torch.Tensor, bits: int, dtype: torch.dtype, out: torch.Tensor | None, fp8: bool = False
+    codes: torch.Tensor,
+    bits: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+    fp8: bool = False,
+    width: int | None = None,
 ) -> torch.Tensor:
-    """The unpacked codes of ``codes`` ``[..., d * bits / 8]`` written as numbers into ``out`` ``[..., d]`` (a new
-    tensor of ``dtype`` when None). Writing in place, then scaling in place, is about 3x faster on CPU than
-    converting the codes to a new tensor and combining them with ``addcmul``."""
-    d = codes.shape[-1] * 8 // bits
-    if out is None:
+    """The unpacked codes of ``codes`` ``[..., ceil(d * bits / 8)]`` written as numbers into ``out`` ``[..., d]`` (a
+    new tensor of ``dtype`` when None; ``d`` is ``out``'s last axis, else ``width``, else every nibble). Writing in
+    place, then scaling in place, is about 3x faster on CPU than converting the codes to a new tensor and combining
+    them with ``addcmul``."""
+    if out is not None:
+        d = out.shape[-1]
+    else:
+        d = codes.shape[-1] * 8 // bits if width is None else width
         out = torch.empty((*codes.shape[:-1], d), dtype=dtype, device=codes.device)
     if fp8:
         out.copy_(codes.view(FP8_DTYPE))
@@ -252,7 +282,7 @@ def _codes_into(
         out.copy_(codes)
     else:
         out[..., 0::2].copy_(codes & 0xF)
-        out[..., 1::2].copy_(codes >> 4)
+        out[..., 1::2].copy_((codes >> 4)[..., : d // 2])
     return out
 
 
@@ -266,7 +296,8 @@ def quantize_keys(
     widen their group's steps (their own codes are clamped to the range of the others).
 
     Returns:
-        codes ``[..., n, d * bits / 8]`` uint8, scale and zero ``[..., n / group_size, d]`` float16
+        codes ``[..., n, ceil(d * bits / 8)]`` uint8 (``d`` may be odd: keys pruned to some channels), scale and zero
+        ``[..., n / group_size, d]`` float16
     """
     n, g = x.shape[-2], fmt.group_size
     if n % g:
@@ -297,8 +328,9 @@ def dequantize_keys(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
-    out = _codes_into(codes, fmt.bits, dtype, out, fmt.is_float)
+    """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given; ``d`` is the
+    scales' last axis)."""
+    out = _codes_into(codes, fmt.bits, dtype, out, fmt.is_float, width=scale.shape[-1])
     groups = scale.shape[-2]
     grouped = out.unflatten(-2, (groups, out.shape[-2] // groups))
     grouped.mul_(scale.to(dtype)[..., None, :]).add_(zero.to(dtype)[..., None, :])

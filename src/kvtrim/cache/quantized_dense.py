@@ -1,7 +1,8 @@
 """A dense layer store whose entries are held quantized (int8 / int4, :mod:`kvtrim.cache.quant`).
 
 Every KV head holds the same number of slots, as in :class:`~kvtrim.cache.dense.DenseStore`. The slots are split
-in two parts that together hold ``length`` entries, oldest first:
+in two parts that together hold ``length`` entries, oldest first (``d`` is ``head_dim``; keys pruned to
+``key_dim < head_dim`` channels, ThinK, have ``key_dim`` wherever a key shape below says ``d``):
 
 * the quantized part: ``nq`` slots (a multiple of ``group_size``), key codes ``[batch, kv_heads, nq, d*bits/8]``
   with per-channel scales and zero points ``[batch, kv_heads, nq/group_size, d]``, value codes of the same shape
@@ -29,7 +30,15 @@ import torch
 from .attention import grouped_attention
 from .dense import INVALID, DenseStore, SlotBookkeeping
 from .packed_attention import attend_padded
-from .quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .quant import (
+    KVQuant,
+    dequantize_keys,
+    dequantize_values,
+    packed_width,
+    quantize_keys,
+    quantize_values,
+    take_code_channels,
+)
 
 __all__ = ["QuantizedDenseStore"]
 
@@ -42,26 +51,38 @@ class QuantizedDenseStore(SlotBookkeeping):
         kv_quant: the entry format
         dtype: the model's dtype (of the window and of dequantized entries)
         length: filled slots (quantized part + window)
+        head_dim, key_dim: channels of a value and of a key (``key_dim < head_dim`` once key channels are pruned,
+            :class:`~kvtrim.cache.channel_pruned.ChannelPrunedStore`)
     """
 
     layout = "dense-quantized"
     rescorable = True
 
-    def __init__(self, kv_quant: KVQuant, dtype: torch.dtype, batch: int, kv_heads: int, head_dim: int, device):
+    def __init__(
+        self,
+        kv_quant: KVQuant,
+        dtype: torch.dtype,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        device,
+        key_dim: int | None = None,
+    ):
         kv_quant.check_head_dim(head_dim)
         self.kv_quant = kv_quant
         self.dtype = dtype
-        packed = head_dim // kv_quant.codes_per_byte
-        vgroups = head_dim // kv_quant.value_group_for(head_dim)
         b, h, d = batch, kv_heads, head_dim
+        dk = d if key_dim is None else key_dim
+        vgroups = d // kv_quant.value_group_for(d)
 
         def empty(*shape, dtype=torch.uint8):
             return torch.empty(*shape, dtype=dtype, device=device)
 
-        self._kc, self._vc = empty(b, h, 0, packed), empty(b, h, 0, packed)
-        self._ks, self._kz = empty(b, h, 0, d, dtype=torch.float16), empty(b, h, 0, d, dtype=torch.float16)
+        self._kc = empty(b, h, 0, packed_width(dk, kv_quant.bits))
+        self._vc = empty(b, h, 0, d // kv_quant.codes_per_byte)
+        self._ks, self._kz = empty(b, h, 0, dk, dtype=torch.float16), empty(b, h, 0, dk, dtype=torch.float16)
         self._vs, self._vz = empty(b, h, 0, vgroups, dtype=torch.float16), empty(b, h, 0, vgroups, dtype=torch.float16)
-        self._wk, self._wv = empty(b, h, 0, d, dtype=dtype), empty(b, h, 0, d, dtype=dtype)
+        self._wk, self._wv = empty(b, h, 0, dk, dtype=dtype), empty(b, h, 0, d, dtype=dtype)
         self._pos = empty(b, h, 0, dtype=torch.long)
         self.length = 0
         self._stats: dict[str, torch.Tensor] = {}
@@ -70,15 +91,22 @@ class QuantizedDenseStore(SlotBookkeeping):
 
     @classmethod
     def empty(
-        cls, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, kv_quant: KVQuant
+        cls,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        kv_quant: KVQuant,
+        key_dim: int | None = None,
     ) -> QuantizedDenseStore:
-        return cls(kv_quant, dtype, batch, kv_heads, head_dim, device)
+        return cls(kv_quant, dtype, batch, kv_heads, head_dim, device, key_dim)
 
     @classmethod
     def from_dense(cls, dense: DenseStore, kv_quant: KVQuant) -> QuantizedDenseStore:
         """Quantize the entries of ``dense`` (left unchanged) in slot order, keeping its positions and statistics."""
-        b, h, _, d = dense.keys.shape
-        store = cls(kv_quant, dense.keys.dtype, b, h, d, dense.keys.device)
+        b, h, _, dk = dense.keys.shape
+        store = cls(kv_quant, dense.keys.dtype, b, h, dense.values.shape[-1], dense.keys.device, dk)
         store._wk, store._wv = dense.keys.clone(), dense.values.clone()
         store._pos = dense.positions.clone()
         store.length = dense.length
@@ -108,11 +136,17 @@ class QuantizedDenseStore(SlotBookkeeping):
 
     @property
     def head_dim(self) -> int:
+        """Channels of a value (the model's head dimension)."""
+        return self._wv.shape[-1]
+
+    @property
+    def key_dim(self) -> int:
+        """Channels of a key (``head_dim`` unless key channels were pruned)."""
         return self._wk.shape[-1]
 
     @property
     def keys(self) -> torch.Tensor:
-        """``[batch, kv_heads, length, head_dim]`` the keys as attention sees them (a dequantized copy)."""
+        """``[batch, kv_heads, length, key_dim]`` the keys as attention sees them (a dequantized copy)."""
         return self.dequantized()[0]
 
     @property
@@ -130,15 +164,16 @@ class QuantizedDenseStore(SlotBookkeeping):
             k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype)
             return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype)
         # dequantize straight into the layer's buffer, the window after it (no concatenation copy)
-        shape = (*self._wk.shape[:2], self.length, self.head_dim)
-        k = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self._wk.device)
+        shape = (*self._wk.shape[:2], self.length)
+        k = torch.empty(*shape, self.key_dim, dtype=self.dtype, device=self._wk.device)
+        v = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self._wk.device)
         self.dequantize_into(k, v)
         return k, v
 
     def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write the entries, as attention sees them, into ``keys`` / ``values`` ``[batch, kv_heads, length,
-        head_dim]`` (views of a larger buffer allowed): the quantized part dequantized, then the window."""
+        """Write the entries, as attention sees them, into ``keys`` ``[batch, kv_heads, length, key_dim]`` and
+        ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the quantized part
+        dequantized, then the window."""
         fmt, nq = self.kv_quant, self.quantized_length
         if nq:
             dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, out=keys[:, :, :nq])
@@ -184,7 +219,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         """Append ``q`` new tokens to every head (see :meth:`DenseStore.append`).
 
         Args:
-            keys, values: ``[batch, kv_heads, q, head_dim]``
+            keys, values: ``[batch, kv_heads, q, key_dim]``, ``[batch, kv_heads, q, head_dim]``
             positions: ``[batch, q]`` logical positions, ``-1`` for padding tokens
         """
         q = keys.shape[2]
@@ -211,8 +246,9 @@ class QuantizedDenseStore(SlotBookkeeping):
         """
         fmt, old_nq, k = self.kv_quant, self.quantized_length, indices.shape[2]
         keys, values = self.dequantized()
-        idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
-        kept_k, kept_v = torch.gather(keys, 2, idx), torch.gather(values, 2, idx)
+        idx = indices.unsqueeze(-1)
+        kept_k = torch.gather(keys, 2, idx.expand(-1, -1, -1, self.key_dim))
+        kept_v = torch.gather(values, 2, idx.expand(-1, -1, -1, self.head_dim))
         del keys, values
         nq = max(k - fmt.residual, 0) // fmt.group_size * fmt.group_size
         pos = torch.gather(self.positions, 2, indices)
@@ -237,6 +273,26 @@ class QuantizedDenseStore(SlotBookkeeping):
         self.length = k
         self.all_valid = bool((self._pos >= 0).all())
         self._fresh = None
+
+    def with_key_channels(self, channels: torch.Tensor) -> QuantizedDenseStore:
+        """A new store whose keys hold only ``channels`` ``[batch, kv_heads, d_kept]`` of this store's key channels
+        (ThinK); values, positions and statistics are shared with this store.
+
+        A key scale and zero point belong to one channel of one group, so the kept channels keep their codes, scales
+        and zero points unchanged: the new store's keys, dequantized, are exactly this store's on those channels."""
+        b, h, dk = channels.shape
+        out = QuantizedDenseStore(self.kv_quant, self.dtype, b, h, self.head_dim, self._pos.device, dk)
+
+        def index(n: int) -> torch.Tensor:
+            return channels[:, :, None, :].expand(-1, -1, n, -1)
+
+        out._kc = take_code_channels(self._kc, index(self.quantized_length), self.kv_quant.bits, self.key_dim)
+        out._ks, out._kz = (torch.gather(t, 3, index(t.shape[2])) for t in (self._ks, self._kz))
+        out._wk = torch.gather(self._wk, 3, index(self.window_length))
+        out._vc, out._vs, out._vz, out._wv = self._vc, self._vs, self._vz, self._wv
+        out._pos, out.length, out.all_valid = self._pos, self.length, self.all_valid
+        out._stats = dict(self._stats)
+        return out
 
     # ------------------------------------------------------------------ KVStore protocol
     def to_dense(self) -> QuantizedDenseStore:
@@ -270,7 +326,7 @@ class QuantizedDenseStore(SlotBookkeeping):
     def copy(self) -> QuantizedDenseStore:
         """An independent copy holding exactly the filled slots."""
         out = QuantizedDenseStore(
-            self.kv_quant, self.dtype, self.batch_size, self.kv_heads, self.head_dim, self._pos.device
+            self.kv_quant, self.dtype, self.batch_size, self.kv_heads, self.head_dim, self._pos.device, self.key_dim
         )
         out._kc, out._ks, out._kz, out._vc, out._vs, out._vz, out._wk, out._wv = (t.clone() for t in self._tensors())
         out._pos = self.positions.clone()

@@ -12,6 +12,9 @@ Methods with per-head budgets (AdaKV, HeadKV, KVzip, DuoAttention, …) keep a d
   * values: codes ``[slots, head_dim*bits/8]``, per-token scale and zero point ``[slots, head_dim/value_group]``;
   * positions ``[slots]``.
 
+  Keys pruned to ``key_dim < head_dim`` channels (ThinK, :meth:`with_key_channels`) have ``key_dim`` in place of
+  ``head_dim`` in the key shapes.
+
   It does not grow: no slack, no appends (truncation only shortens ``length``).
 * the **tail**, everything appended after the compaction (decoding steps, a question chunk) and, with
   ``residual > 0``, each row's newest ``residual`` kept entries: a :class:`QuantizedDenseStore` (every row gains the
@@ -33,7 +36,7 @@ import torch
 
 from .dense import INVALID, DenseStore
 from .packed_attention import attend_padded, gather_index, gather_rows, ragged_mask
-from .quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values, take_code_channels
 from .quantized_dense import QuantizedDenseStore
 from .ragged import _ranges
 
@@ -159,6 +162,24 @@ class QuantizedRaggedStore:
             n_kept.clone(), groups.cumsum(0) - groups, tail,
         )  # fmt: skip
 
+    def with_key_channels(self, channels: torch.Tensor) -> QuantizedRaggedStore:
+        """A new store whose keys hold only ``channels`` ``[batch, kv_heads, d_kept]`` of this store's key channels
+        (ThinK), in the kept part and the tail; values, positions and row bookkeeping are shared with this store.
+        Every slot and key group of row ``r = b * kv_heads + h`` keeps the channels of ``(b, h)`` with their codes,
+        scales and zero points unchanged (as :meth:`QuantizedDenseStore.with_key_channels`)."""
+        b, h, dk = channels.shape
+        rows = torch.arange(b * h, device=channels.device)
+        per_row = channels.reshape(b * h, dk)
+        slot_row = torch.repeat_interleave(rows, self.capacity, output_size=self._kc.shape[0])
+        groups = _ceil_div(self.capacity, self.kv_quant.group_size)
+        group_row = torch.repeat_interleave(rows, groups, output_size=self._ks.shape[0])
+        kc = take_code_channels(self._kc, per_row[slot_row], self.kv_quant.bits, self.key_dim)
+        ks, kz = (t.gather(1, per_row[group_row]) for t in (self._ks, self._kz))
+        return QuantizedRaggedStore(
+            self.kv_quant, self.dtype, (kc, ks, kz, self._vc, self._vs, self._vz), self._pos, self.start,
+            self.length, self.capacity, self.group_start, self.tail.with_key_channels(channels),
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ views
     @property
     def batch_size(self) -> int:
@@ -170,7 +191,13 @@ class QuantizedRaggedStore:
 
     @property
     def head_dim(self) -> int:
+        """Channels of a value (the model's head dimension)."""
         return self.tail.head_dim
+
+    @property
+    def key_dim(self) -> int:
+        """Channels of a key (``head_dim`` unless key channels were pruned)."""
+        return self.tail.key_dim
 
     @property
     def is_empty(self) -> bool:
@@ -188,13 +215,14 @@ class QuantizedRaggedStore:
         return torch.cat([kept, self.tail.positions], dim=-1)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` of a padded view ``[batch, kv_heads, width + tail, head_dim]`` in the model's dtype:
+        """``(keys, values)`` of a padded view ``[batch, kv_heads, width + tail, key_dim / head_dim]`` in the model's
+        dtype:
         every row's kept part (the columns past its entries hold arbitrary finite values), then the tail. A
         transient copy of this layer."""
-        b, h, d, w, fmt = self.batch_size, self.kv_heads, self.head_dim, self._width, self.kv_quant
-        shape = (b, h, w + self.tail.length, d)
-        keys = torch.empty(shape, dtype=self.dtype, device=self._pos.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self._pos.device)
+        b, h, w, fmt = self.batch_size, self.kv_heads, self._width, self.kv_quant
+        shape = (b, h, w + self.tail.length)
+        keys = torch.empty(*shape, self.key_dim, dtype=self.dtype, device=self._pos.device)
+        values = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self._pos.device)
         if w:
             kc, vc = gather_rows(self._kc, self._index, b, h), gather_rows(self._vc, self._index, b, h)
             ks, kz = gather_rows(self._ks, self._group_index, b, h), gather_rows(self._kz, self._group_index, b, h)

@@ -124,11 +124,6 @@ def compress_cache(
                 f"method {pipeline.name!r} merges evicted values into kept entries, which quantized entries (kv_quant="
                 f"{layer.store.kv_quant.name!r}) do not support yet; use kv_quant=None with it"
             )
-        if pipeline.channels is not None and getattr(layer.store, "kv_quant", None) is not None:
-            raise InvalidParameterError(
-                f"method {pipeline.name!r} prunes key channels, which quantized entries (kv_quant="
-                f"{layer.store.kv_quant.name!r}) do not support yet; use kv_quant=None with it"
-            )
     first = layers[0].store
     context = (first.positions.amax(dim=(1, 2)) + 1).clamp(min=0)  # [batch]
     keep = torch.tensor([spec.keep_count(int(t)) for t in context.tolist()], device=context.device)

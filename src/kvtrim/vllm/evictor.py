@@ -1,4 +1,8 @@
-"""Scoring, selecting and compacting one request's prompt entries in one layer of vLLM's paged cache."""
+"""Scoring, selecting and compacting one request's prompt entries in one layer of vLLM's paged cache.
+
+The method scores the entries as attention sees them (an fp8 cache: ``code · k_scale`` / ``code · v_scale``,
+:class:`~kvtrim.vllm.kv_layout.EntryFormat`); compaction moves the stored elements (fp8 bytes) unchanged.
+"""
 
 from __future__ import annotations
 
@@ -59,14 +63,18 @@ def _score_and_select(
     keep: int,
     module=None,
     budgets: torch.Tensor | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ):
     """Read the request's prompt in this layer, score it and select; ``(keys, values, selection, kept)``.
 
-    ``keys``/``values``: ``[p, kv_heads, d]``; ``kept``: ``[kv_heads]`` entries each head keeps. ``budgets``
-    ``[kv_heads]``: counts fixed in advance (HeadKV) instead of the allocator's.
+    ``keys``/``values``: ``[p, kv_heads, d]`` as stored (fp8: codes); ``kept``: ``[kv_heads]`` entries each head
+    keeps. ``budgets`` ``[kv_heads]``: counts fixed in advance (HeadKV) instead of the allocator's. ``scales``:
+    the layer's ``(k_scale, v_scale)`` of an fp8 cache (the scorer sees ``code · scale``).
     """
     p = pending.prompt_len
-    keys, values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
+    stored_keys, stored_values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
+    keys = layout.entry.decode(stored_keys, scales[0], query.dtype)
+    values = layout.entry.decode(stored_values, scales[1], query.dtype)
     kv_heads = keys.shape[1]
     device = keys.device
     window = pipeline.observation.window
@@ -106,7 +114,7 @@ def _score_and_select(
     else:
         budgets = budgets.to(device).view(1, kv_heads)
     selection = pipeline.selector.select(view, scores, budgets)
-    return keys, values, selection, selection.keep_mask[0].sum(-1)
+    return stored_keys, stored_values, selection, selection.keep_mask[0].sum(-1)
 
 
 def evict_layer(
@@ -120,6 +128,7 @@ def evict_layer(
     scaling: float,
     ratio: float | None,
     module=None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Keep ``pending.layer_keep[layer_idx]`` entries per KV head of this layer, compacted into its first slots.
 
@@ -127,12 +136,13 @@ def evict_layer(
         query: ``[num_tokens, q_heads, head_dim]`` the step's post-rotary queries (the request's last prompt
             queries are the observation window)
         module: the layer's attention module (``o_proj``: CriticalKV's projected value norms), or None
+        scales: the layer's ``(k_scale, v_scale)`` (an fp8 cache; ignored otherwise)
     Each KV head may keep different tokens (the count is what the block table fixes); kept entries stay in
-    position order, keys keep the rotation of their original position.
+    position order, keys keep the rotation of their original position, fp8 codes are moved as they are.
     """
     keep = pending.keep if pending.layer_keep is None else pending.layer_keep[layer_idx]
     keys, values, selection, kept = _score_and_select(
-        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, keep, module
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, keep, module, None, scales
     )
     kv_heads = keys.shape[1]
     if not bool((kept == keep).all()):
@@ -157,17 +167,19 @@ def evict_layer_heads(
     ratio: float | None,
     isa: str,
     module=None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> list[int]:
     """Per-head budgets: each KV head keeps its own count, written to its own one-head sub-pages.
 
     The method splits ``kv_heads · pending.head_budget`` entries among this layer's heads (AdaKV); each head's
     kept entries, in position order, go to the sub-pages ``pending.pages`` assigns it in this layer
-    (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``.
+    (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``. An fp8 cache's kept bytes are moved
+    into the sub-pages as they are (:meth:`~kvtrim.vllm.kv_layout.BlockLayout.one_head`), not encoded again.
     """
     budget = pending.head_budget
     fixed = None if pending.head_counts is None else torch.from_numpy(pending.head_counts[layer_idx])
     keys, values, selection, kept = _score_and_select(
-        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed, scales
     )
     kv_heads = keys.shape[1]
     counts = kept.cpu().numpy()
@@ -178,10 +190,15 @@ def evict_layer_heads(
             f"{total} in total: the request's blocks were sized for that total"
         )
     slots = pending.pages.place(layer_idx, counts)
+    sub_pages = layout.one_head() if layout.entry.fp8 is not None else None
     for h in range(kv_heads):
         if not counts[h]:
             continue
         index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
+        if sub_pages is not None:  # fp8: move the stored bytes
+            head_slots = torch.from_numpy(slots[h]).to(keys.device)
+            sub_pages.write_slots(kv_cache, head_slots, keys[index, h].unsqueeze(1), values[index, h].unsqueeze(1))
+            continue
         folded_cache_write(
             keys[index, h].unsqueeze(1),
             values[index, h].unsqueeze(1),

@@ -62,9 +62,17 @@ def _subpage_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def folded_cache_write(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, isa: str
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    isa: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
 ) -> None:
-    """Write ``key``/``value`` ``[N, H, D]`` to one-head slots ``[N, H]`` (``sub_page·bs + offset``; ``-1`` skips)."""
+    """Write ``key``/``value`` ``[N, H, D]`` to one-head slots ``[N, H]`` (``sub_page·bs + offset``; ``-1`` skips);
+    an fp8 cache (``kv_cache_dtype``) stores them encoded with the layer's ``k_scale`` / ``v_scale``."""
     from vllm import _custom_ops as ops
 
     n, heads, dim = key.shape
@@ -76,6 +84,9 @@ def folded_cache_write(
         value_cache,
         slots.reshape(-1).to(torch.long),
         isa,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -89,6 +100,9 @@ def folded_attention(
     scale: float,
     isa: str,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of each (request, KV head) over its own sub-pages; writes and returns ``output``.
 
@@ -99,6 +113,7 @@ def folded_attention(
         query_start_loc: ``[R + 1]`` the query rows of each request
         seq_lens: ``[R·H]`` entries of each (request, head) after this step's writes
         subpage_table: ``[R·H, P]`` int32 sub-page ids of each (request, head), in entry order
+        k_scale, v_scale, kv_cache_dtype: an fp8 cache's format and the layer's scales (as vLLM passes them)
     """
     from vllm import _custom_ops as ops
     from vllm import envs
@@ -122,6 +137,7 @@ def folded_attention(
         sliding_window_size=-1,
         isa=isa,
         enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=kv_cache_dtype,
     )
     key_cache, value_cache = _subpage_caches(kv_cache)
     ops.cpu_attention_with_kv_cache(
@@ -139,6 +155,9 @@ def folded_attention(
         softcap=softcap,
         scheduler_metadata=metadata,
         s_aux=None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
     )
     output.view(n, kv_heads, group, dim)[token, head] = out
     return output

@@ -27,6 +27,11 @@ def _layer_index(layer) -> int:
     return extract_layer_index(layer.layer_name)
 
 
+def _format(impl, layer) -> tuple[float, float, str]:
+    """``(k_scale, v_scale, kv_cache_dtype)`` as vLLM's own calls pass them (an fp8 cache: per-tensor scales)."""
+    return layer._k_scale_float, layer._v_scale_float, impl.kv_cache_dtype
+
+
 class HeadFoldingCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention impl; folds KV heads into the batch in steps with per-head requests."""
 
@@ -53,7 +58,7 @@ class HeadFoldingCPUAttentionImpl(CPUAttentionBackendImpl):
         slots = default_subpage_slots(slot_mapping, kv_cache.shape[1], kv_cache.shape[2])  # [n, H]
         for _, qs, qe, _, per_layer in step.rows:
             slots[qs:qe] = torch.from_numpy(per_layer[layer_idx]).to(slots.device)
-        folded_cache_write(key[:n], value[:n], kv_cache, slots, layer.isa)
+        folded_cache_write(key[:n], value[:n], kv_cache, slots, layer.isa, *_format(self, layer))
 
     def forward(
         self,
@@ -96,6 +101,7 @@ class HeadFoldingCPUAttentionImpl(CPUAttentionBackendImpl):
             self.scale,
             layer.isa,
             self.logits_soft_cap,
+            *_format(self, layer),
         )
         return output
 

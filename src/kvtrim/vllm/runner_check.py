@@ -162,7 +162,8 @@ def worker_stats(worker) -> dict:
 
     Keys: ``runner`` (:func:`runner_name`), ``configured`` (a kvtrim configuration is active),
     ``requests_compressed`` (requests whose prompt entries this worker compacted), ``layer_evictions``
-    ((request, layer) pairs compacted), ``num_layers`` (attention layers on this worker; 0 before the first step).
+    ((request, layer) pairs compacted), ``num_layers`` (attention layers on this worker; 0 before the first step),
+    ``kv_cache_dtypes`` (the ``kv_cache_dtype`` of every block layout the worker probed, sorted).
     """
     runner = getattr(worker, "model_runner", None)
     state = getattr(runner, "_kvtrim_state", None)
@@ -172,6 +173,7 @@ def worker_stats(worker) -> dict:
         "requests_compressed": 0 if state is None else state.evictions,
         "layer_evictions": 0 if state is None else state.layer_evictions,
         "num_layers": 0 if state is None else state.num_layers,
+        "kv_cache_dtypes": [] if state is None else sorted({v.entry.kv_cache_dtype for v in state.layouts.values()}),
     }
 
 

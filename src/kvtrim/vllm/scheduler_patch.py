@@ -1,7 +1,8 @@
 """Scheduler side: return the blocks of evicted prompt entries to vLLM's pool and count kept slots only.
 
-Patched (vLLM V1): ``Scheduler.__init__`` (read the configuration, refuse prefix caching and hybrid models, and
-a scheduler or coordinator class on which a wrapper below is overridden),
+Patched (vLLM V1): ``Scheduler.__init__`` (read the configuration, refuse prefix caching, hybrid models, a KV
+cache format the worker cannot compact, and a scheduler or coordinator class on which a wrapper below is
+overridden),
 ``Scheduler._update_after_schedule`` (when a request's last prompt chunk is scheduled, free the blocks past
 ``keep`` right away: the worker compacts the kept entries into the first blocks in that same step, before any
 later step can reuse the freed ones), ``KVCacheCoordinator.get_num_blocks_to_allocate`` /
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidParameterError
 from .config import VLLMEvictionConfig, load_config
+from .kv_layout import entry_format
 from .wrappers import UnpatchedVLLMError, bypassed, wrap
 
 PATCHED_SCHEDULER_METHODS = ("_update_after_schedule",)  # besides __init__, which runs the check itself
@@ -43,6 +45,8 @@ def model_num_layers(vllm_config) -> int:
 
 def _check_supported(scheduler) -> None:
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    entry_format(scheduler.cache_config.cache_dtype)  # refuses a cache format the worker cannot compact
 
     if scheduler.cache_config.enable_prefix_caching:
         raise ValueError(

@@ -387,6 +387,12 @@ def _module_view(state: WorkerState, name: str):
     return entry
 
 
+def _fp8_fnuz() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_fp8_fnuz())
+
+
 def _layer_index(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -400,10 +406,11 @@ def _patch_forward(orig):
         state = _ACTIVE
         if state is None or not state.pending or attn_metadata is None:
             return out
-        layout_key = (type(self), tuple(kv_cache.shape[1:]), kv_cache.dtype)
+        cache_dtype = getattr(self, "kv_cache_dtype", "auto")
+        layout_key = (type(self), tuple(kv_cache.shape[1:]), kv_cache.dtype, cache_dtype, query.dtype)
         layout: BlockLayout | None = state.layouts.get(layout_key)
         if layout is None:
-            layout = state.layouts[layout_key] = probe_layout(self, layer, kv_cache)
+            layout = state.layouts[layout_key] = probe_layout(self, layer, kv_cache, query.dtype, _fp8_fnuz())
         query = query.view(query.shape[0], self.num_heads, self.head_size)
         idx = _layer_index(layer.layer_name)
         ratio = state.config.spec.ratio
@@ -411,10 +418,12 @@ def _patch_forward(orig):
             for pending in state.pending:
                 module = _module_view(state, layer.layer_name)
                 args = (layout, kv_cache, query, pending, idx, state.num_layers, self.scale, ratio)
+                # an fp8 cache: scored as code · scale with the layer's per-tensor scales (1.0 when unquantized)
+                scales = (float(layer._k_scale_float), float(layer._v_scale_float))
                 if pending.pages is None:
-                    evict_layer(state.pipeline, *args, module=module)
+                    evict_layer(state.pipeline, *args, module=module, scales=scales)
                     continue
-                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module)
+                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module, scales)
                 state.ragged_layers += len(set(counts)) > 1
         state.step_layers += 1
         state.layer_evictions += len(state.pending)
