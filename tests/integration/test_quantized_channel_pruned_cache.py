@@ -14,16 +14,17 @@ from kvtrim.cache.quantized_dense import QuantizedDenseStore
 from kvtrim.cache.quantized_ragged import QuantizedRaggedStore
 
 CTX = random_text(300, seed=1)
-LAYERS, KV_HEADS, D, ELEM, GROUP = 2, 2, 16, 4, 64  # the tiny Llama: head_dim 16, float32; default group 64
+LAYERS, KV_HEADS, D, ELEM = 2, 2, 16, 4  # the tiny Llama: head_dim 16, float32
 
 
 def _expected_bytes(entries_per_head: int, kept: int, fmt: KVQuant) -> int:
     """Bytes of a quantized dense layer set holding ``entries_per_head`` entries per head, keys on ``kept``
     channels: packed codes + float16 scales and zero points + the float32 window."""
-    nq = entries_per_head // GROUP * GROUP
+    group = fmt.group_size
+    nq = entries_per_head // group * group
     w = entries_per_head - nq
     per_head = (
-        nq * (packed_width(kept, fmt.bits) + D * fmt.bits // 8 + 4) + nq // GROUP * kept * 4 + w * (kept + D) * ELEM
+        nq * (packed_width(kept, fmt.bits) + D * fmt.bits // 8 + 4) + nq // group * kept * 4 + w * (kept + D) * ELEM
     )
     return LAYERS * KV_HEADS * per_head
 
@@ -74,3 +75,4 @@ def test_a_padded_batch_prunes_the_quantized_ragged_store(llama, tokenizer, meth
     assert res.stats.kv_entries_after == plain.stats.kv_entries_after
     assert res.stats.kv_bytes_after < plain.stats.kv_bytes_after / 3
     assert len(res.answers) == 2
+
