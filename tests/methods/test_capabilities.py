@@ -143,6 +143,6 @@ def test_the_suites_hand_kept_method_sets_match_the_declared_capabilities():
     assert _with(lambda c: c.recursive) == RECURSIVE_METHODS
 
 
-def test_only_the_merging_method_merges_values():
-    assert _with(lambda c: c.merges) == {"merging"}
+def test_only_the_merging_methods_merge_values():
+    assert _with(lambda c: c.merges) == {"merging", "cam"}
     assert "merges evicted values" in method_info("merging").capabilities.labels()

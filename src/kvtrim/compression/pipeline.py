@@ -10,7 +10,7 @@ from ..scoring.base import Scorer
 from ..scoring.observation import ObservationSpec
 from ..selection.base import Selector
 from ..selection.key_channels import QueryDrivenChannels
-from ..selection.merge import NearestKeyMerge
+from ..selection.merge import ValueMerge
 from .schedule import AfterPrefill, Schedule
 
 
@@ -41,7 +41,7 @@ class Pipeline:
     layout: str = "auto"
     schedule: Schedule = field(default_factory=AfterPrefill)
     channels: QueryDrivenChannels | None = None
-    merge: NearestKeyMerge | None = None
+    merge: ValueMerge | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):
@@ -81,6 +81,9 @@ class Pipeline:
 
     @property
     def observation(self) -> ObservationSpec:
+        spec = self.scorer.observation
         if self.channels is not None:
-            return self.scorer.observation.merge(self.channels.observation)
-        return self.scorer.observation
+            spec = spec.merge(self.channels.observation)
+        if self.merge is not None:
+            spec = spec.merge(self.merge.observation)
+        return spec

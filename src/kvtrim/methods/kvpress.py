@@ -1,7 +1,7 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
 leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
 attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
-merge on evict."""
+merge on evict, cache merging (CaM)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ..selection.chunk import ChunkSelector
 from ..selection.chunk_quota import ChunkQuotaSelector
 from ..selection.entropy_chunk import EntropyGatedChunkSelector
 from ..selection.merge import NearestKeyMerge
+from ..selection.neighbour_merge import NeighbourMerge
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -371,3 +372,23 @@ def merging(base: str = "knorm", threshold: float = 0.0, fraction: float = 1.0) 
     return parts(
         inner.scorer, inner.budget, inner.selector, merge=NearestKeyMerge(threshold=threshold, fraction=fraction)
     )
+
+
+@register(
+    "cam",
+    family=FAMILY,
+    summary="Cache merging: another registry method's selection (default h2o), and each evicted value added, "
+    "divided by 32, to the 32 kept entries of its head that follow it, when a draw with probability "
+    "min(1, its accumulated attention / their mean) says so; keys unchanged, the evicted entries freed. "
+    "`cam@every:N` merges while decoding.",
+    paper=papers.CAM,
+    preset="kvpress CAMPress defaults: merge window 32; `base` names the method whose scorer, budget and selector "
+    "run (default h2o: the accumulated attention CaM's paper evicts by); seeded draws (seed 0); every evicted entry "
+    "is a merge candidate, per KV head; attention accumulated over the prompt and, with a schedule, the decoded "
+    "tokens",
+)
+def cam(base: str = "h2o", window: int = 32, seed: int = 0) -> Pipeline:
+    """CaM (Zhang et al., ICML 2024, openreview LCTmppB165): cache merging around the parts of the registry method
+    ``base`` (H2O's accumulated attention, Zhang et al., arXiv 2306.14048, by default)."""
+    inner = _plain_method("base", base, "cam", "h2o")
+    return parts(inner.scorer, inner.budget, inner.selector, merge=NeighbourMerge(window=window, seed=seed))

@@ -71,11 +71,16 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {"block": 128, "base": "keydiff"}, "`block_size` → `block`; `press` → `base`",
     ),
     PressMapping(
-        "CAMPress", None,
-        f"{_NOT_YET}: CaM merges evicted values into the next kept neighbours while decoding, each merge drawn at "
-        "random with a probability from the attention the tokens received over the decoding steps; the "
-        "value-updating compaction it needs exists (`merging`), the decoding-time attention sums and the sampled "
-        "merge do not",
+        "CAMPress", "cam@every:512",
+        "a wrapper: `base=` names the registry method whose scorer, budget and selector run (default `h2o`; kvpress "
+        "takes any ScorerPress); each (row, KV head) evicts and merges on its own (kvpress: one set per layer from "
+        "the scores averaged over heads); every evicted entry is a merge candidate (kvpress: at most as many as "
+        "tokens arrived since the last compression, the best scored); the attention sums run over the prompt and "
+        "the decoded tokens (kvpress: the decoded tokens only); draws are seeded (`seed`); kvtrim also compresses "
+        "once after prefill; quantized entries (`kv_quant`) are refused",
+        {"base": "h2o", "window": 32},
+        "`merge_budget` → `window`; `compression_interval` → `@every:N`; `target_size` → `budget`; `base_press` → "
+        "`base`; `hidden_states_buffer_size` → none",
     ),
     PressMapping(
         "CURPress", "curdkv",

@@ -104,3 +104,7 @@ MERGING = (
     "Operations for Efficient Long-Context Inference of Large Language Models (arXiv 2406.13035) and Bolya et al., "
     "Token Merging: Your ViT But Faster, ICLR 2023 (arXiv 2210.09461)"
 )
+CAM = (
+    "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024 "
+    "(openreview.net/forum?id=LCTmppB165); kvpress CAMPress"
+)
