@@ -1,6 +1,6 @@
 """ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS, per-layer
 ratios, block-wise compression, SimLayerKV, CapKV, FINCH, entropy-gated ChunkKV, KVCompose and merge on
-evict, CaM in the registry: papers, exactness, real compaction, both modes."""
+evict, CaM, key re-rotation in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ PAPERS = {
     "kvcompose": "2509.05165",
     "merging": "2406.13035",
     "cam": "LCTmppB165",
+    "key_rerotation": "2408.00167",
 }
 NEEDS_QUESTION = {"finch"}  # selects with the question's attention: compresses question-aware prompts only
 # kvpress wrappers whose cited paper is their default parts' or none
-WRAPPERS = {"per_layer_ratio", "chunked", "merging", "cam"}
+WRAPPERS = {"per_layer_ratio", "chunked", "merging", "cam", "key_rerotation"}
 CTX = random_text(300, seed=3)
 
 

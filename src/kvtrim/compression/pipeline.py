@@ -11,6 +11,7 @@ from ..scoring.observation import ObservationSpec
 from ..selection.base import Selector
 from ..selection.key_channels import QueryDrivenChannels
 from ..selection.merge import ValueMerge
+from ..selection.rerotation import KeyRerotation
 from .schedule import AfterPrefill, Schedule
 
 
@@ -31,6 +32,8 @@ class Pipeline:
             then stored with fewer channels (:class:`~kvtrim.cache.channel_pruned.ChannelPrunedStore`)
         merge: optional merge on evict between selection and compaction (``merge(view, selection)`` returns the
             layer's values with the evicted ones folded into kept entries; the store keeps those values)
+        rerotate: optional key re-rotation between selection and compaction: the kept keys are rotated to, and
+            recorded at, contiguous positions ending where the context ends (``rerotate(view, selection)``)
     """
 
     name: str
@@ -42,6 +45,7 @@ class Pipeline:
     schedule: Schedule = field(default_factory=AfterPrefill)
     channels: QueryDrivenChannels | None = None
     merge: ValueMerge | None = None
+    rerotate: KeyRerotation | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):

@@ -1,7 +1,7 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
 leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
 attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
-merge on evict, cache merging (CaM)."""
+merge on evict, cache merging (CaM), key re-rotation."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ..selection.chunk_quota import ChunkQuotaSelector
 from ..selection.entropy_chunk import EntropyGatedChunkSelector
 from ..selection.merge import NearestKeyMerge
 from ..selection.neighbour_merge import NeighbourMerge
+from ..selection.rerotation import KeyRerotation
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -172,16 +173,23 @@ def compactor(blending: float = 0.35, chunk: int = 256, sink_start: int = 8, sin
     return parts(scorer, UniformBudget(), TopKSelector(sink=sink_start, recent=sink_end))
 
 
-def _plain_method(param: str, name: str, own: str, example: str) -> Pipeline:
+def _plain_method(param: str, name: str, own: str, example: str, merges: bool = False) -> Pipeline:
     """The pipeline of registry method ``name`` whose parts a wrapper method reuses: another method, built from
-    plain parts (no special pipeline kind, key-channel pruning or decoding-time schedule of its own)."""
+    plain parts (no special pipeline kind, key-channel pruning, decoding-time schedule or key re-rotation of its own;
+    no merge either unless the wrapper carries it over: ``merges``)."""
     if name == own or name not in method_names():
         raise InvalidParameterError(f"{param}={name!r} must name another registry method, e.g. {example!r}")
     inner = get_method(name)
-    if type(inner) is not Pipeline or inner.channels is not None or inner.schedule.continuous:
+    if (
+        type(inner) is not Pipeline
+        or inner.channels is not None
+        or inner.schedule.continuous
+        or inner.rerotate is not None
+        or (inner.merge is not None and not merges)
+    ):
         raise InvalidParameterError(
-            f"{param}={name!r} is not built from plain parts (its pipeline kind, key-channel pruning or own schedule "
-            f"would be lost); name a method like {example!r}"
+            f"{param}={name!r} is not built from plain parts (its pipeline kind, key-channel pruning, own schedule, "
+            f"merge or key re-rotation would be lost); name a method like {example!r}"
         )
     return inner
 
@@ -392,3 +400,21 @@ def cam(base: str = "h2o", window: int = 32, seed: int = 0) -> Pipeline:
     ``base`` (H2O's accumulated attention, Zhang et al., arXiv 2306.14048, by default)."""
     inner = _plain_method("base", base, "cam", "h2o")
     return parts(inner.scorer, inner.budget, inner.selector, merge=NeighbourMerge(window=window, seed=seed))
+
+
+@register(
+    "key_rerotation",
+    family=FAMILY,
+    summary="Another registry method's selection (default snapkv), then the kept keys rotated to contiguous "
+    "positions, as if the evicted tokens had never been there (the relative distances change).",
+    paper=papers.KEY_REROTATION,
+    preset="kvpress KeyRerotationPress: `base` names the method whose scorer, budget, selector and merge run "
+    "(default snapkv, kvtrim's settings); the kept entries of a head are packed to end where the context ends "
+    "(kvpress: 0 … n−1 with decoding at n, the same attention); per-head counts allowed",
+)
+def key_rerotation(base: str = "snapkv") -> Pipeline:
+    """Key re-rotation (kvpress KeyRerotationPress; FINCH, Corallo & Papotti, TACL 2024, arXiv 2408.00167, and
+    StreamingLLM's rolling cache, Xiao et al., arXiv 2309.17453) around the parts of the registry method ``base``
+    (SnapKV's, Li et al., arXiv 2404.14469, by default)."""
+    inner = _plain_method("base", base, "key_rerotation", "snapkv", merges=True)
+    return parts(inner.scorer, inner.budget, inner.selector, merge=inner.merge, rerotate=KeyRerotation())

@@ -185,10 +185,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "mode has no question at compression and is refused (`window=N` takes the last N prompt tokens instead); "
         "each question query's row is weighted by the entries it sees, itself included (kvpress: its position, one "
         "less); the question's entries score above the rest of their head (kvpress: above the global max); no "
-        "key re-rotation (kvtrim keeps true positions, see `KeyRerotationPress`)",
+        "key re-rotation by default (`rerotate_keys=True` is `key_rerotation` with `base='finch'`)",
         {"normalize": True, "chunk": None},
-        "`chunk_length` → `chunk`; `normalize_scores` → `normalize`; `rerotate_keys` → none; `delimiter_token` → "
-        "question-aware mode",
+        "`chunk_length` → `chunk`; `normalize_scores` → `normalize`; `rerotate_keys` → `key_rerotation`; "
+        "`delimiter_token` → question-aware mode",
     ),
     PressMapping(
         "KVComposePress", "kvcompose",
@@ -217,11 +217,14 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "KeyDiffPress", "keydiff", "one shot after prefill, as kvpress",
     ),
     PressMapping(
-        "KeyRerotationPress", None,
-        "conflicts with a kvtrim invariant: positions are logical (docs/architecture.md) — kept keys keep the "
-        "rotation of their true position and new tokens their true position, so there is nothing to re-rotate; "
-        "re-rotating to contiguous slots changes the model's relative distances, which kvtrim does not do",
-        spelling="—",
+        "KeyRerotationPress", "key_rerotation",
+        "a wrapper: `base=` names the registry method whose scorer, budget, selector and merge run (default "
+        "`snapkv`, kvtrim's settings; kvpress takes any ScorerPress); an opt-in departure from kvtrim's logical "
+        "positions: each head's kept keys are rotated to contiguous positions ending where the context ends "
+        "(kvpress: `0 … n−1` with decoding continuing at `n`; rotary attention sees only differences of positions, "
+        "so the two give the same attention and new tokens keep the positions the model gives them); per-head "
+        "counts are allowed (kvpress: one count per layer); quantized entries (`kv_quant`) are refused",
+        {"base": "snapkv"}, "`press` → `base`",
     ),
     PressMapping(
         "KnormPress", "knorm", "same score (lowest key norm kept)",

@@ -108,3 +108,8 @@ CAM = (
     "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024 "
     "(openreview.net/forum?id=LCTmppB165); kvpress CAMPress"
 )
+KEY_REROTATION = (
+    "kvpress KeyRerotationPress (no paper of its own): key re-rotation after eviction as in Corallo & Papotti, "
+    "FINCH, TACL 2024 (arXiv 2408.00167) and the rolling cache of Xiao et al., StreamingLLM, ICLR 2024 "
+    "(arXiv 2309.17453)"
+)
