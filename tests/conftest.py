@@ -145,9 +145,9 @@ CHANNEL_METHODS = {"think", "think_snapkv"}  # ThinK: keys stored with head_dim/
 GLOBAL_BLOCK_METHODS = {"kvcompress", "kvc_w8", "kvc_full"}
 # Keep whole chunks of contiguous tokens plus the window: up to chunk - 1 entries below the budget (ChunkKV)
 WHOLE_CHUNK_METHODS = {"chunkkv", "chunkkv_reuse"}
-# One token-level score threshold across layers and heads (KVzip), or one count per layer set across layers
+# One token-level score threshold across layers and heads (KVzip, KVgrad), or one count per layer set across layers
 # (KVCompose's composite tokens): per-head counts vary, the total is M·L·H
-GLOBAL_TOKEN_METHODS = {"kvzip", "kvcompose"}
+GLOBAL_TOKEN_METHODS = {"kvzip", "kvgrad", "kvcompose"}
 
 
 def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:

@@ -1,6 +1,6 @@
 """ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS, per-layer
 ratios, block-wise compression, SimLayerKV, CapKV, FINCH, entropy-gated ChunkKV, KVCompose and merge on
-evict, CaM, key re-rotation in the registry: papers, exactness, real compaction, both modes."""
+evict, CaM, key re-rotation, KVgrad in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ PAPERS = {
     "merging": "2406.13035",
     "cam": "LCTmppB165",
     "key_rerotation": "2408.00167",
+    "kvgrad": "cg1wTCJjjk",
 }
 NEEDS_QUESTION = {"finch"}  # selects with the question's attention: compresses question-aware prompts only
 # kvpress wrappers whose cited paper is their default parts' or none
@@ -48,7 +49,7 @@ def tok_dir(tmp_path):
 
 
 def _params(method, tok_dir):
-    return {"tokenizer": tok_dir} if method == "kvzip" else {}
+    return {"tokenizer": tok_dir} if method in ("kvzip", "kvgrad") else {}
 
 
 @pytest.mark.parametrize("method", sorted(PAPERS))

@@ -81,7 +81,7 @@ def test_budget_kinds():
     per_head = {n for n, b in budgets.items() if b == "per head"}
     assert per_head == {
         "adakv", "critical_adakv", "headkv", "critical_headkv", "head_compresskv", "ada_compresskv",
-        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "dms",
+        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "kvgrad", "dms",
     }  # fmt: skip
     assert method_info("kvzip").capabilities.budgets == "per head"  # global threshold; layerwise=True is uniform
     from kvtrim.methods import get_method

@@ -1,7 +1,7 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
 leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
 attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
-merge on evict, cache merging (CaM), key re-rotation."""
+merge on evict, cache merging (CaM), key re-rotation, gradient attribution (KVgrad)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..errors import InvalidParameterError
 from ..scoring.base import Scorer
 from ..scoring.capacity import CapacityScorer
 from ..scoring.expected_attention import ExpectedAttentionScorer
+from ..scoring.gradient_attribution import GradientAttributionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.question_attention import QuestionAttentionScorer
@@ -418,3 +419,29 @@ def key_rerotation(base: str = "snapkv") -> Pipeline:
     (SnapKV's, Li et al., arXiv 2404.14469, by default)."""
     inner = _plain_method("base", base, "key_rerotation", "snapkv", merges=True)
     return parts(inner.scorer, inner.budget, inner.selector, merge=inner.merge, rerotate=KeyRerotation())
+
+
+@register(
+    "kvgrad",
+    family=FAMILY,
+    summary="Query-agnostic: KVzip's context reconstruction with a backward pass; an entry scores its largest "
+    "attention from a reconstruction token × ‖v·W_O‖ × the gradient norm of Σ‖h_last‖² at that token's attention "
+    "output; one global threshold across layers and heads (stored ragged). Costs a forward and a backward pass.",
+    paper=papers.KVGRAD,
+    preset="kvpress KVgradPress defaults: KVzip's repeat prompt in the chat template, 4 sinks, Φ = Σ‖h‖² of the last "
+    "decoder layer, max over the group and the reconstruction queries, non-layerwise (global) budgets; one "
+    "reconstruction pass instead of 512-token chunks",
+)
+def kvgrad(
+    prompt: str = "Repeat the previous context exactly.",
+    n_sink: int = SINKS,
+    layerwise: bool = False,
+    tokenizer: str | None = None,
+) -> Pipeline:
+    """KVgrad (kvpress KVgradPress, openreview cg1wTCJjjk): KVzip's reconstruction (Kim et al., arXiv 2505.23416)
+    scored by input × gradient attribution."""
+    return parts(
+        GradientAttributionScorer(prompt=prompt, n_sink=n_sink, tokenizer=tokenizer),
+        UniformBudget() if layerwise else GlobalThresholdBudget(),
+        TopKSelector(sink=n_sink),
+    )

@@ -201,9 +201,11 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "`structured`; `add_mean_across_heads` → `head_mean`; `agg_task` → max, `agg_head` → mean (fixed)",
     ),
     PressMapping(
-        "KVgradPress", None,
-        f"{_NOT_YET}: KVzip's reconstruction scores weighted by input × gradient attribution (needs a backward "
-        "pass at compression)",
+        "KVgradPress", "kvgrad",
+        "one reconstruction pass and one backward pass over the whole cache instead of 512-token chunks (each chunk's "
+        "entries scored by that chunk's pass); Φ sums the last decoder layer's output over the reconstruction tokens "
+        "of every row (padding excluded); gradients with respect to the activations only, as kvpress",
+        {"n_sink": 4, "layerwise": False}, "`chunk_size` → none (one pass); `compression_ratio` → `ratio`",
     ),
     PressMapping(
         "KVzapPress", None, f"{_NOT_YET}: a surrogate model predicting KVzip scores from hidden states; "

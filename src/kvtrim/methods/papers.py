@@ -113,3 +113,7 @@ KEY_REROTATION = (
     "FINCH, TACL 2024 (arXiv 2408.00167) and the rolling cache of Xiao et al., StreamingLLM, ICLR 2024 "
     "(arXiv 2309.17453)"
 )
+KVGRAD = (
+    "KVgrad: KV cache scoring by input × gradient attribution over KVzip's context reconstruction "
+    "(openreview.net/forum?id=cg1wTCJjjk); kvpress KVgradPress"
+)
