@@ -135,8 +135,8 @@ ARTIFACT_METHODS = {
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
 RATIO_ONLY_METHODS = {"lagkv", "localkv", "lag_knorm"}  # keep fractions per lag partition: no budget
-# default schedules that compress again while decoding: LagKV's frame, and R-KV's budget + buffer
-RECURSIVE_METHODS = RATIO_ONLY_METHODS | {"rkv"}
+# default schedules that compress again while decoding: LagKV's frame, and R-KV's and TriAttention's budget + buffer
+RECURSIVE_METHODS = RATIO_ONLY_METHODS | {"rkv", "triattention"}
 # Select with the question's attention: a prompt fed without kvtrim's question-aware layout needs the window given
 QUESTION_WINDOW_PARAMS = {"finch": {"window": 8}}
 CHANNEL_METHODS = {"think", "think_snapkv"}  # ThinK: keys stored with head_dim/2 channels at the default ratios

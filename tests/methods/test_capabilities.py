@@ -93,7 +93,7 @@ def test_attention_and_question_awareness():
     caps = {n: method_info(n).capabilities for n in method_names()}
     assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
-        "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging",
+        "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging", "triattention",
     }  # fmt: skip
     assert caps["kvcompress"].question_aware and not caps["kvc_full"].question_aware  # KVC-full: every query
     assert caps["think"].question_aware  # the window queries choose the key channels

@@ -117,3 +117,6 @@ KVGRAD = (
     "KVgrad: KV cache scoring by input × gradient attribution over KVzip's context reconstruction "
     "(openreview.net/forum?id=cg1wTCJjjk); kvpress KVgradPress"
 )
+TRIATTENTION = (
+    "Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression (arXiv 2604.04921)"
+)
