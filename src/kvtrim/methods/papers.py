@@ -109,13 +109,14 @@ CAM = (
     "(openreview.net/forum?id=LCTmppB165); kvpress CAMPress"
 )
 KEY_REROTATION = (
-    "kvpress KeyRerotationPress (no paper of its own): key re-rotation after eviction as in Corallo & Papotti, "
-    "FINCH, TACL 2024 (arXiv 2408.00167) and the rolling cache of Xiao et al., StreamingLLM, ICLR 2024 "
+    "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024 "
+    "(arXiv 2408.00167), whose key re-rotation after eviction kvpress's KeyRerotationPress offers for any press; "
+    "Xiao et al., Efficient Streaming Language Models with Attention Sinks (its rolling cache), ICLR 2024 "
     "(arXiv 2309.17453)"
 )
 KVGRAD = (
-    "KVgrad: KV cache scoring by input × gradient attribution over KVzip's context reconstruction "
-    "(openreview.net/forum?id=cg1wTCJjjk); kvpress KVgradPress"
+    "KVgrad (OpenReview, openreview.net/forum?id=cg1wTCJjjk; the method as kvpress's KVgradPress describes it): "
+    "input × gradient attribution over KVzip's context reconstruction"
 )
 TRIATTENTION = (
     "Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression (arXiv 2604.04921)"
