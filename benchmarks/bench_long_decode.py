@@ -55,6 +55,8 @@ def configs(budget: int) -> list[tuple[str, float | None, int | None]]:
         ("h2o@every:64", None, budget),
         # R-KV at the memory of snapkv@every:64: between the budget and budget + 64 entries per head
         ("rkv@over:64", None, budget),
+        # TriAttention at the same memory
+        ("triattention@over:64", None, budget),
     ]
 
 

@@ -135,8 +135,8 @@ ARTIFACT_METHODS = {
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
 RATIO_ONLY_METHODS = {"lagkv", "localkv", "lag_knorm"}  # keep fractions per lag partition: no budget
-# default schedules that compress again while decoding: LagKV's frame, and R-KV's budget + buffer
-RECURSIVE_METHODS = RATIO_ONLY_METHODS | {"rkv"}
+# default schedules that compress again while decoding: LagKV's frame, and R-KV's and TriAttention's budget + buffer
+RECURSIVE_METHODS = RATIO_ONLY_METHODS | {"rkv", "triattention"}
 # Select with the question's attention: a prompt fed without kvtrim's question-aware layout needs the window given
 QUESTION_WINDOW_PARAMS = {"finch": {"window": 8}}
 CHANNEL_METHODS = {"think", "think_snapkv"}  # ThinK: keys stored with head_dim/2 channels at the default ratios
@@ -145,9 +145,9 @@ CHANNEL_METHODS = {"think", "think_snapkv"}  # ThinK: keys stored with head_dim/
 GLOBAL_BLOCK_METHODS = {"kvcompress", "kvc_w8", "kvc_full"}
 # Keep whole chunks of contiguous tokens plus the window: up to chunk - 1 entries below the budget (ChunkKV)
 WHOLE_CHUNK_METHODS = {"chunkkv", "chunkkv_reuse"}
-# One token-level score threshold across layers and heads (KVzip), or one count per layer set across layers
+# One token-level score threshold across layers and heads (KVzip, KVgrad), or one count per layer set across layers
 # (KVCompose's composite tokens): per-head counts vary, the total is M·L·H
-GLOBAL_TOKEN_METHODS = {"kvzip", "kvcompose"}
+GLOBAL_TOKEN_METHODS = {"kvzip", "kvgrad", "kvcompose"}
 
 
 def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:

@@ -1,6 +1,6 @@
 """ExpectedAttention, KeyDiff, ChunkKV, KVzip, CurDKV, leverage, chunk attention, Compactor, DMS, per-layer
 ratios, block-wise compression, SimLayerKV, CapKV, FINCH, entropy-gated ChunkKV, KVCompose and merge on
-evict in the registry: papers, exactness, real compaction, both modes."""
+evict, CaM, key re-rotation, KVgrad in the registry: papers, exactness, real compaction, both modes."""
 
 from __future__ import annotations
 
@@ -31,10 +31,13 @@ PAPERS = {
     "entropy_chunkkv": "2502.00299",
     "kvcompose": "2509.05165",
     "merging": "2406.13035",
+    "cam": "LCTmppB165",
+    "key_rerotation": "2408.00167",
+    "kvgrad": "cg1wTCJjjk",
 }
 NEEDS_QUESTION = {"finch"}  # selects with the question's attention: compresses question-aware prompts only
 # kvpress wrappers whose cited paper is their default parts' or none
-WRAPPERS = {"per_layer_ratio", "chunked", "merging"}
+WRAPPERS = {"per_layer_ratio", "chunked", "merging", "cam", "key_rerotation"}
 CTX = random_text(300, seed=3)
 
 
@@ -46,7 +49,7 @@ def tok_dir(tmp_path):
 
 
 def _params(method, tok_dir):
-    return {"tokenizer": tok_dir} if method == "kvzip" else {}
+    return {"tokenizer": tok_dir} if method in ("kvzip", "kvgrad") else {}
 
 
 @pytest.mark.parametrize("method", sorted(PAPERS))
@@ -225,3 +228,9 @@ def test_block_with_knorm_keeps_what_knorm_keeps(tokenizer):
                           **kw)
     ref = kvtrim.generate(model, tokenizer, CTX, "q?", method="knorm", **kw)
     assert res.answers == ref.answers and res.stats.kv_entries_after == ref.stats.kv_entries_after
+
+
+def test_cam_merges_while_decoding_under_a_schedule(tokenizer):
+    model = tiny_model("llama", layers=2)
+    res = kvtrim.generate(model, tokenizer, CTX, "q?", method="cam@every:4", budget=60, max_new_tokens=12)
+    assert len(res.answers) == 1 and res.stats.compressions >= 3  # after prefill, then every 4 new tokens

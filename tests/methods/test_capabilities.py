@@ -81,7 +81,7 @@ def test_budget_kinds():
     per_head = {n for n, b in budgets.items() if b == "per head"}
     assert per_head == {
         "adakv", "critical_adakv", "headkv", "critical_headkv", "head_compresskv", "ada_compresskv",
-        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "dms",
+        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "kvgrad", "dms",
     }  # fmt: skip
     assert method_info("kvzip").capabilities.budgets == "per head"  # global threshold; layerwise=True is uniform
     from kvtrim.methods import get_method
@@ -93,7 +93,7 @@ def test_attention_and_question_awareness():
     caps = {n: method_info(n).capabilities for n in method_names()}
     assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
-        "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging",
+        "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging", "triattention",
     }  # fmt: skip
     assert caps["kvcompress"].question_aware and not caps["kvc_full"].question_aware  # KVC-full: every query
     assert caps["think"].question_aware  # the window queries choose the key channels
@@ -143,6 +143,6 @@ def test_the_suites_hand_kept_method_sets_match_the_declared_capabilities():
     assert _with(lambda c: c.recursive) == RECURSIVE_METHODS
 
 
-def test_only_the_merging_method_merges_values():
-    assert _with(lambda c: c.merges) == {"merging"}
+def test_only_the_merging_methods_merge_values():
+    assert _with(lambda c: c.merges) == {"merging", "cam"}
     assert "merges evicted values" in method_info("merging").capabilities.labels()

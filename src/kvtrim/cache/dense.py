@@ -193,6 +193,15 @@ class DenseStore(SlotBookkeeping):
             raise ValueError(f"values of shape {tuple(values.shape)} do not fit {tuple(self.values.shape)}")
         self._v[:, :, : self.length] = values
 
+    def replace_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        """Overwrite the keys and positions of the filled slots (``[batch, kv_heads, length, d]``,
+        ``[batch, kv_heads, length]``): key re-rotation moves kept entries to new positions before compaction."""
+        if keys.shape != self.keys.shape or positions.shape != self.positions.shape:
+            raise ValueError(f"keys {tuple(keys.shape)} / positions {tuple(positions.shape)} do not fit the store")
+        self._k[:, :, : self.length] = keys
+        self._pos[:, :, : self.length] = positions
+        self.prefix_intact = False
+
     rescorable = True
 
     def to_dense(self) -> DenseStore:

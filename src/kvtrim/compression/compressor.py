@@ -124,6 +124,11 @@ def compress_cache(
                 f"method {pipeline.name!r} merges evicted values into kept entries, which quantized entries (kv_quant="
                 f"{layer.store.kv_quant.name!r}) do not support yet; use kv_quant=None with it"
             )
+        if pipeline.rerotate is not None and getattr(layer.store, "kv_quant", None) is not None:
+            raise InvalidParameterError(
+                f"method {pipeline.name!r} re-rotates kept keys, which quantized entries (kv_quant="
+                f"{layer.store.kv_quant.name!r}) do not support yet; use kv_quant=None with it"
+            )
     first = layers[0].store
     context = (first.positions.amax(dim=(1, 2)) + 1).clamp(min=0)  # [batch]
     keep = torch.tensor([spec.keep_count(int(t)) for t in context.tolist()], device=context.device)
@@ -175,6 +180,8 @@ def compress_cache(
         sel = pipeline.selector.select(view, s, budgets[:, view.layer_idx])
         if pipeline.merge is not None:  # the kept entries take their merged values before the evicted ones go
             layer.store.replace_values(pipeline.merge.merge(view, sel))
+        if pipeline.rerotate is not None:  # the kept keys move to contiguous positions before the others go
+            layer.store.replace_keys(*pipeline.rerotate.rerotate(view, sel))
         counts = sel.keep_mask.sum(-1)
         uniform = bool((counts == counts.max()).all())
         if sel.compressed_until is not None:

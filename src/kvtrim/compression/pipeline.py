@@ -10,7 +10,8 @@ from ..scoring.base import Scorer
 from ..scoring.observation import ObservationSpec
 from ..selection.base import Selector
 from ..selection.key_channels import QueryDrivenChannels
-from ..selection.merge import NearestKeyMerge
+from ..selection.merge import ValueMerge
+from ..selection.rerotation import KeyRerotation
 from .schedule import AfterPrefill, Schedule
 
 
@@ -31,6 +32,8 @@ class Pipeline:
             then stored with fewer channels (:class:`~kvtrim.cache.channel_pruned.ChannelPrunedStore`)
         merge: optional merge on evict between selection and compaction (``merge(view, selection)`` returns the
             layer's values with the evicted ones folded into kept entries; the store keeps those values)
+        rerotate: optional key re-rotation between selection and compaction: the kept keys are rotated to, and
+            recorded at, contiguous positions ending where the context ends (``rerotate(view, selection)``)
     """
 
     name: str
@@ -41,7 +44,8 @@ class Pipeline:
     layout: str = "auto"
     schedule: Schedule = field(default_factory=AfterPrefill)
     channels: QueryDrivenChannels | None = None
-    merge: NearestKeyMerge | None = None
+    merge: ValueMerge | None = None
+    rerotate: KeyRerotation | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):
@@ -81,6 +85,9 @@ class Pipeline:
 
     @property
     def observation(self) -> ObservationSpec:
+        spec = self.scorer.observation
         if self.channels is not None:
-            return self.scorer.observation.merge(self.channels.observation)
-        return self.scorer.observation
+            spec = spec.merge(self.channels.observation)
+        if self.merge is not None:
+            spec = spec.merge(self.merge.observation)
+        return spec

@@ -211,12 +211,17 @@ class KVTrimCache(Cache, RecordsPromptIds):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         observation: ObservationSpec,
+        *,
+        grad: bool = False,
+        observations: dict | None = None,
     ) -> dict[int, DenseStore]:
         """Feed ``input_ids`` ``[batch, w]`` through ``model`` (kvtrim attention) over a scratch cache that starts
         with the entries of ``views`` (:class:`~kvtrim.scoring.base.LayerView`), recording ``observation``.
 
         ``attention_mask`` ``[batch, seen + w]`` covers the stored columns and the new ones. Returns each view's
         layer store after the pass (its first slots are the views' entries); the views' tensors are not written.
+        ``grad``: the pass records an autograd graph (outside inference mode; the caller differentiates through
+        hooks of its own); ``observations``: filled with each view's layer observation (recorded queries).
         """
         work = KVTrimCache(views[0].num_layers, auto_compress=False)
         seen = attention_mask.shape[1] - input_ids.shape[1]
@@ -227,7 +232,7 @@ class KVTrimCache(Cache, RecordsPromptIds):
             layer.is_initialized, layer.dtype, layer.device = True, view.keys.dtype, view.keys.device
         work.observing = True
         work.observation_spec = observation
-        with torch.no_grad(), kvtrim_attention_enabled(model):
+        with torch.enable_grad() if grad else torch.no_grad(), kvtrim_attention_enabled(model):
             model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -236,6 +241,8 @@ class KVTrimCache(Cache, RecordsPromptIds):
                 use_cache=True,
                 logits_to_keep=1,
             )
+        if observations is not None:
+            observations.update({view.layer_idx: work.layers[view.layer_idx].observation for view in views})
         return {view.layer_idx: work.layers[view.layer_idx].store for view in views}
 
     @property

@@ -1,7 +1,7 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
 leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
 attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
-merge on evict."""
+merge on evict, cache merging (CaM), key re-rotation, gradient attribution (KVgrad)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..errors import InvalidParameterError
 from ..scoring.base import Scorer
 from ..scoring.capacity import CapacityScorer
 from ..scoring.expected_attention import ExpectedAttentionScorer
+from ..scoring.gradient_attribution import GradientAttributionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.question_attention import QuestionAttentionScorer
@@ -29,6 +30,8 @@ from ..selection.chunk import ChunkSelector
 from ..selection.chunk_quota import ChunkQuotaSelector
 from ..selection.entropy_chunk import EntropyGatedChunkSelector
 from ..selection.merge import NearestKeyMerge
+from ..selection.neighbour_merge import NeighbourMerge
+from ..selection.rerotation import KeyRerotation
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -171,16 +174,23 @@ def compactor(blending: float = 0.35, chunk: int = 256, sink_start: int = 8, sin
     return parts(scorer, UniformBudget(), TopKSelector(sink=sink_start, recent=sink_end))
 
 
-def _plain_method(param: str, name: str, own: str, example: str) -> Pipeline:
+def _plain_method(param: str, name: str, own: str, example: str, merges: bool = False) -> Pipeline:
     """The pipeline of registry method ``name`` whose parts a wrapper method reuses: another method, built from
-    plain parts (no special pipeline kind, key-channel pruning or decoding-time schedule of its own)."""
+    plain parts (no special pipeline kind, key-channel pruning, decoding-time schedule or key re-rotation of its own;
+    no merge either unless the wrapper carries it over: ``merges``)."""
     if name == own or name not in method_names():
         raise InvalidParameterError(f"{param}={name!r} must name another registry method, e.g. {example!r}")
     inner = get_method(name)
-    if type(inner) is not Pipeline or inner.channels is not None or inner.schedule.continuous:
+    if (
+        type(inner) is not Pipeline
+        or inner.channels is not None
+        or inner.schedule.continuous
+        or inner.rerotate is not None
+        or (inner.merge is not None and not merges)
+    ):
         raise InvalidParameterError(
-            f"{param}={name!r} is not built from plain parts (its pipeline kind, key-channel pruning or own schedule "
-            f"would be lost); name a method like {example!r}"
+            f"{param}={name!r} is not built from plain parts (its pipeline kind, key-channel pruning, own schedule, "
+            f"merge or key re-rotation would be lost); name a method like {example!r}"
         )
     return inner
 
@@ -370,4 +380,68 @@ def merging(base: str = "knorm", threshold: float = 0.0, fraction: float = 1.0) 
     inner = _plain_method("base", base, "merging", "knorm")
     return parts(
         inner.scorer, inner.budget, inner.selector, merge=NearestKeyMerge(threshold=threshold, fraction=fraction)
+    )
+
+
+@register(
+    "cam",
+    family=FAMILY,
+    summary="Cache merging: another registry method's selection (default h2o), and each evicted value added, "
+    "divided by 32, to the 32 kept entries of its head that follow it, when a draw with probability "
+    "min(1, its accumulated attention / their mean) says so; keys unchanged, the evicted entries freed. "
+    "`cam@every:N` merges while decoding.",
+    paper=papers.CAM,
+    preset="kvpress CAMPress defaults: merge window 32; `base` names the method whose scorer, budget and selector "
+    "run (default h2o: the accumulated attention CaM's paper evicts by); seeded draws (seed 0); every evicted entry "
+    "is a merge candidate, per KV head; attention accumulated over the prompt and, with a schedule, the decoded "
+    "tokens",
+)
+def cam(base: str = "h2o", window: int = 32, seed: int = 0) -> Pipeline:
+    """CaM (Zhang et al., ICML 2024, openreview LCTmppB165): cache merging around the parts of the registry method
+    ``base`` (H2O's accumulated attention, Zhang et al., arXiv 2306.14048, by default)."""
+    inner = _plain_method("base", base, "cam", "h2o")
+    return parts(inner.scorer, inner.budget, inner.selector, merge=NeighbourMerge(window=window, seed=seed))
+
+
+@register(
+    "key_rerotation",
+    family=FAMILY,
+    summary="Another registry method's selection (default snapkv), then the kept keys rotated to contiguous "
+    "positions, as if the evicted tokens had never been there (the relative distances change).",
+    paper=papers.KEY_REROTATION,
+    preset="kvpress KeyRerotationPress: `base` names the method whose scorer, budget, selector and merge run "
+    "(default snapkv, kvtrim's settings); the kept entries of a head are packed to end where the context ends "
+    "(kvpress: 0 … n−1 with decoding at n, the same attention); per-head counts allowed",
+)
+def key_rerotation(base: str = "snapkv") -> Pipeline:
+    """Key re-rotation (kvpress KeyRerotationPress; FINCH, Corallo & Papotti, TACL 2024, arXiv 2408.00167, and
+    StreamingLLM's rolling cache, Xiao et al., arXiv 2309.17453) around the parts of the registry method ``base``
+    (SnapKV's, Li et al., arXiv 2404.14469, by default)."""
+    inner = _plain_method("base", base, "key_rerotation", "snapkv", merges=True)
+    return parts(inner.scorer, inner.budget, inner.selector, merge=inner.merge, rerotate=KeyRerotation())
+
+
+@register(
+    "kvgrad",
+    family=FAMILY,
+    summary="Query-agnostic: KVzip's context reconstruction with a backward pass; an entry scores its largest "
+    "attention from a reconstruction token × ‖v·W_O‖ × the gradient norm of Σ‖h_last‖² at that token's attention "
+    "output; one global threshold across layers and heads (stored ragged). Costs a forward and a backward pass.",
+    paper=papers.KVGRAD,
+    preset="kvpress KVgradPress defaults: KVzip's repeat prompt in the chat template, 4 sinks, Φ = Σ‖h‖² of the last "
+    "decoder layer, max over the group and the reconstruction queries, non-layerwise (global) budgets; one "
+    "reconstruction pass instead of 512-token chunks",
+)
+def kvgrad(
+    prompt: str = "Repeat the previous context exactly.",
+    n_sink: int = SINKS,
+    layerwise: bool = False,
+    tokenizer: str | None = None,
+) -> Pipeline:
+    """KVgrad (kvpress KVgradPress, openreview cg1wTCJjjk): KVzip's reconstruction (Kim et al., arXiv 2505.23416)
+    scored by input × gradient attribution."""
+    return parts(
+        GradientAttributionScorer(prompt=prompt, n_sink=n_sink, tokenizer=tokenizer),
+        UniformBudget() if layerwise else GlobalThresholdBudget(),
+        TopKSelector(sink=n_sink),
     )

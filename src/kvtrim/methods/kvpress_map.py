@@ -71,11 +71,16 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {"block": 128, "base": "keydiff"}, "`block_size` → `block`; `press` → `base`",
     ),
     PressMapping(
-        "CAMPress", None,
-        f"{_NOT_YET}: CaM merges evicted values into the next kept neighbours while decoding, each merge drawn at "
-        "random with a probability from the attention the tokens received over the decoding steps; the "
-        "value-updating compaction it needs exists (`merging`), the decoding-time attention sums and the sampled "
-        "merge do not",
+        "CAMPress", "cam@every:512",
+        "a wrapper: `base=` names the registry method whose scorer, budget and selector run (default `h2o`; kvpress "
+        "takes any ScorerPress); each (row, KV head) evicts and merges on its own (kvpress: one set per layer from "
+        "the scores averaged over heads); every evicted entry is a merge candidate (kvpress: at most as many as "
+        "tokens arrived since the last compression, the best scored); the attention sums run over the prompt and "
+        "the decoded tokens (kvpress: the decoded tokens only); draws are seeded (`seed`); kvtrim also compresses "
+        "once after prefill; quantized entries (`kv_quant`) are refused",
+        {"base": "h2o", "window": 32},
+        "`merge_budget` → `window`; `compression_interval` → `@every:N`; `target_size` → `budget`; `base_press` → "
+        "`base`; `hidden_states_buffer_size` → none",
     ),
     PressMapping(
         "CURPress", "curdkv",
@@ -180,10 +185,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "mode has no question at compression and is refused (`window=N` takes the last N prompt tokens instead); "
         "each question query's row is weighted by the entries it sees, itself included (kvpress: its position, one "
         "less); the question's entries score above the rest of their head (kvpress: above the global max); no "
-        "key re-rotation (kvtrim keeps true positions, see `KeyRerotationPress`)",
+        "key re-rotation by default (`rerotate_keys=True` is `key_rerotation` with `base='finch'`)",
         {"normalize": True, "chunk": None},
-        "`chunk_length` → `chunk`; `normalize_scores` → `normalize`; `rerotate_keys` → none; `delimiter_token` → "
-        "question-aware mode",
+        "`chunk_length` → `chunk`; `normalize_scores` → `normalize`; `rerotate_keys` → `key_rerotation`; "
+        "`delimiter_token` → question-aware mode",
     ),
     PressMapping(
         "KVComposePress", "kvcompose",
@@ -196,9 +201,11 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "`structured`; `add_mean_across_heads` → `head_mean`; `agg_task` → max, `agg_head` → mean (fixed)",
     ),
     PressMapping(
-        "KVgradPress", None,
-        f"{_NOT_YET}: KVzip's reconstruction scores weighted by input × gradient attribution (needs a backward "
-        "pass at compression)",
+        "KVgradPress", "kvgrad",
+        "one reconstruction pass and one backward pass over the whole cache instead of 512-token chunks (each chunk's "
+        "entries scored by that chunk's pass); Φ sums the last decoder layer's output over the reconstruction tokens "
+        "of every row (padding excluded); gradients with respect to the activations only, as kvpress",
+        {"n_sink": 4, "layerwise": False}, "`chunk_size` → none (one pass); `compression_ratio` → `ratio`",
     ),
     PressMapping(
         "KVzapPress", None, f"{_NOT_YET}: a surrogate model predicting KVzip scores from hidden states; "
@@ -212,11 +219,14 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "KeyDiffPress", "keydiff", "one shot after prefill, as kvpress",
     ),
     PressMapping(
-        "KeyRerotationPress", None,
-        "conflicts with a kvtrim invariant: positions are logical (docs/architecture.md) — kept keys keep the "
-        "rotation of their true position and new tokens their true position, so there is nothing to re-rotate; "
-        "re-rotating to contiguous slots changes the model's relative distances, which kvtrim does not do",
-        spelling="—",
+        "KeyRerotationPress", "key_rerotation",
+        "a wrapper: `base=` names the registry method whose scorer, budget, selector and merge run (default "
+        "`snapkv`, kvtrim's settings; kvpress takes any ScorerPress); an opt-in departure from kvtrim's logical "
+        "positions: each head's kept keys are rotated to contiguous positions ending where the context ends "
+        "(kvpress: `0 … n−1` with decoding continuing at `n`; rotary attention sees only differences of positions, "
+        "so the two give the same attention and new tokens keep the positions the model gives them); per-head "
+        "counts are allowed (kvpress: one count per layer); quantized entries (`kv_quant`) are refused",
+        {"base": "snapkv"}, "`press` → `base`",
     ),
     PressMapping(
         "KnormPress", "knorm", "same score (lowest key norm kept)",

@@ -104,3 +104,20 @@ MERGING = (
     "Operations for Efficient Long-Context Inference of Large Language Models (arXiv 2406.13035) and Bolya et al., "
     "Token Merging: Your ViT But Faster, ICLR 2023 (arXiv 2210.09461)"
 )
+CAM = (
+    "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024 "
+    "(openreview.net/forum?id=LCTmppB165); kvpress CAMPress"
+)
+KEY_REROTATION = (
+    "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression for Large Language Models, TACL 2024 "
+    "(arXiv 2408.00167), whose key re-rotation after eviction kvpress's KeyRerotationPress offers for any press; "
+    "Xiao et al., Efficient Streaming Language Models with Attention Sinks (its rolling cache), ICLR 2024 "
+    "(arXiv 2309.17453)"
+)
+KVGRAD = (
+    "KVgrad (OpenReview, openreview.net/forum?id=cg1wTCJjjk; the method as kvpress's KVgradPress describes it): "
+    "input × gradient attribution over KVzip's context reconstruction"
+)
+TRIATTENTION = (
+    "Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression (arXiv 2604.04921)"
+)

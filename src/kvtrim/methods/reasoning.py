@@ -7,6 +7,7 @@ from ..compression.pipeline import Pipeline
 from ..compression.schedule import OverBudget
 from ..errors import InvalidParameterError
 from ..scoring.redundancy import RedundancyAwareScorer
+from ..scoring.trigonometric import TrigonometricScorer
 from ..selection.topk import TopKSelector
 from . import papers
 from .registry import parts, register
@@ -40,5 +41,39 @@ def rkv(window: int = 8, kernel: int = 7, mix: float = 0.07, threshold: float = 
         RedundancyAwareScorer(window=window, kernel=kernel, mix=mix, threshold=threshold),
         UniformBudget(),
         TopKSelector(recent=window),
+        schedule=OverBudget(slack=buffer),
+    )
+
+
+@register(
+    "triattention",
+    family=FAMILY,
+    summary="TriAttention: each key scored by the logit the pre-RoPE query centre would give it, averaged over "
+    "future distances 1, 2, 4 … 65536 (a trigonometric series over the rotary bands), plus the query magnitude the "
+    "centre does not explain × the key's band norms; max over the group; re-compressed while decoding whenever a "
+    "head holds budget + 128 entries.",
+    paper=papers.TRIATTENTION,
+    preset="authors' code defaults: geometric offsets up to 65536, mean over offsets, no score normalization, max "
+    "over the query heads of a KV head, compression every 128 tokens over the budget; query statistics from the "
+    "last 1024 recorded queries (the paper: calibrated offline); the prompt competes for the budget (the authors' "
+    "default keeps the whole prompt)",
+)
+def triattention(offset_max: int = 65536, stats_window: int = 1024, buffer: int = 128) -> Pipeline:
+    """TriAttention (Mao et al., 2026, arXiv 2604.04921).
+
+    The pre-RoPE queries of a head cluster around a fixed centre ``q̄``, so the logit a future query gives a key
+    depends mostly on their distance ``Δ``: ``Σ_f |q̄_f||k_f| cos(ω_f Δ + φ_f)``, a trigonometric series over the
+    rotary bands ``f``. Every key scores that series averaged over the future offsets ``1, 2, 4 … offset_max``
+    plus ``Σ_f (E|q_f| − |q̄_f|)|k_f|`` (the query magnitude the centre does not capture); a KV head takes the max
+    over its query heads and keeps its top entries. The statistics come from the last ``stats_window`` recorded
+    queries. The schedule compresses after prefill and, while decoding, whenever a head holds ``buffer`` entries
+    more than its budget. Pass ``budget=`` (tokens per head, the paper's setting) or ``ratio=``.
+    """
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+        raise InvalidParameterError(f"buffer must be an integer >= 1, got {buffer!r}")
+    return parts(
+        TrigonometricScorer(offset_max=offset_max, stats_window=stats_window),
+        UniformBudget(),
+        TopKSelector(),
         schedule=OverBudget(slack=buffer),
     )

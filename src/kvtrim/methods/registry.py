@@ -56,6 +56,7 @@ class Capabilities:
         vllm: the vLLM plugin runs it (``runs_in_vllm`` on scorer, budget and selector, no channel pruning and no
             merging)
         merges: evicted values are folded into the kept entries (``Pipeline.merge``), which then hold merged values
+        rerotates: the kept keys are rotated to contiguous positions after eviction (``Pipeline.rerotate``)
     """
 
     attention: bool
@@ -68,6 +69,7 @@ class Capabilities:
     paged_engine: bool
     vllm: bool
     merges: bool = False
+    rerotates: bool = False
 
     def labels(self) -> list[str]:
         """Short labels, for listings and the README table."""
@@ -82,6 +84,8 @@ class Capabilities:
             out.append("key channels")
         if self.merges:
             out.append("merges evicted values")
+        if self.rerotates:
+            out.append("re-rotates kept keys")
         if self.recursive:
             out.append("recursive while decoding")
         if self.paged_engine:
@@ -123,9 +127,11 @@ def capabilities_of(pipeline: Pipeline) -> Capabilities:
         schedules=() if channels is not None else ("every", "over") + (("tail",) if lag_partitions else ()),
         paged_engine=getattr(pipeline.budget, "paged_engine", False),
         vllm=channels is None
-        and pipeline.merge is None  # the plugin evicts; it does not rewrite the kept values
+        and pipeline.merge is None  # the plugin evicts; it does not rewrite the kept values (or keys)
+        and pipeline.rerotate is None
         and all(getattr(part, "runs_in_vllm", False) for part in parts),
         merges=pipeline.merge is not None,
+        rerotates=pipeline.rerotate is not None,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -91,6 +92,7 @@ class ReconstructionScorer(Scorer):
     # capabilities (read by the method registry, kvtrim.methods.registry)
     uses_attention = True
     question_aware = False  # scores come from re-reading the context
+    method_label: ClassVar[str] = "kvzip"  # the method named in warnings
 
     prompt: str = "Repeat the previous context exactly."
     n_sink: int = 4
@@ -121,8 +123,8 @@ class ReconstructionScorer(Scorer):
             if self.tokenizer is not None:
                 raise InvalidParameterError(f"tokenizer={self.tokenizer!r}: no tokenizer could be loaded from there")
             warnings.warn(
-                f"kvzip: no tokenizer found for the model ({source!r}); the context is re-read without the repeat "
-                "instruction (pass tokenizer=PATH)",
+                f"{self.method_label}: no tokenizer found for the model ({source!r}); the context is re-read without "
+                "the repeat instruction (pass tokenizer=PATH)",
                 stacklevel=2,
             )
             self._repeat_ids, self._prefix_len = torch.zeros(0, dtype=torch.long), 0

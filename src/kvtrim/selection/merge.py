@@ -9,6 +9,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..parts import Part
+from ..scoring.observation import ObservationSpec
 from .base import Selection
 
 _EPS = 1e-6
@@ -71,8 +72,24 @@ def kept_slots(selection: Selection, seq: int) -> torch.Tensor:
     return counts.scatter_add_(-1, selection.indices, selection.keep_mask.long()) > 0
 
 
+class ValueMerge(Part):
+    """``merge(view, selection) -> values``: folds the values of the entries ``selection`` evicts into the entries
+    it keeps; runs between selection and compaction, and the store keeps the returned values.
+
+    ``observation`` is what the merge reads while the prompt is prefilled (merged with the scorer's); none by
+    default.
+    """
+
+    _declares_interface = True
+    observation: ObservationSpec = ObservationSpec()
+
+    def merge(self, view, selection: Selection) -> torch.Tensor:
+        """``[batch, kv_heads, seq, d]`` the values of ``view`` after merging the slots ``selection`` evicts."""
+        raise NotImplementedError(f"{type(self).__name__} must define merge(view, selection)")
+
+
 @dataclass
-class NearestKeyMerge(Part):
+class NearestKeyMerge(ValueMerge):
     """Merge on evict (D2O, Wan et al., 2024, "D2O: Dynamic Discriminative Operations for Efficient Long-Context
     Inference of Large Language Models", arXiv 2406.13035, whose evicted tokens join the most similar kept token;
     weighted as kvpress's MergingPress): see :func:`merge_evicted_values`. Runs between selection and compaction;
