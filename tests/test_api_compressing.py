@@ -69,6 +69,33 @@ def test_a_transformers_quantized_cache_is_refused_naming_kv_quant(llama, inputs
     assert out.shape[1] == inputs["input_ids"].shape[1] + 2
 
 
+def test_a_real_transformers_quantized_cache_is_refused_with_its_nearest_kv_quant(llama, inputs):
+    """transformers' own fp8 backend (no extra package; transformers >= 5.23) builds a real QuantizedCache, which
+    generates on its own and is refused inside kvtrim.compressing, naming kvtrim's nearest setting."""
+    from transformers import cache_utils
+
+    if not hasattr(cache_utils, "Fp8QuantizedLayer"):
+        pytest.skip("this transformers has no fp8 QuantizedCache backend (added in 5.23)")
+    fp8 = cache_utils.QuantizedCache(backend="fp8", config=llama.config)
+    out = llama.generate(**inputs, past_key_values=fp8, max_new_tokens=2, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 2  # the backend works here
+    given = cache_utils.QuantizedCache(backend="fp8", config=llama.config)
+    with kvtrim.compressing(llama, "snapkv", ratio=0.5):
+        with pytest.raises(InvalidParameterError, match=r"QuantizedCache; .*nearest to this cache is kv_quant='fp8'"):
+            llama.generate(**inputs, past_key_values=given, max_new_tokens=2)
+        with pytest.raises(InvalidParameterError, match=r"nearest to this cache is kv_quant='int4:residual=64'"):
+            llama.generate(
+                **inputs,
+                cache_implementation="quantized",
+                cache_config={"backend": "quanto", "nbits": 4, "residual_length": 64},
+                max_new_tokens=2,
+            )
+        with pytest.raises(InvalidParameterError, match=r"no 2-bit entries"):
+            llama.generate(
+                **inputs, cache_implementation="quantized", cache_config={"nbits": 2}, max_new_tokens=2
+            )
+
+
 def test_reusing_a_cache_raises_a_kvtrim_error(llama, inputs):
     with kvtrim.compressing(llama, "snapkv", ratio=0.5) as cache:
         llama.generate(**inputs, past_key_values=cache, max_new_tokens=3)

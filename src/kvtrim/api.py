@@ -488,16 +488,46 @@ def _refuse_other_cache_kinds(model, cache, kwargs: dict) -> None:
     from transformers.cache_utils import QuantizedCache
 
     if isinstance(cache, QuantizedCache):
-        raise InvalidParameterError(f"past_key_values is a transformers QuantizedCache; {QUANTIZED_ELSEWHERE}")
+        layer = (getattr(cache, "layers", None) or [None])[0]
+        settings = {name: getattr(layer, name, None) for name in ("nbits", "residual_length")}
+        if type(layer).__name__.startswith("Fp8"):
+            settings["backend"] = "fp8"
+        raise InvalidParameterError(
+            f"past_key_values is a transformers QuantizedCache; {QUANTIZED_ELSEWHERE}{_nearest_kv_quant(settings)}"
+        )
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     asked = kwargs.get("cache_implementation")
     if asked is None and getattr(config, "cache_implementation", None) == "quantized":
         asked = "quantized"  # a model's own default (e.g. "hybrid") is replaced by kvtrim's cache as usual
     if asked is not None:
+        cache_config = kwargs.get("cache_config") or getattr(config, "cache_config", None) or {}
         raise InvalidParameterError(
             f"cache_implementation={asked!r} asks transformers for its own cache instead of kvtrim's; "
-            + (QUANTIZED_ELSEWHERE if asked == "quantized" else "leave it unset inside kvtrim.compressing")
+            + (
+                QUANTIZED_ELSEWHERE + _nearest_kv_quant(dict(cache_config))
+                if asked == "quantized"
+                else "leave it unset inside kvtrim.compressing"
+            )
         )
+
+
+def _nearest_kv_quant(settings: dict) -> str:
+    """The ``kv_quant`` closest to a transformers quantized cache's settings (``backend``, ``nbits``,
+    ``residual_length``), as a sentence to append to the refusal; empty when nothing is known.
+
+    transformers' ``fp8`` backend scales each layer's tensor once, kvtrim's ``fp8`` per group; ``q_group_size``
+    counts channels there and has no kvtrim counterpart (kvtrim's ``group_size`` counts tokens, KIVI's layout)."""
+    if settings.get("backend") == "fp8":
+        name = "fp8"
+    elif settings.get("nbits") in (4, 8):
+        name = f"int{settings['nbits']}"
+    elif settings.get("nbits") is not None:
+        return f"; kvtrim has no {settings['nbits']}-bit entries (int8, int4 or fp8)"
+    else:
+        return ""
+    residual = settings.get("residual_length")
+    spec = f"{name}:residual={residual}" if isinstance(residual, int) and residual > 0 else name
+    return f"; the nearest to this cache is kv_quant={spec!r}"
 
 
 @contextmanager
