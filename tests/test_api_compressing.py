@@ -91,9 +91,7 @@ def test_a_real_transformers_quantized_cache_is_refused_with_its_nearest_kv_quan
                 max_new_tokens=2,
             )
         with pytest.raises(InvalidParameterError, match=r"no 2-bit entries"):
-            llama.generate(
-                **inputs, cache_implementation="quantized", cache_config={"nbits": 2}, max_new_tokens=2
-            )
+            llama.generate(**inputs, cache_implementation="quantized", cache_config={"nbits": 2}, max_new_tokens=2)
 
 
 def test_reusing_a_cache_raises_a_kvtrim_error(llama, inputs):
