@@ -10,7 +10,7 @@ import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
 import torch
-from per_head_checks import generate, worker_state
+from per_head_checks import generate, transformers_tokens, worker_state
 from vllm.inputs import TokensPrompt
 from vllm_helpers import close, make_llm, scheduler, token_prompts, truncated_model, used_blocks
 
@@ -73,7 +73,7 @@ def _kvtrim_chunked(model, prompt, method, tokens) -> list[int]:
         return greedy_decode(hf, out.cache, pre.mask, pre.logits, tokens).tokens[0]
 
 
-@pytest.mark.parametrize("method", ["snapkv@every:16", "streaming_llm@every:16"])
+@pytest.mark.parametrize("method", ["snapkv@every:16", "streaming_llm@every:16", "tova@every:16"])
 def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, method):
     prompt = token_prompts([700], seed=21)[0]
     llm = _llm(model, {"method": method, "budget": BUDGET, "between_chunks": True})
@@ -94,6 +94,8 @@ def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, m
     decoding = used[6:]
     assert any(b < a for a, b in itertools.pairwise(decoding))
     assert out == _kvtrim_chunked(model, prompt, method, TOKENS)
+    # compressing after prefill only (the whole prompt scored at once) gives other tokens: the chunks mattered
+    assert out != transformers_tokens(model, [prompt], method, TOKENS)[0]
 
 
 def test_budget_above_the_prompt_is_vanilla_and_admission_counts_the_compressed_size(model):
