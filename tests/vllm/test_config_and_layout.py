@@ -81,6 +81,7 @@ def test_rounds_follow_token_counts_only():
     assert chunks.round_keep(700, 50, 50) is None  # under the budget
     assert chunks.round_keep(700, 700, 124) == 64  # the last chunk
     assert chunks.round_keep(700, 716, 80) is None  # no decoding schedule
+    assert chunks.round_keep(700, 900, 300, 256) == 64  # a preempted request's recomputation, past the prompt
     every = parse_config({"method": "snapkv@every:16", "budget": 64, "between_chunks": True})
     assert every.round_keep(700, 716, 80) == 64 and every.round_keep(700, 717, 65) is None
     assert every.round_keep(40, 56, 56) is None  # every 16 tokens, but still under the budget

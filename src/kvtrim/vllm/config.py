@@ -138,19 +138,20 @@ class VLLMEvictionConfig:
         period = schedule.n if isinstance(schedule, EveryNTokens) else schedule.slack + 1
         return int(self.spec.budget) + max(chunk, period)
 
-    def round_keep(self, prompt_len: int, logical_end: int, physical_end: int) -> int | None:
-        """Entries a request keeps after a step that ends at token ``logical_end`` holding ``physical_end``
-        entries, or None: no compression in this step. A function of counts only, so the scheduler and every
-        worker decide the same way.
+    def round_keep(self, prompt_len: int, logical_end: int, physical_end: int, step_tokens: int = 1) -> int | None:
+        """Entries a request keeps after a step of ``step_tokens`` tokens that ends at token ``logical_end``
+        holding ``physical_end`` entries, or None: no compression in this step. A function of counts only, so the
+        scheduler and every worker decide the same way.
 
-        Prefill chunks (``between_chunks``): every chunk, once the entries exceed the budget; the final chunk
-        as without rounds. Decoding: ``every:N`` when ``N`` tokens were decoded since the prompt (``N``, ``2N`` …),
-        ``over:SLACK`` when the entries exceed the budget by more than ``SLACK``.
+        Prefill chunks (``between_chunks``): every chunk, once the entries exceed the budget (also the chunks of a
+        preempted request's recomputation, which run past the prompt); the final chunk as without rounds.
+        Decoding: ``every:N`` when ``N``, ``2N`` … tokens were decoded, ``over:SLACK`` when the entries exceed the
+        budget by more than ``SLACK``.
         """
         if prompt_len < max(self.min_prompt, 1):
             return None
         budget = int(self.spec.budget)
-        if logical_end < prompt_len:
+        if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
             return budget if self.between_chunks and physical_end > budget else None
         if logical_end == prompt_len:
             return budget if physical_end > budget else None

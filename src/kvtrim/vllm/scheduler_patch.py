@@ -115,7 +115,7 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
     if state.config.rounds:
         end = req.num_computed_tokens + n
         physical = end - state.dropped.get(req.request_id, 0)
-        keep = state.config.round_keep(prompt, end, physical)
+        keep = state.config.round_keep(prompt, end, physical, n)
         return None if keep is None else (physical, keep)
     if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
         # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)

@@ -245,7 +245,7 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     prompt = int(runner.input_batch.num_prompt_tokens[i])
     end = computed + (qe - qs)
     physical = end - state.dropped.get(req_id, 0)
-    keep = config.round_keep(prompt, end, physical)
+    keep = config.round_keep(prompt, end, physical, qe - qs)
     window = state.pipeline.observation.window
     if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
         state.observe.append((req_id, qs, qe))
