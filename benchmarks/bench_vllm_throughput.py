@@ -266,6 +266,7 @@ def main() -> None:
         help="add a mode compressing between prefill chunks, admitted by budget + one chunk (needs --chunk)",
     )
     ap.add_argument("--no-quality", action="store_true", help="throughput only")
+    ap.add_argument("--order", default=None, help="order of the modes, e.g. between,kvtrim,vanilla (one engine each)")
     ap.add_argument("--name", default=None, help="result file stem (default: results, or quick with --quick)")
     args = ap.parse_args()
     if args.between_chunks and args.chunk is None:
@@ -293,13 +294,13 @@ def main() -> None:
         saved = OUT_DIR / f"{name}.json"
         report["throughput"] = json.loads(saved.read_text())["throughput"] if saved.exists() else []
     else:
-        report["throughput"] = [
-            throughput(None, prompts, args.output_len, args.blocks, args.chunk),
-            throughput(config, prompts, args.output_len, args.blocks, args.chunk),
-        ]
+        modes = {"vanilla": None, "kvtrim": config}
         if args.between_chunks:
-            chunked = {**config, "between_chunks": True}
-            report["throughput"].append(throughput(chunked, prompts, args.output_len, args.blocks, args.chunk))
+            modes["between"] = {**config, "between_chunks": True}
+        order = args.order.split(",") if args.order else list(modes)
+        if sorted(order) != sorted(modes):
+            ap.error(f"--order must list {', '.join(modes)} once each")
+        report["throughput"] = [throughput(modes[m], prompts, args.output_len, args.blocks, args.chunk) for m in order]
     (OUT_DIR / f"{name}.json").write_text(json.dumps(report, indent=2))  # kept if the quality part fails
     print(json.dumps(report["throughput"], indent=1))
     if args.no_quality:
