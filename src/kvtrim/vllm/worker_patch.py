@@ -14,6 +14,11 @@ Patched methods of vLLM's V1 ``GPUModelRunner`` (the CPU runner inherits them):
 - each attention impl's ``forward``: after attention for the step, score/select/compact the pending requests'
   entries in that layer's cache.
 
+Rounds (``between_chunks``, ``method@every:N``): the same compaction after any step that
+:meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep` names (the scheduler applies the same rule), over the
+request's physical entries; each layer's kept logical positions are kept per request for the next round, and the
+last ``window`` queries of the request are recorded around a round (the observation window while decoding).
+
 Only the V1 runner is patched: ``runner_check`` makes V1 the default under kvtrim and refuses any other runner.
 
 Per-layer budgets (PyramidKV): the block list holds ``keep_max`` (largest layer) slots; layer ``l`` keeps
