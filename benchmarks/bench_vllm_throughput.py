@@ -44,7 +44,7 @@ MODEL_DIR = Path.home() / ".cache" / "kvtrim" / "models" / "smollm2-135m"
 OUT_DIR = Path(__file__).parent / "results" / "bench_vllm_throughput"
 
 
-def make_llm(config: dict | None, blocks: int | None):
+def make_llm(config: dict | None, blocks: int | None, chunk: int | None = None):
     from vllm import LLM
 
     kwargs = dict(
@@ -59,6 +59,8 @@ def make_llm(config: dict | None, blocks: int | None):
     )
     if blocks is not None:
         kwargs["num_gpu_blocks_override"] = blocks
+    if chunk is not None:  # chunked prefill with at most ``chunk`` tokens per engine step
+        kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
     if config is not None:
         kwargs["additional_config"] = {"kvtrim": config}
     return LLM(**kwargs)
@@ -82,12 +84,14 @@ def counter(llm, name: str) -> float:
     return float(sum(values))
 
 
-def throughput(config: dict | None, prompts: list[list[int]], output_len: int, blocks: int) -> dict:
+def throughput(
+    config: dict | None, prompts: list[list[int]], output_len: int, blocks: int, chunk: int | None = None
+) -> dict:
     from vllm.inputs import TokensPrompt
 
     from vllm import SamplingParams
 
-    llm = make_llm(config, blocks)
+    llm = make_llm(config, blocks, chunk)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     try:
@@ -114,6 +118,9 @@ def throughput(config: dict | None, prompts: list[list[int]], output_len: int, b
             "engine_steps": steps,
             "preemptions": counter(llm, "vllm:num_preemptions") - preempted_before,
             "blocks_freed_by_kvtrim": None if state is None else state.blocks_freed,
+            "compressions": None if state is None else state.rounds,
+            "most_blocks_held_by_a_request": None if state is None else max(state.finished_peaks.values()),
+            "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
         }
     finally:
         close(llm)
@@ -210,17 +217,25 @@ def render(report: dict) -> list[str]:
             f"Throughput ({args['method']}, budget {args['budget']}): {args['requests']} prompts x "
             f"{args['prompt_len']} tokens, {args['output_len']} output tokens, {args['blocks']} blocks of 128 tokens",
             "",
-            "| mode | most running at once | output tok/s | wall s | preemptions | blocks freed |",
-            "|---|---|---|---|---|---|",
+            "| mode | most running at once | output tok/s | wall s | preemptions | blocks freed | "
+            "most blocks held by a request |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in report["throughput"]:
-            mode = "vanilla" if r["config"] is None else "kvtrim"
+            mode = _mode(r["config"])
             lines.append(
                 f"| {mode} | {r['most_running_at_once']} | {r['output_tok_per_s']} | {r['wall_s']} | "
-                f"{r['preemptions']:.0f} | {r['blocks_freed_by_kvtrim']} |"
+                f"{r['preemptions']:.0f} | {r['blocks_freed_by_kvtrim']} | "
+                f"{r.get('most_blocks_held_by_a_request')} |"
             )
         lines.append("")
-    return lines + quality_lines(report["quality"])
+    return lines + (quality_lines(report["quality"]) if report.get("quality") else [])
+
+
+def _mode(config: dict | None) -> str:
+    if config is None:
+        return "vanilla"
+    return "kvtrim, between chunks" if config.get("between_chunks") else "kvtrim"
 
 
 def main() -> None:
@@ -242,8 +257,20 @@ def main() -> None:
         help="comma-separated methods for the quality part (default: --method); lagkv-family ones use --lag-ratio",
     )
     ap.add_argument("--lag-ratio", type=float, default=0.75, help="ratio for lagkv/localkv/lag_knorm")
+    ap.add_argument(
+        "--chunk", type=int, default=None, help="max_num_batched_tokens, every mode"
+    )
+    ap.add_argument(
+        "--between-chunks",
+        action="store_true",
+        help="add a mode compressing between prefill chunks, admitted by budget + one chunk (needs --chunk)",
+    )
+    ap.add_argument("--no-quality", action="store_true", help="throughput only")
+    ap.add_argument("--order", default=None, help="order of the modes, e.g. between,kvtrim,vanilla (one engine each)")
     ap.add_argument("--name", default=None, help="result file stem (default: results, or quick with --quick)")
     args = ap.parse_args()
+    if args.between_chunks and args.chunk is None:
+        ap.error("--between-chunks needs --chunk (the prefill chunk, max_num_batched_tokens)")
     if args.quick:
         args.requests, args.prompt_len, args.output_len, args.samples, args.task_length = 6, 400, 8, 1, 512
     config = {"method": args.method, "budget": args.budget}
@@ -267,12 +294,21 @@ def main() -> None:
         saved = OUT_DIR / f"{name}.json"
         report["throughput"] = json.loads(saved.read_text())["throughput"] if saved.exists() else []
     else:
-        report["throughput"] = [
-            throughput(None, prompts, args.output_len, args.blocks),
-            throughput(config, prompts, args.output_len, args.blocks),
-        ]
+        modes = {"vanilla": None, "kvtrim": config}
+        if args.between_chunks:
+            modes["between"] = {**config, "between_chunks": True}
+        order = args.order.split(",") if args.order else list(modes)
+        if sorted(order) != sorted(modes):
+            ap.error(f"--order must list {', '.join(modes)} once each")
+        report["throughput"] = [throughput(modes[m], prompts, args.output_len, args.blocks, args.chunk) for m in order]
     (OUT_DIR / f"{name}.json").write_text(json.dumps(report, indent=2))  # kept if the quality part fails
     print(json.dumps(report["throughput"], indent=1))
+    if args.no_quality:
+        report["quality"] = None
+        lines = render(report)
+        (OUT_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     methods = (args.quality_methods or args.method).split(",")
     configs = {
         m: {"method": m, "ratio": args.lag_ratio}

@@ -61,12 +61,35 @@ def test_per_head_methods_keep_budget_plus_one_block_minus_one_slots():
         ({"method": "lagkv", "budget": 8}, "takes ratio"),
         ({"method": "lagkv", "ratio": 0.5, "params": {"skip_layers": [0]}}, "skip_layers"),
         ({"method": "snapkv", "budget": 8, "min_prompt": -1}, "min_prompt"),
+        ({"method": "snapkv", "budget": 8, "between_chunks": 1}, "between_chunks must be true or false"),
+        ({"method": "snapkv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
+        ({"method": "pyramidkv@every:8", "budget": 8}, "not 'pyramidkv'"),
+        ({"method": "adakv", "budget": 8, "between_chunks": True}, "not 'adakv'"),
+        ({"method": "lagkv@tail:32", "ratio": 0.5}, "'tail:LAG' recursion is not run inside vLLM"),
     ],
 )
 def test_bad_configurations_are_refused(raw, needle):
     with pytest.raises(InvalidParameterError, match=None) as err:
         parse_config(raw)
     assert needle in str(err.value)
+
+
+def test_rounds_follow_token_counts_only():
+    chunks = parse_config({"method": "snapkv", "budget": 64, "between_chunks": True})
+    assert chunks.rounds and chunks.decode_schedule is None and chunks.held_bound(128) is None
+    assert chunks.round_keep(700, 128, 128) == 64  # a chunk over the budget
+    assert chunks.round_keep(700, 50, 50) is None  # under the budget
+    assert chunks.round_keep(700, 700, 124) == 64  # the last chunk
+    assert chunks.round_keep(700, 716, 80) is None  # no decoding schedule
+    assert chunks.round_keep(700, 900, 300, 256) == 64  # a preempted request's recomputation, past the prompt
+    every = parse_config({"method": "snapkv@every:16", "budget": 64, "between_chunks": True})
+    assert every.round_keep(700, 716, 80) == 64 and every.round_keep(700, 717, 65) is None
+    assert every.round_keep(40, 56, 56) is None  # every 16 tokens, but still under the budget
+    assert every.held_bound(128) == 64 + 128 and every.held_bound(8) == 64 + 16
+    over = parse_config({"method": "streaming_llm@over:3", "budget": 64})
+    assert over.round_keep(700, 703, 67) is None and over.round_keep(700, 704, 68) == 64
+    assert over.round_keep(700, 300, 300) is None  # no between_chunks: the prompt is compressed once, at its end
+    assert not parse_config({"method": "snapkv", "budget": 64}).rounds
 
 
 def test_additional_config_wins_over_the_environment(monkeypatch):

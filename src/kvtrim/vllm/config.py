@@ -6,8 +6,10 @@ Neither set: the plugin leaves vLLM unchanged.
 
 Keys: ``method`` (a kvtrim registry name, see :data:`ACCEPTED_METHODS`), exactly one of ``ratio`` (fraction of
 prompt entries removed, in [0, 1)) or ``budget`` (prompt entries kept per layer and KV head), optional
-``params`` (the method's own parameters, e.g. ``{"window": 8}``) and ``min_prompt`` (prompts shorter than this
-are not compressed, default 0).
+``params`` (the method's own parameters, e.g. ``{"window": 8}``), ``min_prompt`` (prompts shorter than this
+are not compressed, default 0) and ``between_chunks`` (compress to the budget after every prefill chunk, and
+admit a request by that compressed size; default false). ``method`` may carry a decoding schedule,
+``"snapkv@every:64"`` (compress to the budget again every 64 decoded tokens) or ``"snapkv@over:SLACK"``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from ..budgets.pyramid import PyramidBudget, pyramid_layer_budgets
 from ..budgets.uniform import UniformBudget
 from ..compression.compressor import BudgetSpec
 from ..compression.pipeline import Pipeline
+from ..compression.schedule import EveryNTokens, OverBudget
 from ..errors import InvalidParameterError
 from ..methods import get_method, method_info, method_names
-from ..methods.registry import BUDGET_KINDS
+from ..methods.registry import BUDGET_KINDS, split_schedule
 from ..scoring.partitions import kept_length
 from .subpages import slots_for_head_budget
 
@@ -50,6 +53,13 @@ PER_HEAD_METHODS = tuple(
     name for name in SUPPORTED_METHODS if method_info(name).capabilities.budgets == BUDGET_KINDS["head"]
 )
 ACCEPTED_METHODS = SUPPORTED_METHODS
+# Methods that compress a request again and again inside vLLM (between prefill chunks, while decoding): every
+# layer and KV head keeps ``budget`` entries, chosen without the question (no accumulated statistics).
+UNIFORM_ROUND_METHODS = tuple(
+    name
+    for name in ("snapkv", "tova", "streaming_llm", "knorm", "random", "critical_snapkv")
+    if name in SUPPORTED_METHODS
+)
 
 
 @dataclass(frozen=True)
@@ -61,41 +71,112 @@ class VLLMEvictionConfig:
         spec: the ratio or budget
         params: keyword arguments of the method's factory
         min_prompt: prompts shorter than this keep every entry
+        between_chunks: compress to the budget after every prefill chunk (chunked prefill), not only after the
+            last one; the scheduler then admits a request by its compressed size
     """
 
     method: str
     spec: BudgetSpec
     params: dict = field(default_factory=dict)
     min_prompt: int = 0
+    between_chunks: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in ACCEPTED_METHODS:
-            known = "" if self.method in method_names() else " (not a kvtrim method)"
+        base, schedule = split_schedule(self.method)
+        if base not in ACCEPTED_METHODS:
+            known = "" if base in method_names() else " (not a kvtrim method)"
             raise InvalidParameterError(
-                f"method {self.method!r}{known} is not supported inside vLLM; supported: {', '.join(ACCEPTED_METHODS)}"
+                f"method {base!r}{known} is not supported inside vLLM; supported: {', '.join(ACCEPTED_METHODS)}"
             )
         if isinstance(self.min_prompt, bool) or not isinstance(self.min_prompt, int) or self.min_prompt < 0:
             raise InvalidParameterError(f"min_prompt must be an integer >= 0, got {self.min_prompt!r}")
+        if not isinstance(self.between_chunks, bool):
+            raise InvalidParameterError(f"between_chunks must be true or false, got {self.between_chunks!r}")
         pipeline = self.pipeline()  # raises on bad params
         pipeline.check(self.spec.ratio, self.spec.budget)
         if isinstance(pipeline.budget, PartitionBudget) and pipeline.budget.skip_layers:
             raise InvalidParameterError(
                 "params.skip_layers is not supported inside vLLM: every layer must keep the same number of entries"
             )
+        if schedule is not None and not isinstance(pipeline.schedule, (EveryNTokens, OverBudget)):
+            raise InvalidParameterError(
+                f"method {self.method!r}: inside vLLM a decoding schedule is 'every:N' or 'over:SLACK' "
+                "(LagKV's 'tail:LAG' recursion is not run inside vLLM)"
+            )
+        if self.rounds:
+            if self.spec.budget is None:
+                raise InvalidParameterError(
+                    "between_chunks and decoding schedules (method@every:N) need 'budget', not 'ratio': the kept "
+                    "count must not depend on a length the scheduler does not know yet"
+                )
+            if base not in UNIFORM_ROUND_METHODS:
+                raise InvalidParameterError(
+                    f"between_chunks and decoding schedules run for {', '.join(UNIFORM_ROUND_METHODS)} inside vLLM, "
+                    f"not {base!r} (per-layer, per-head and lag-partition counts are not re-sized between rounds)"
+                )
+            if pipeline.observation.accumulate:
+                raise InvalidParameterError(f"method {base!r} accumulates statistics over all queries")
+
+    @property
+    def rounds(self) -> bool:
+        """Whether a request is compressed more than once (between prefill chunks or while decoding)."""
+        return self.between_chunks or self.decode_schedule is not None
+
+    @property
+    def decode_schedule(self) -> EveryNTokens | OverBudget | None:
+        """The decoding schedule of ``method@every:N`` / ``method@over:SLACK``, or None (compress once)."""
+        if split_schedule(self.method)[1] is None:
+            return None
+        return get_method(self.method, **self.params).schedule
+
+    def held_bound(self, chunk: int) -> int | None:
+        """Most entries a request ever holds with steps of at most ``chunk`` tokens, or None (unbounded): with
+        ``between_chunks`` and a decoding schedule, the budget plus the larger of one chunk and one round."""
+        schedule = self.decode_schedule
+        if not self.between_chunks or schedule is None:
+            return None
+        period = schedule.n if isinstance(schedule, EveryNTokens) else schedule.slack + 1
+        return int(self.spec.budget) + max(chunk, period)
+
+    def round_keep(self, prompt_len: int, logical_end: int, physical_end: int, step_tokens: int = 1) -> int | None:
+        """Entries a request keeps after a step of ``step_tokens`` tokens that ends at token ``logical_end``
+        holding ``physical_end`` entries, or None: no compression in this step. A function of counts only, so the
+        scheduler and every worker decide the same way.
+
+        Prefill chunks (``between_chunks``): every chunk, once the entries exceed the budget (also the chunks of a
+        preempted request's recomputation, which run past the prompt); the final chunk as without rounds.
+        Decoding: ``every:N`` when ``N``, ``2N`` … tokens were decoded, ``over:SLACK`` when the entries exceed the
+        budget by more than ``SLACK``.
+        """
+        if prompt_len < max(self.min_prompt, 1):
+            return None
+        budget = int(self.spec.budget)
+        if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
+            return budget if self.between_chunks and physical_end > budget else None
+        if logical_end == prompt_len:
+            return budget if physical_end > budget else None
+        schedule = self.decode_schedule
+        if isinstance(schedule, EveryNTokens):
+            due = (logical_end - prompt_len) % schedule.n == 0
+        elif isinstance(schedule, OverBudget):
+            due = physical_end > budget + schedule.slack
+        else:
+            return None
+        return budget if due and physical_end > budget else None
 
     @property
     def per_layer(self) -> bool:
         """Whether layers keep different counts (PyramidKV): the worker then gives each layer its own lengths."""
-        return self.method in PER_LAYER_METHODS
+        return split_schedule(self.method)[0] in PER_LAYER_METHODS
 
     @property
     def per_head(self) -> bool:
         """Whether KV heads keep different counts (AdaKV): the worker then stores each head in its own sub-pages."""
-        return self.method in PER_HEAD_METHODS
+        return split_schedule(self.method)[0] in PER_HEAD_METHODS
 
     def pipeline(self) -> Pipeline:
         """A fresh kvtrim pipeline for this configuration."""
-        pipeline = get_method(self.method, **self.params)
+        pipeline = get_method(self.method, **self.params)  # ``name@schedule`` carries its schedule
         kinds = (
             UniformBudget,
             PartitionBudget,
@@ -200,6 +281,7 @@ class VLLMEvictionConfig:
             **self.spec.describe(),
             "params": dict(self.params),
             "min_prompt": self.min_prompt,
+            "between_chunks": self.between_chunks,
         }
 
 
@@ -207,11 +289,11 @@ def parse_config(raw: dict) -> VLLMEvictionConfig:
     """Validate a configuration dict (the JSON object of either source)."""
     if not isinstance(raw, dict):
         raise InvalidParameterError(f"the kvtrim vLLM configuration must be a JSON object, got {type(raw).__name__}")
-    unknown = set(raw) - {"method", "ratio", "budget", "params", "min_prompt"}
+    unknown = set(raw) - {"method", "ratio", "budget", "params", "min_prompt", "between_chunks"}
     if unknown:
         raise InvalidParameterError(
             f"unknown kvtrim vLLM configuration keys {sorted(unknown)}; allowed: method, ratio, budget, params, "
-            "min_prompt"
+            "min_prompt, between_chunks"
         )
     if "method" not in raw:
         raise InvalidParameterError("the kvtrim vLLM configuration needs 'method'")
@@ -219,7 +301,9 @@ def parse_config(raw: dict) -> VLLMEvictionConfig:
     if not isinstance(params, dict):
         raise InvalidParameterError(f"params must be a JSON object, got {params!r}")
     spec = BudgetSpec(ratio=raw.get("ratio"), budget=raw.get("budget"))
-    return VLLMEvictionConfig(str(raw["method"]), spec, dict(params), raw.get("min_prompt", 0))
+    return VLLMEvictionConfig(
+        str(raw["method"]), spec, dict(params), raw.get("min_prompt", 0), raw.get("between_chunks", False)
+    )
 
 
 def load_config(additional_config: dict | None) -> VLLMEvictionConfig | None:

@@ -36,6 +36,12 @@ class PendingEviction:
             in total); ``keep`` is then the request's slot count ``min(B + block_size − 1, prompt_len)``
         pages: per-head methods: the request's one-head sub-pages (of its first ``⌈keep/block_size⌉`` blocks)
         head_counts: ``[num_layers, kv_heads]`` per-head counts fixed before scoring (HeadKV), or None
+        logical_len: tokens the request has seen after this step (0: ``prompt_len``, nothing compressed before)
+        positions: ``[num_layers, kv_heads, k0]`` logical positions of the entries an earlier round kept in slots
+            ``0 … k0−1`` (the slots after them hold the last ``prompt_len − k0`` tokens, in order), or None: slot
+            ``i`` holds token ``i``
+        observed: the window queries come from the worker's record of the request's recent queries (decoding
+            rounds), not from this step's rows alone
     """
 
     req_id: str
@@ -48,6 +54,18 @@ class PendingEviction:
     head_budget: int = 0
     pages: RequestSubPages | None = None
     head_counts: np.ndarray | None = None
+    logical_len: int = 0
+    positions: torch.Tensor | None = None
+    observed: bool = False
+
+    def key_positions(self, layer_idx: int, kv_heads: int, device) -> torch.Tensor:
+        """``[kv_heads, prompt_len]`` logical positions of the request's entries in this layer."""
+        p, end = self.prompt_len, self.logical_len or self.prompt_len
+        if self.positions is None:
+            return torch.arange(end - p, end, device=device).view(1, p).expand(kv_heads, p)
+        kept = self.positions[layer_idx].to(device)
+        fresh = torch.arange(end - (p - kept.shape[1]), end, device=device).view(1, -1).expand(kv_heads, -1)
+        return torch.cat([kept, fresh], dim=1)
 
 
 def _score_and_select(
@@ -72,23 +90,24 @@ def _score_and_select(
     the layer's ``(k_scale, v_scale)`` of an fp8 cache (the scorer sees ``code · scale``).
     """
     p = pending.prompt_len
+    end = pending.logical_len or p
     stored_keys, stored_values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
     keys = layout.entry.decode(stored_keys, scales[0], query.dtype)
     values = layout.entry.decode(stored_values, scales[1], query.dtype)
     kv_heads = keys.shape[1]
     device = keys.device
     window = pipeline.observation.window
-    q = query[pending.query_start : pending.query_end]
+    q = query if pending.observed else query[pending.query_start : pending.query_end]
     q = q[max(q.shape[0] - window, 0) :] if window > 0 else q[:0]
-    qpos = torch.arange(p - q.shape[0], p, device=device).view(1, -1)
-    positions = torch.arange(p, device=device).view(1, 1, p).expand(1, kv_heads, p)
+    qpos = torch.arange(end - q.shape[0], end, device=device).view(1, -1)
+    positions = pending.key_positions(layer_idx, kv_heads, device).unsqueeze(0)  # [1, kv_heads, p]
     view = LayerView(
         layer_idx=layer_idx,
         num_layers=num_layers,
         keys=keys.transpose(0, 1).unsqueeze(0),
         values=values.transpose(0, 1).unsqueeze(0),
         positions=positions,
-        context_lengths=torch.tensor([p], device=device),
+        context_lengths=torch.tensor([end], device=device),
         observation=LayerObservation(
             queries=q.transpose(0, 1).unsqueeze(0).to(keys.dtype) if window > 0 else None,
             positions=qpos if window > 0 else None,
@@ -129,16 +148,17 @@ def evict_layer(
     ratio: float | None,
     module=None,
     scales: tuple[float, float] = (1.0, 1.0),
-) -> None:
+) -> torch.Tensor:
     """Keep ``pending.layer_keep[layer_idx]`` entries per KV head of this layer, compacted into its first slots.
 
     Args:
         query: ``[num_tokens, q_heads, head_dim]`` the step's post-rotary queries (the request's last prompt
-            queries are the observation window)
+            queries are the observation window); with ``pending.observed``, the request's recorded recent queries
         module: the layer's attention module (``o_proj``: CriticalKV's projected value norms), or None
         scales: the layer's ``(k_scale, v_scale)`` (an fp8 cache; ignored otherwise)
     Each KV head may keep different tokens (the count is what the block table fixes); kept entries stay in
-    position order, keys keep the rotation of their original position, fp8 codes are moved as they are.
+    position order, keys keep the rotation of their original position, fp8 codes are moved as they are. Returns
+    the kept entries' logical positions ``[kv_heads, keep]`` (what a later round of the same request scores with).
     """
     keep = pending.keep if pending.layer_keep is None else pending.layer_keep[layer_idx]
     keys, values, selection, kept = _score_and_select(
@@ -153,6 +173,7 @@ def evict_layer(
     index = selection.indices[0][selection.keep_mask[0]].view(kv_heads, keep).transpose(0, 1)  # [keep, kv_heads]
     heads = torch.arange(kv_heads, device=keys.device).view(1, -1)
     layout.write(kv_cache, pending.blocks, keys[index, heads], values[index, heads])
+    return pending.key_positions(layer_idx, kv_heads, keys.device)[heads, index].transpose(0, 1)
 
 
 def evict_layer_heads(

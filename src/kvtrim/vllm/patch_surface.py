@@ -40,6 +40,8 @@ PATCH_SURFACE: tuple[SurfaceEntry, ...] = (
     SurfaceEntry(_COORD, "KVCacheCoordinator.pop_blocks_for_free", "wrapped: forgets the request"),
     SurfaceEntry("v1/core/single_type_kv_cache_manager.py", "FullAttentionManager", "req_to_blocks, block_size"),
     SurfaceEntry("v1/core/block_pool.py", "BlockPool.free_blocks", "returns the evicted blocks"),
+    SurfaceEntry("v1/core/kv_cache_manager.py", "KVCacheManager.allocate_slots", "admission gate: apply_admission_cap"),
+    SurfaceEntry("v1/engine/core.py", "EngineCore._initialize_kv_caches", "get_kv_cache_configs wrapped there"),
     # worker process (worker_patch.py)
     SurfaceEntry(_RUNNER, "GPUModelRunner._update_states", "wrapped"),
     SurfaceEntry(_RUNNER, "GPUModelRunner._prepare_inputs", "wrapped: physical seq_lens and slot mapping"),

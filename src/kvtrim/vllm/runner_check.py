@@ -162,7 +162,8 @@ def worker_stats(worker) -> dict:
 
     Keys: ``runner`` (:func:`runner_name`), ``configured`` (a kvtrim configuration is active),
     ``requests_compressed`` (requests whose prompt entries this worker compacted), ``layer_evictions``
-    ((request, layer) pairs compacted), ``num_layers`` (attention layers on this worker; 0 before the first step),
+    ((request, layer) pairs compacted), ``rounds`` (compressions with ``between_chunks`` or a decoding schedule,
+    later rounds included), ``num_layers`` (attention layers on this worker; 0 before the first step),
     ``kv_cache_dtypes`` (the ``kv_cache_dtype`` of every block layout the worker probed, sorted).
     """
     runner = getattr(worker, "model_runner", None)
@@ -172,6 +173,7 @@ def worker_stats(worker) -> dict:
         "configured": state is not None,
         "requests_compressed": 0 if state is None else state.evictions,
         "layer_evictions": 0 if state is None else state.layer_evictions,
+        "rounds": 0 if state is None else state.rounds,
         "num_layers": 0 if state is None else state.num_layers,
         "kv_cache_dtypes": [] if state is None else sorted({v.entry.kv_cache_dtype for v in state.layouts.values()}),
     }

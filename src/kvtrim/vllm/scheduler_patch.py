@@ -5,9 +5,11 @@ cache format the worker cannot compact, and a scheduler or coordinator class on 
 overridden),
 ``Scheduler._update_after_schedule`` (when a request's last prompt chunk is scheduled, free the blocks past
 ``keep`` right away: the worker compacts the kept entries into the first blocks in that same step, before any
-later step can reuse the freed ones), ``KVCacheCoordinator.get_num_blocks_to_allocate`` /
-``allocate_new_blocks`` (token counts of compressed requests are physical: logical − dropped) and
-``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request).
+later step can reuse the freed ones; with rounds, ``between_chunks`` and ``method@every:N``, the same after
+every chunk and every ``N`` decoded tokens, :meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep`),
+``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` (token counts of compressed
+requests are physical: logical − dropped; with ``between_chunks`` vLLM's full-sequence admission gate counts
+at most budget + one chunk) and ``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request).
 
 The number kept depends only on the prompt length and the configuration, so scheduler and workers agree
 without exchanging anything.
@@ -16,6 +18,7 @@ without exchanging anything.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..errors import InvalidParameterError
@@ -36,6 +39,14 @@ class SchedulerState:
     requests_compressed: int = 0
     pipeline: object = None  # bound to the checkpoint when the method loads an artifact (HeadKV's counts)
     kv_heads: int = 0  # this rank's KV heads (the per-head counts fixed in advance cover them)
+    rounds: int = 0  # compressions of any request (between chunks, after prefill, while decoding)
+    # request -> most blocks its block list held at the end of a step's allocation (before that step's freeing);
+    # finished requests move to ``finished_peaks`` (the last FINISHED_PEAKS of them)
+    peak_blocks: dict[str, int] = field(default_factory=dict)
+    finished_peaks: OrderedDict = field(default_factory=OrderedDict)
+
+
+FINISHED_PEAKS = 4096
 
 
 def model_num_layers(vllm_config) -> int:
@@ -90,9 +101,35 @@ def _patch_init(orig):
                     )
             self._kvtrim_state = state
             # The coordinator consults the same dropped counts.
-            self.kv_cache_manager.coordinator._kvtrim_dropped = state.dropped
+            coordinator = self.kv_cache_manager.coordinator
+            coordinator._kvtrim_dropped = state.dropped
+            coordinator._kvtrim_state = state
+            if config.between_chunks:
+                # Admission by compressed size: a prompt never holds more than the budget plus one chunk.
+                coordinator._kvtrim_admission_tokens = int(config.spec.budget) + int(
+                    self.scheduler_config.max_num_batched_tokens
+                )
 
     return __init__
+
+
+def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
+    """``(physical entries after this step, entries kept)`` when ``req`` is compressed in this step, else None."""
+    prompt = req.num_prompt_tokens
+    if state.config.rounds:
+        end = req.num_computed_tokens + n
+        physical = end - state.dropped.get(req.request_id, 0)
+        keep = state.config.round_keep(prompt, end, physical, n)
+        return None if keep is None else (physical, keep)
+    if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
+        # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)
+        counts = None
+        if state.pipeline is not None:
+            counts = state.config.head_counts(state.pipeline, prompt, state.num_layers, state.kv_heads)
+        keep = state.config.slot_count(prompt, state.num_layers, manager.block_size, counts)
+        if keep < prompt:
+            return prompt, keep
+    return None
 
 
 def _patch_update_after_schedule(orig):
@@ -101,29 +138,27 @@ def _patch_update_after_schedule(orig):
         state = getattr(self, "_kvtrim_state", None)
         if state is None:
             return orig(self, scheduler_output)
-        finishing = []
+        due = []
         manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests[req_id]
-            prompt = req.num_prompt_tokens
-            if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
-                # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)
-                counts = None
-                if state.pipeline is not None:
-                    counts = state.config.head_counts(state.pipeline, prompt, state.num_layers, state.kv_heads)
-                keep = state.config.slot_count(prompt, state.num_layers, manager.block_size, counts)
-                if keep < prompt:
-                    finishing.append((req_id, prompt, keep))
+            held = len(manager.req_to_blocks.get(req_id, ()))
+            state.peak_blocks[req_id] = max(state.peak_blocks.get(req_id, 0), held)
+            step = _due(state, manager, req, n)
+            if step is not None:
+                due.append((req_id, *step))
         orig(self, scheduler_output)
-        for req_id, prompt, keep in finishing:
-            state.dropped[req_id] = prompt - keep
+        for req_id, physical, keep in due:
+            first = req_id not in state.dropped
+            state.dropped[req_id] = state.dropped.get(req_id, 0) + physical - keep
             blocks = manager.req_to_blocks[req_id]
             n = -(-keep // manager.block_size)
             tail = blocks[n:]
             del blocks[n:]
             manager.block_pool.free_blocks(reversed(tail))
             state.blocks_freed += len(tail)
-            state.requests_compressed += 1
+            state.requests_compressed += first
+            state.rounds += 1
 
     return _update_after_schedule
 
@@ -145,6 +180,12 @@ def _patch_blocks_to_allocate(orig):
         d = getattr(self, "_kvtrim_dropped", {}).get(request_id, 0)
         if d and "prefill_end" in kwargs:
             kwargs["prefill_end"] = max(kwargs["prefill_end"] - d, 0)
+        cap = getattr(self, "_kvtrim_admission_tokens", None)
+        if cap is not None and kwargs.get("apply_admission_cap"):
+            # vLLM's full-sequence admission gate (scheduler_reserve_full_isl): with compression between chunks
+            # the request holds at most budget + one chunk (+ the computed tokens already kept) at once.
+            num_tokens = min(num_tokens, max(cap + d, total_computed_tokens))
+            num_tokens_main_model = min(num_tokens_main_model, num_tokens)
         return orig(
             self,
             request_id,
@@ -174,18 +215,47 @@ def _patch_free(orig):
     @functools.wraps(orig)
     def free(self, request_id):
         getattr(self, "_kvtrim_dropped", {}).pop(request_id, None)
+        state = getattr(self, "_kvtrim_state", None)
+        if state is not None and request_id in state.peak_blocks:
+            state.finished_peaks[request_id] = state.peak_blocks.pop(request_id)
+            while len(state.finished_peaks) > FINISHED_PEAKS:
+                state.finished_peaks.popitem(last=False)
         return orig(self, request_id)
 
     return free  # also wraps pop_blocks_for_free (same signature)
+
+
+def _patch_get_kv_cache_configs(orig):
+    @functools.wraps(orig)
+    def get_kv_cache_configs(vllm_config, *args, **kwargs):
+        config = load_config(vllm_config.additional_config)
+        bound = None
+        if config is not None:
+            bound = config.held_bound(int(vllm_config.scheduler_config.max_num_batched_tokens))
+        model_config = vllm_config.model_config
+        if bound is None or bound >= model_config.max_model_len or model_config.original_max_model_len == -1:
+            return orig(vllm_config, *args, **kwargs)
+        # vLLM's start-up check asks the pool to hold one request of max_model_len tokens; compressed between
+        # chunks and every N decoded tokens, a request never holds more than ``bound``.
+        original = model_config.max_model_len
+        model_config.max_model_len = bound
+        try:
+            return orig(vllm_config, *args, **kwargs)
+        finally:
+            model_config.max_model_len = original
+
+    return get_kv_cache_configs
 
 
 def install() -> None:
     """Patch vLLM's V1 scheduler and KV cache coordinator (idempotent)."""
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import core
 
     if getattr(Scheduler, "_kvtrim_patched", False):
         return
+    core.get_kv_cache_configs = _patch_get_kv_cache_configs(core.get_kv_cache_configs)
     wrap(Scheduler, "__init__", _patch_init)
     wrap(Scheduler, "_update_after_schedule", _patch_update_after_schedule)
     wrap(KVCacheCoordinator, "get_num_blocks_to_allocate", _patch_blocks_to_allocate)

@@ -14,6 +14,11 @@ Patched methods of vLLM's V1 ``GPUModelRunner`` (the CPU runner inherits them):
 - each attention impl's ``forward``: after attention for the step, score/select/compact the pending requests'
   entries in that layer's cache.
 
+Rounds (``between_chunks``, ``method@every:N``): the same compaction after any step that
+:meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep` names (the scheduler applies the same rule), over the
+request's physical entries; each layer's kept logical positions are kept per request for the next round, and the
+last ``window`` queries of the request are recorded around a round (the observation window while decoding).
+
 Only the V1 runner is patched: ``runner_check`` makes V1 the default under kvtrim and refuses any other runner.
 
 Per-layer budgets (PyramidKV): the block list holds ``keep_max`` (largest layer) slots; layer ``l`` keeps
@@ -89,6 +94,13 @@ class WorkerState:
     evictions: int = 0  # requests compressed by this worker
     layer_evictions: int = 0  # (request, layer) pairs compressed: ``evictions × num_layers`` when every layer ran
     step_layers: int = 0  # attention layers that compressed this step's pending requests
+    # rounds (between_chunks, method@every:N): request -> kept entries' logical positions [layers, kv_heads, keep]
+    positions: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request -> layer index -> its last ``window`` post-rotary queries [w, q_heads, head_dim] (observation window)
+    recent: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    observe: list[tuple[str, int, int]] = field(default_factory=list)  # this step's recorded rows (req, qs, qe)
+    kept_positions: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # this step's, per layer
+    rounds: int = 0  # compressions (first ones and later rounds) this worker ran
 
 
 _ACTIVE: WorkerState | None = None  # the state of the runner whose step is executing (one runner per process)
@@ -138,6 +150,8 @@ def _patch_update_states(orig):
                 state.dropped.pop(req_id, None)
                 state.offsets.pop(req_id, None)
                 state.heads.pop(req_id, None)
+                state.positions.pop(req_id, None)
+                state.recent.pop(req_id, None)
         return orig(self, scheduler_output)
 
     return _update_states
@@ -157,10 +171,14 @@ def _patch_prepare_inputs(orig):
         table = _group0(self)
         bs = table.block_size
         state.pending = []
+        state.observe = []
         shifted = []  # per-layer methods: (batch index, query rows, physical positions, block row, offsets)
         head_rows = []  # per-head methods: HeadStep.rows
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             qs, qe = int(starts[i]), int(starts[i + 1])
+            if state.config.rounds:
+                _plan_round(self, state, table, i, req_id, int(computed[i]), qs, qe)
+                continue
             if req_id in state.dropped:
                 d = state.dropped[req_id]
                 # Physical slots: the request's entries are compacted, the rotary positions stay logical.
@@ -205,6 +223,57 @@ def _patch_prepare_inputs(orig):
         return result
 
     return _prepare_inputs
+
+
+def _physical_slots(runner, state: WorkerState, table, i: int, req_id: str, computed: int, qs: int, qe: int):
+    """Rewrite a compressed request's slot mapping and ``seq_lens`` for physical slots (logical − dropped)."""
+    d = state.dropped.get(req_id, 0)
+    if not d:
+        return
+    bs = table.block_size
+    phys = computed - d + np.arange(qe - qs)
+    row = table.block_table.np[i]
+    slots = row[phys // bs].astype(np.int64) * bs + phys % bs
+    table.slot_mapping.gpu[qs:qe].copy_(torch.from_numpy(slots), non_blocking=True)
+    runner.seq_lens[i] -= d
+    runner.optimistic_seq_lens_cpu[i] -= d
+
+
+def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed: int, qs: int, qe: int) -> None:
+    """Rounds (``between_chunks``, ``method@every:N``): physical slots, and a compression when one is due.
+
+    The rule is :meth:`VLLMEvictionConfig.round_keep` on the counts the scheduler sees too, so both sides free
+    and compact the same blocks in the same step.
+    """
+    _physical_slots(runner, state, table, i, req_id, computed, qs, qe)
+    config = state.config
+    prompt = int(runner.input_batch.num_prompt_tokens[i])
+    end = computed + (qe - qs)
+    physical = end - state.dropped.get(req_id, 0)
+    keep = config.round_keep(prompt, end, physical, qe - qs)
+    window = state.pipeline.observation.window
+    if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
+        state.observe.append((req_id, qs, qe))
+    if keep is None:
+        return
+    blocks = torch.tensor(runner.requests[req_id].block_ids[0], dtype=torch.long, device=runner.device)
+    state.pending.append(
+        PendingEviction(
+            req_id, qs, qe, physical, keep, blocks, logical_len=end, positions=state.positions.get(req_id),
+            observed=window > 0,
+        )
+    )
+
+
+def _round_near(config: VLLMEvictionConfig, prompt: int, end: int, physical: int, window: int) -> bool:
+    """Whether a decoding round may fall within the next ``window`` tokens (record this step's queries)."""
+    schedule = config.decode_schedule
+    if end <= prompt or schedule is None:
+        return False
+    n = getattr(schedule, "n", None)
+    if n is not None:
+        return (end - prompt) % n > n - window
+    return physical + window > int(config.spec.budget) + schedule.slack
 
 
 def _plan_layer_variants(runner, state: WorkerState, shifted: list, num_reqs: int, bs: int) -> None:
@@ -300,6 +369,8 @@ def _patch_execute_model(orig):
             return orig(self, scheduler_output, *args, **kwargs)
         _install_impl_patches(self, state)
         state.pending = []
+        state.observe = []
+        state.kept_positions = {}
         state.step_layers = 0
         state.layer_variant = {}  # planned again by _prepare_inputs if this step runs the model
         state.head_step = None
@@ -318,6 +389,16 @@ def _patch_execute_model(orig):
                 )
             table = _group0(self)
             for p in state.pending:
+                if state.config.rounds:
+                    kept = state.kept_positions.pop(p.req_id)
+                    state.positions[p.req_id] = torch.stack([kept[layer] for layer in sorted(kept)])
+                    state.rounds += 1
+                    state.evictions += p.req_id not in state.dropped
+                    state.dropped[p.req_id] = p.logical_len - p.keep
+                    n = -(-p.keep // table.block_size)
+                    del self.requests[p.req_id].block_ids[0][n:]
+                    table.num_blocks_per_row[self.input_batch.req_id_to_index[p.req_id]] = n
+                    continue
                 state.dropped[p.req_id] = p.prompt_len - p.keep
                 if p.pages is not None:
                     if not bool(p.pages.placed.all()):
@@ -404,7 +485,11 @@ def _patch_forward(orig):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         out = orig(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         state = _ACTIVE
-        if state is None or not state.pending or attn_metadata is None:
+        if state is None or attn_metadata is None:
+            return out
+        if state.observe:
+            _record_queries(state, _layer_index(layer.layer_name), query.view(query.shape[0], self.num_heads, -1))
+        if not state.pending:
             return out
         cache_dtype = getattr(self, "kv_cache_dtype", "auto")
         layout_key = (type(self), tuple(kv_cache.shape[1:]), kv_cache.dtype, cache_dtype, query.dtype)
@@ -420,8 +505,12 @@ def _patch_forward(orig):
                 args = (layout, kv_cache, query, pending, idx, state.num_layers, self.scale, ratio)
                 # an fp8 cache: scored as code · scale with the layer's per-tensor scales (1.0 when unquantized)
                 scales = (float(layer._k_scale_float), float(layer._v_scale_float))
+                if pending.observed:
+                    args = (layout, kv_cache, state.recent[pending.req_id][idx], *args[3:])
                 if pending.pages is None:
-                    evict_layer(state.pipeline, *args, module=module, scales=scales)
+                    kept = evict_layer(state.pipeline, *args, module=module, scales=scales)
+                    if state.config.rounds:
+                        state.kept_positions.setdefault(pending.req_id, {})[idx] = kept.cpu()
                     continue
                 counts = evict_layer_heads(state.pipeline, *args, layer.isa, module, scales)
                 state.ragged_layers += len(set(counts)) > 1
@@ -430,6 +519,16 @@ def _patch_forward(orig):
         return out
 
     return forward
+
+
+def _record_queries(state: WorkerState, layer_idx: int, query: torch.Tensor) -> None:
+    """Append this step's query rows of the observed requests to their recent-query windows in this layer."""
+    window = state.pipeline.observation.window
+    for req_id, qs, qe in state.observe:
+        rows = state.recent.setdefault(req_id, {})
+        new = query[max(qs, qe - window) : qe]
+        old = rows.get(layer_idx)
+        rows[layer_idx] = (new if old is None else torch.cat([old, new]))[-window:].clone()
 
 
 # The V1 runner methods kvtrim wraps; runner_check.check_runner refuses a runner on which any resolves elsewhere.

@@ -1,0 +1,176 @@
+"""Rounds inside vLLM: compression between prefill chunks and every N decoded tokens, blocks back to the pool."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
+
+pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
+
+import torch
+from per_head_checks import generate, transformers_tokens, worker_state
+from vllm.inputs import TokensPrompt
+from vllm_helpers import close, make_llm, scheduler, token_prompts, truncated_model, used_blocks
+
+from vllm import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+LAYERS = 4
+BLOCK = 32
+CHUNK = 128  # max_num_batched_tokens: the prefill chunk
+BUDGET = 64
+EVERY = 16
+TOKENS = 40  # 39 decoded tokens enter the cache: rounds at 16 and 32 of them
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return truncated_model(tmp_path_factory.mktemp("rounds") / "smollm2-4layers", layers=LAYERS)
+
+
+def _llm(model, config, **kwargs):
+    args = dict(model=str(model), block_size=BLOCK, max_num_batched_tokens=CHUNK, enable_chunked_prefill=True)
+    args.update(kwargs)
+    return make_llm(config, **args)
+
+
+def _stepped(llm, prompt, tokens):
+    """One request through ``add_request``/``step``; ``(tokens, blocks in use after each step)``."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine = llm.llm_engine
+    engine.add_request("r", TokensPrompt(prompt_token_ids=prompt), params)
+    used, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out = list(o.outputs[0].token_ids)
+        used.append(used_blocks(llm))
+    return out, used
+
+
+def _kvtrim_chunked(model, prompt, method, tokens) -> list[int]:
+    """kvtrim's own transformers path: ``Prefill.chunked`` (compress between chunks), then greedy decoding."""
+    from transformers import AutoModelForCausalLM
+
+    from kvtrim.compression.compressor import BudgetSpec
+    from kvtrim.integration.attention import kvtrim_attention_enabled
+    from kvtrim.methods import get_method
+    from kvtrim.runtime import Prefill, greedy_decode
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    pipeline, spec = get_method(method), BudgetSpec(budget=BUDGET)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode(), kvtrim_attention_enabled(hf):
+        pre = Prefill.chunked(hf, ids, torch.ones_like(ids), CHUNK, pipeline, spec)
+        out = pre.compressed(pipeline, spec)
+        return greedy_decode(hf, out.cache, pre.mask, pre.logits, tokens).tokens[0]
+
+
+@pytest.mark.parametrize("method", ["snapkv@every:16", "streaming_llm@every:16", "tova@every:16"])
+def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, method):
+    prompt = token_prompts([700], seed=21)[0]
+    llm = _llm(model, {"method": method, "budget": BUDGET, "between_chunks": True})
+    try:
+        out, used = _stepped(llm, prompt, TOKENS)
+        state = scheduler(llm)._kvtrim_state
+        (peak,) = state.finished_peaks.values()  # vLLM's internal id of request "r"
+        stats = worker_state(llm)
+        assert used[-1] == 0 and state.dropped == {}
+    finally:
+        close(llm)
+    # 6 chunks (5 full, 60 tokens): compressed after each, then at 16 and 32 decoded tokens
+    assert state.rounds == stats.rounds == 6 + 2 and state.requests_compressed == 1
+    # never more than budget + one chunk (+ one block) of blocks: 7, where the whole prompt takes 22
+    assert peak <= _cdiv(BUDGET + CHUNK, BLOCK) + 1 < _cdiv(len(prompt), BLOCK)
+    assert max(used) <= _cdiv(BUDGET + CHUNK, BLOCK) + 1
+    # decoding rounds return blocks: the count in use falls while the request decodes
+    decoding = used[6:]
+    assert any(b < a for a, b in itertools.pairwise(decoding))
+    assert out == _kvtrim_chunked(model, prompt, method, TOKENS)
+    # compressing after prefill only (the whole prompt scored at once) gives other tokens: the chunks mattered
+    assert out != transformers_tokens(model, [prompt], method, TOKENS)[0]
+
+
+def test_budget_above_the_prompt_is_vanilla_and_admission_counts_the_compressed_size(model):
+    prompts = token_prompts([300, 700], seed=22)
+    vanilla = _llm(model, None)
+    try:
+        expected = generate(vanilla, prompts, 12)
+    finally:
+        close(vanilla)
+    llm = _llm(model, {"method": "snapkv@every:16", "budget": 1024, "between_chunks": True})
+    try:
+        assert generate(llm, prompts, 12) == expected
+        assert scheduler(llm)._kvtrim_state.rounds == 0 and used_blocks(llm) == 0
+    finally:
+        close(llm)
+    # A 12-block pool (384 slots, block 0 is vLLM's null block): vLLM would refuse to start (max_model_len 1024
+    # does not fit) and its full-sequence admission gate would never admit a 700-token prompt; kvtrim counts
+    # budget + one chunk (6 blocks), so both requests are admitted and finish.
+    config = {"method": "snapkv@every:16", "budget": BUDGET, "between_chunks": True}
+    llm = _llm(model, config, num_gpu_blocks_override=13, max_model_len=1024)
+    try:
+        engine = llm.llm_engine
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i in range(2):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompts[1]), params)
+        finished, running = 0, []
+        for _ in range(200):  # a request the gate never admits would wait forever: bounded steps instead
+            finished += sum(o.finished for o in engine.step())
+            running.append(len(scheduler(llm).running))
+            if not engine.has_unfinished_requests():
+                break
+        assert finished == 2 and max(running) == 2 and used_blocks(llm) == 0
+        assert max(scheduler(llm)._kvtrim_state.finished_peaks.values()) <= _cdiv(BUDGET + CHUNK, BLOCK) + 1
+    finally:
+        close(llm)
+
+
+def test_rounds_leak_nothing_under_preemption_and_aborts(tmp_path, monkeypatch):
+    """Rounds in every phase on a pool that forces preemptions (recomputed requests are compressed again)."""
+    import random
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = []
+    orig = Scheduler._preempt_request
+
+    def counting(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return orig(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    model = truncated_model(tmp_path / "smollm2-2layers", layers=2)
+    rng = random.Random(5)
+    prompts = token_prompts([rng.randint(40, 900) for _ in range(12)], seed=23)
+    # every 200 decoded tokens: a request may hold budget + 200 entries (9 blocks), so the 9-block pool preempts
+    config = {"method": "snapkv@every:200", "budget": BUDGET, "between_chunks": True}
+    llm = _llm(model, config, num_gpu_blocks_override=10, max_model_len=1024)
+    engine = llm.llm_engine
+    try:
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=rng.randint(1, 260), temperature=0.0, ignore_eos=True)
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+        steps = 0
+        while engine.has_unfinished_requests() and steps < 2000:
+            engine.step()
+            steps += 1
+            if steps in (5, 11):
+                engine.abort_request([str(steps % 12)], internal=False)
+        engine.add_request("flush", TokensPrompt(prompt_token_ids=prompts[0][:8]), SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+        state, worker = scheduler(llm)._kvtrim_state, worker_state(llm)
+        assert not engine.has_unfinished_requests() and used_blocks(llm) == 0
+        assert state.dropped == {} and worker.dropped == {} and worker.positions == {} and worker.recent == {}
+        assert state.rounds == worker.rounds > len(prompts) and preempted
+        assert max(state.finished_peaks.values()) <= _cdiv(BUDGET + 200, BLOCK) + 1
+    finally:
+        close(llm)
