@@ -1,0 +1,88 @@
+"""Side-by-side table of one sweep per entry format (``kvtrim eval --kv-quant FORMAT``, one folder each).
+
+Reads ``records.jsonl`` (and ``records.jsonl.gz``) of every ``ROOT/FORMAT`` folder given, and writes
+``ROOT/comparison.md``: per (mode, method, ratio) the macro-average score over the tasks (×100) in each format,
+the change against the unquantized folder (``none``) in brackets, and the KV MiB held in each format.
+
+    PYTHONPATH=src python benchmarks/kvquant_table.py benchmarks/results/kvquant_harness_1k \
+        --formats none,int8,int4,int4_group64,fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from kvtrim.eval.runner import RECORDS_FILE, load_records
+
+
+def _averages(folder: Path) -> dict[tuple[str, str, float | None], tuple[float, float, int]]:
+    """``(mode, method, ratio) -> (macro average ×100, mean KV MiB, tasks)``; rows missing a task are marked by
+    their task count."""
+    by_row: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    mib: dict[tuple, list[float]] = defaultdict(list)
+    for rec in load_records(folder / RECORDS_FILE):
+        key = (rec["mode"], rec["method"], rec["ratio"])
+        by_row[key][rec["task"]].append(rec["score"])
+        mib[key].append(rec["kv_bytes_after"] / 2**20)
+    return {
+        key: (
+            100 * statistics.fmean(statistics.fmean(v) for v in tasks.values()),
+            statistics.fmean(mib[key]),
+            len(tasks),
+        )
+        for key, tasks in by_row.items()
+    }
+
+
+def build(root: Path, formats: list[str]) -> str:
+    data = {fmt: _averages(root / fmt) for fmt in formats if (root / fmt / RECORDS_FILE).exists()}
+    all_tasks = max((n for rows in data.values() for _, _, n in rows.values()), default=0)
+    keys = sorted(
+        {k for rows in data.values() for k in rows},
+        key=lambda k: (k[0], k[1] != "full", k[1], k[2] if k[2] is not None else -1),
+    )
+    cols = list(data)
+    lines = [
+        f"# {root.name}: average score (×100) over {all_tasks} tasks per entry format",
+        "",
+        "In brackets: the change against the same row with unquantized entries (`none`). `*`: a task is missing",
+        "from that cell (the sweep did not reach it). `KV MiB`: mean key + value bytes held after compression.",
+        "",
+        "| mode | method | ratio | " + " | ".join(cols) + " | " + " | ".join(f"KV MiB {c}" for c in cols) + " |",
+        "|---|---|---|" + "---:|" * (2 * len(cols)),
+    ]
+    for key in keys:
+        mode, method, ratio = key
+        ref = data.get("none", {}).get(key)
+        cells, mibs = [], []
+        for fmt in cols:
+            got = data[fmt].get(key)
+            if got is None:
+                cells.append("")
+                mibs.append("")
+                continue
+            avg, mb, n = got
+            star = "*" if n < all_tasks else ""
+            delta = f" ({avg - ref[0]:+.1f})" if ref is not None and fmt != "none" else ""
+            cells.append(f"{avg:.1f}{star}{delta}")
+            mibs.append(f"{mb:.2f}")
+        ratio_s = "-" if ratio is None else f"{ratio:g}"
+        lines.append(f"| {mode} | {method} | {ratio_s} | " + " | ".join(cells) + " | " + " | ".join(mibs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path, help="folder holding one sweep folder per format")
+    parser.add_argument("--formats", default="none,int8,int4,fp8", help="comma-separated folder names")
+    args = parser.parse_args()
+    text = build(args.root, [f for f in args.formats.split(",") if f])
+    (args.root / "comparison.md").write_text(text, encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
