@@ -36,6 +36,14 @@ QUESTION = "\nQuestion: According to the text, what is /dev/null used as?\nAnswe
 MAX_NEW_TOKENS = 24
 
 
+# the same press against kvtrim's own defaults where the mapping follows a kvpress choice (extra rows)
+VARIANTS = {
+    "NonCausalAttnPress": [("kvtrim's default, logits scaled by 1/√d", {"scaled": True})],
+    "AdaKVPress": [("kvtrim's default rule", {"rule": "official"})],
+    "CriticalAdaKVPress": [("kvtrim's default rule", {"rule": "official"})],
+}
+
+
 # --------------------------------------------------------------------------------------------------- kvpress half
 def _presses(ratio: float) -> dict:
     """The deterministic presses that run without weights from the Hub, built with their defaults."""
@@ -341,6 +349,9 @@ def kvtrim_half(args: argparse.Namespace) -> int:
             row["status"] = "no kvtrim method"
         else:
             run(row, result, m.method)
+            for label, override in VARIANTS.get(press, ()):
+                run({"press": press, "method": m.method, "params": {**m.params, **override}, "variant": label},
+                    result, m.method)  # fmt: skip
             if press == "PyramidKVPress":  # the same again at kvpress's own per-layer counts
                 counts = [len(layer[0]) for layer in result["kept"]]
                 pipe = pyramid_counts_pipeline(model, m.params, theirs["ratio"], counts, ids.shape[1])
