@@ -11,11 +11,19 @@ context token ids (the kvpress half writes them; the kvtrim half checks its toke
 on the CPU, compresses it with the press or with the method of ``kvtrim.methods.kvpress_map`` (the parameters that
 follow the press's defaults), and lists every (layer, KV head)'s kept token positions. The kvpress half reads them
 by matching each kept key row to the uncompressed prefill's keys (a press gathers rows; prefill attention does not
-see the compression, so the rows are bitwise the same), or from ``masked_key_indices`` for the presses that mask
-(AdaKV and CriticalAdaKV). The kvtrim half reads them from its stores.
+see the compression, so the rows are bitwise the same), from ``masked_key_indices`` for the presses that mask
+(AdaKV and CriticalAdaKV), or from KVComposePress's own masks (its prefill runs in eager attention, so its rows are
+not the sdpa prefill's). The kvtrim half reads them from its stores.
 
-Reported per press: the share of (layer, head) whose kept sets are identical, the mean Jaccard overlap, and the
-kept counts. Presses that draw random numbers or need weights from the Hub are not in the list.
+Then each side answers the same question from its compressed cache, context-only as kvpress's pipeline and kvtrim's
+``questions=`` do: the question's token ids (written by the kvpress half) are fed after the cache at positions
+n, n+1, ... (n the uncompressed context length), then greedy tokens until EOS or ``--max-new-tokens``. The kvpress
+half decodes with its pipeline's own ``generate_answer``; the kvtrim half with ``kvtrim.runtime.feed`` and
+``greedy_decode``. Both also answer from the uncompressed cache, which checks that the two decoding loops agree.
+
+Reported per press: the share of (layer, head) whose kept sets are identical, the mean Jaccard overlap, the kept
+counts, and whether the two greedy answers are identical (both answers in ``parity.json``). Presses that draw random
+numbers or need weights from the Hub are not in the list.
 """
 
 from __future__ import annotations
