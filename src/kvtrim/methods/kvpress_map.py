@@ -284,7 +284,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
         spelling="`prefilling_press`, `decoding_press` → one method and its schedule",
     ),
     PressMapping(
-        "PyramidKVPress", "pyramidkv", "kvpress's SnapKV window and pooling",
+        "PyramidKVPress", "pyramidkv",
+        "kvpress's SnapKV window and pooling; the layer budgets differ (same total): kvpress's pyramid spreads the "
+        "whole keep with the window inside each layer's count, kvtrim's (KVCache-Factory's) spreads keep − window and "
+        "adds the window to each layer",
         {**_SNAPKV_PRESS, "beta": 20.0}, "`window_size` → `window`; `kernel_size` → `kernel`",
     ),
     PressMapping(
