@@ -71,6 +71,7 @@ def test_zscore_over_the_scored_entries_of_a_row():
     ("cls", "params", "match"),
     [
         (ChunkAttentionScorer, {"chunk": 0}, "chunk"),
+        (ChunkAttentionScorer, {"scaled": 1}, "scaled"),
         (LeverageAttentionScorer, {"blending": -1.0}, "blending"),
         (LeverageAttentionScorer, {"sink_start": -1}, "sink_start"),
         (LeverageAttentionScorer, {"sink_end": 1.5}, "sink_end"),
@@ -133,3 +134,13 @@ def test_chunk_attention_on_a_longer_padded_prompt_with_unscored_ends_matches_br
         expected[0, h, pad + start : pad + n - end] = _brute(q[0, h, start : n - end], k[0, 0, start : n - end], 0.7,
                                                              chunk)
     torch.testing.assert_close(cols, expected)
+
+
+def test_unscaled_logits_are_kvpress_raw_dot_products():
+    _, view = _view_of_tiny_model("noncausal_attention", 24, chunk=8)
+    raw = ChunkAttentionScorer(chunk=8, scaled=False).score(view)
+    scaled = ChunkAttentionScorer(chunk=8).score(view)
+    assert not torch.allclose(raw, scaled)
+    # raw q·k is the scaled attention with the model's 1/√d scale replaced by 1
+    view.scaling = 1.0
+    torch.testing.assert_close(raw, ChunkAttentionScorer(chunk=8).score(view))

@@ -41,8 +41,62 @@ def test_report_names_the_methods_and_the_failures():
                         "mean_jaccard": 1.0, "max_head_difference": 0, "kept_kvpress": 4, "kept_kvtrim": 4},
                        {"press": "RandomPress", "method": None, "status": "no kvtrim method"}]}  # fmt: skip
     text = kvpress_parity.markdown(report)
-    assert "| KnormPress | `knorm` | 100.0 % | 1.000 | 0 | 4 / 4 | ok |" in text
+    assert "| KnormPress | `knorm` | 100.0 % | 1.000 | 0 | 4 / 4 | - | ok |" in text
     assert "| RandomPress | - |" in text and "no kvtrim method" in text
+
+
+def test_answers_are_compared_word_by_word():
+    same = kvpress_parity.compare_answers(" a data sink.", " a data sink.")
+    assert same["answer_identical"] is True and same["answer_common_words"] == 3
+    differ = kvpress_parity.compare_answers(" a data sink. Then", " a data bucket. Then")
+    assert differ == {"answer_kvpress": " a data sink. Then", "answer_kvtrim": " a data bucket. Then",
+                      "answer_identical": False, "answer_common_words": 2}  # fmt: skip
+    # whitespace counts for identity (the answers are decoded from token ids), not for the shared words
+    assert kvpress_parity.compare_answers("a b", "a b\n")["answer_identical"] is False
+    assert kvpress_parity.compare_answers("a b", "a b\n")["answer_common_words"] == 2
+    missing = kvpress_parity.compare_answers(None, "a")
+    assert missing["answer_identical"] is None and kvpress_parity.answer_cell(missing) == "-"
+    assert kvpress_parity.answer_cell(same) == "identical"
+    assert kvpress_parity.answer_cell(differ) == "differ (2 leading words shared)"
+
+
+def test_report_lists_the_answers_the_full_cache_and_the_variants():
+    ok = {"status": "ok", "identical_heads": 1.0, "mean_jaccard": 1.0, "max_head_difference": 0, "kept_kvpress": 4,
+          "kept_kvtrim": 4}  # fmt: skip
+    report = {"ratio": 0.5, "tokens": 8, "question": "Q?", "max_new_tokens": 4,
+              "full_cache": kvpress_parity.compare_answers("x y", "x y"),
+              "kvpress_side": {"kvpress": "0.5.5", "transformers": "5.2.0"},
+              "rows": [{"press": "KnormPress", "method": "knorm", **ok, **kvpress_parity.compare_answers("x", "x")},
+                       {"press": "PyramidKVPress", "method": "pyramidkv", "variant": "kvpress's layer counts", **ok,
+                        **kvpress_parity.compare_answers("x y", "x z")}]}  # fmt: skip
+    text = kvpress_parity.markdown(report)
+    assert 'Uncompressed cache: identical (kvpress "x y", kvtrim "x y")' in text
+    assert "| KnormPress | `knorm` | 100.0 % | 1.000 | 0 | 4 / 4 | identical | ok |" in text
+    assert "| `pyramidkv` (kvpress's layer counts) |" in text and "differ (1 leading words shared)" in text
+    assert '- PyramidKVPress (kvpress\'s layer counts): kvpress "x y", kvtrim "x z"' in text
+
+
+def test_kept_positions_are_read_from_boolean_masks():
+    masks = [[torch.tensor([True, False, True]), torch.tensor([False, False, True])]]
+    assert kvpress_parity._kept_from_masks(masks) == [[[0, 2], [2]]]
+
+
+def test_a_question_fed_token_by_token_gives_the_same_answer():
+    from transformers import DynamicCache
+
+    from conftest import tiny_model
+    from kvtrim.runtime import feed, greedy_decode
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(3)
+    ids, question = torch.randint(3, 200, (1, 12), generator=g), torch.randint(3, 200, (1, 5), generator=g)
+    answers = []
+    for token_by_token in (False, True):
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(ids, past_key_values=cache, use_cache=True)
+            answers.append(kvpress_parity._greedy(model, cache, 12, question, 6, feed, greedy_decode, token_by_token))
+    assert len(answers[0]) == 6 and answers[0] == answers[1]
 
 
 def test_ratio_outside_its_range_is_refused():

@@ -152,11 +152,12 @@ def leverage() -> Pipeline:
     summary="Attention each entry receives from the queries of its 256-token chunk, every query seeing its whole "
     "chunk (no causal mask), × ‖v‖, smoothed over 3 slots. Query-agnostic.",
     paper=papers.COMPACTOR,
-    preset="Compactor's attention component (kvpress NonCausalAttnPress): chunk 256, no protected window",
+    preset="Compactor's attention component (kvpress NonCausalAttnPress): chunk 256, no protected window; logits "
+    "scaled by 1/√d (scaled=False: kvpress's raw q·k)",
 )
-def noncausal_attention(chunk: int = 256) -> Pipeline:
+def noncausal_attention(chunk: int = 256, scaled: bool = True) -> Pipeline:
     """Non-causal chunked attention (Chari & Van Durme, Compactor, arXiv 2507.08143), top-k per KV head."""
-    return parts(ChunkAttentionScorer(chunk=chunk), UniformBudget(), TopKSelector())
+    return parts(ChunkAttentionScorer(chunk=chunk, scaled=scaled), UniformBudget(), TopKSelector())
 
 
 @register(

@@ -258,9 +258,11 @@ MAPPINGS: tuple[PressMapping, ...] = (
     ),
     PressMapping(
         "NonCausalAttnPress", "noncausal_attention",
-        "chunks are chunks of positions; kvpress's padded last chunk lets its zero padding queries and keys take "
-        "part (its key mask adds −1e-9, not −∞), kvtrim's last chunk holds only real tokens",
-        {"chunk": 256}, "`chunk_size` → `chunk`",
+        "kvpress softmaxes the raw q·k (no 1/√d, unlike the model's own attention); `scaled=False` does the same "
+        "(kvtrim's default scales); chunks are chunks of positions; kvpress's padded last chunk lets its zero "
+        "padding queries and keys take part (its key mask adds −1e-9, not −∞), kvtrim's last chunk holds only real "
+        "tokens",
+        {"chunk": 256, "scaled": False}, "`chunk_size` → `chunk`",
     ),
     PressMapping(
         "ObservedAttentionPress", "h2o", "kvpress divides each entry's summed prompt attention by the number of "
@@ -282,7 +284,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
         spelling="`prefilling_press`, `decoding_press` → one method and its schedule",
     ),
     PressMapping(
-        "PyramidKVPress", "pyramidkv", "kvpress's SnapKV window and pooling",
+        "PyramidKVPress", "pyramidkv",
+        "kvpress's SnapKV window and pooling; the layer budgets differ (same total): kvpress's pyramid spreads the "
+        "whole keep with the window inside each layer's count, kvtrim's (KVCache-Factory's) spreads keep − window and "
+        "adds the window to each layer",
         {**_SNAPKV_PRESS, "beta": 20.0}, "`window_size` → `window`; `kernel_size` → `kernel`",
     ),
     PressMapping(

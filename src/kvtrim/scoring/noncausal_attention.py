@@ -79,9 +79,12 @@ def _check_int(name: str, value, low: int) -> None:
         raise InvalidParameterError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _attention_part(view: LayerView, chunk: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_part(
+    view: LayerView, chunk: int, start: int, end: int, scaled: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked non-causal attention over positions ``[start, context − end)``, averaged over the GQA group,
-    × ``‖v‖``, smoothed over 3 neighbouring slots; returns it with the ``[batch, kv_heads, seq]`` scored mask."""
+    × ``‖v‖``, smoothed over 3 neighbouring slots; returns it with the ``[batch, kv_heads, seq]`` scored mask.
+    ``scaled=False`` leaves the logits ``q·k`` without the model's ``1/√d`` scale."""
     obs = view.observation
     if obs.queries is None:
         raise RuntimeError(f"layer {view.layer_idx}: chunked attention needs the prompt's recorded queries")
@@ -91,8 +94,9 @@ def _attention_part(view: LayerView, chunk: int, start: int, end: int) -> tuple[
     qpos = obs.positions.to(device)
     query_scored = (qpos >= start) & (qpos < context[:, None] - end)
     columns = chunk_attention(
-        obs.queries.to(device), qpos, view.keys, view.positions, view.scaling, chunk, scored, query_scored, start
-    )
+        obs.queries.to(device), qpos, view.keys, view.positions, view.scaling if scaled else 1.0, chunk, scored,
+        query_scored, start,
+    )  # fmt: skip
     b, hkv, s = scored.shape
     columns = columns.view(b, hkv, -1, s).mean(2)
     scores = columns * view.values.float().norm(dim=-1) * scored
@@ -110,6 +114,9 @@ class ChunkAttentionScorer(Scorer):
     ``‖v‖₂``, smoothed by a 3-wide average over neighbouring slots. Needs every prompt query (recorded during
     prefill, ``q_heads × n × head_dim`` values per layer); costs ``n × chunk`` attention weights per query head.
     Compactor calls it query-agnostic: a question only moves the scores of its own chunk.
+
+    ``scaled`` (default True) divides the logits by ``√d`` as the model's own attention does; ``scaled=False``
+    softmaxes the raw ``q·k`` as kvpress 0.5.5's NonCausalAttnPress does (a sharper distribution).
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
@@ -117,14 +124,17 @@ class ChunkAttentionScorer(Scorer):
     question_aware = False
 
     chunk: int = 256
+    scaled: bool = True
     observation: ObservationSpec = field(init=False)
 
     def __post_init__(self) -> None:
         _check_int("chunk", self.chunk, 1)
+        if not isinstance(self.scaled, bool):
+            raise InvalidParameterError(f"scaled must be True or False, got {self.scaled!r}")
         self.observation = ObservationSpec(window=ALL_QUERIES)
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return _attention_part(view, self.chunk, 0, 0)[0]
+        return _attention_part(view, self.chunk, 0, 0, self.scaled)[0]
 
 
 @dataclass
