@@ -131,6 +131,7 @@ ARTIFACT_METHODS = {
     "compilerkv_raw_attention",
     "compilerkv_static_threshold",
     "duo_attention",
+    "kvzap",
 }
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
@@ -167,6 +168,30 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
     install_compresskv_scores(model, seed=seed)
     install_compilerkv_tables(model, seed=seed)
     install_duo_gates(model, seed=seed)
+    install_kvzap_weights(model, seed=seed)
+
+
+def kvzap_tensors(model, seed: int = 0, width: int = 8) -> dict:
+    """Random KVzap surrogate tensors (linear and MLP) for ``model`` (:mod:`kvtrim.artifacts.kvzap` layout)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 4)
+    layers, heads, hidden = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size
+    return {
+        "linear_weight": torch.randn(layers, heads, hidden, generator=g),
+        "linear_bias": torch.randn(layers, heads, generator=g),
+        "mlp_w1": torch.randn(layers, width, hidden, generator=g),
+        "mlp_b1": torch.randn(layers, width, generator=g),
+        "mlp_w2": torch.randn(layers, heads, width, generator=g),
+        "mlp_b2": torch.randn(layers, heads, generator=g),
+    }
+
+
+def install_kvzap_weights(model, directory=None, seed: int = 0):
+    """Save random KVzap surrogate weights for ``model`` (default: in the kvtrim home)."""
+    from kvtrim.artifacts.store import save_artifact
+
+    tensors = kvzap_tensors(model, seed)
+    return save_artifact("kvzap", model, tensors, {"settings": {"test": True}, "seconds": 0.0}, directory)
 
 
 def install_duo_gates(model, directory=None, seed: int = 0):

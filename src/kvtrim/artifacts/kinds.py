@@ -6,12 +6,13 @@ One table for every reader and every calibration (``kvtrim calibrate <kind>``); 
 
 from __future__ import annotations
 
-__all__ = ["ARTIFACT_KINDS", "COMPILERKV_KIND", "COMPRESSKV_KIND", "DUO_KIND", "HEADKV_KIND"]
+__all__ = ["ARTIFACT_KINDS", "COMPILERKV_KIND", "COMPRESSKV_KIND", "DUO_KIND", "HEADKV_KIND", "KVZAP_KIND"]
 
 HEADKV_KIND = "headkv"
 COMPRESSKV_KIND = "compresskv"
 COMPILERKV_KIND = "compilerkv"
 DUO_KIND = "duo"
+KVZAP_KIND = "kvzap"
 
 ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
@@ -21,5 +22,6 @@ ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     ),
     COMPILERKV_KIND: ("CompilerKV compiled tables", "kvtrim calibrate compilerkv --model {model}"),
     DUO_KIND: ("DuoAttention head gates", "kvtrim calibrate duo --model {model}"),
+    KVZAP_KIND: ("KVzap surrogate weights (linear and MLP)", "kvtrim calibrate kvzap --model {model}"),
 }
 """``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""

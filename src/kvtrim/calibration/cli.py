@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from kvtrim.calibration.kvzip_targets import SYNTHETIC_TASKS
 from kvtrim.errors import KVTrimError
 
 calibrate_app = typer.Typer(
@@ -246,10 +247,65 @@ def duo(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+@calibrate_app.command("kvzap")
+def kvzap(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    prompts: Annotated[int, typer.Option(help="training prompts (pydoc prose and synthetic tasks, alternating)")] = 16,
+    heldout: Annotated[int, typer.Option(help="held-out prompts the fit is measured on")] = 4,
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 768,
+    tokens_per_prompt: Annotated[int, typer.Option(help="training tokens drawn from each prompt")] = 256,
+    tasks: Annotated[str, typer.Option(help="synthetic task families, comma-separated ('' for prose only)")] = (
+        ",".join(SYNTHETIC_TASKS)
+    ),
+    pydoc: Annotated[bool, typer.Option(help="every other prompt a window of CPython's bundled prose")] = True,
+    hidden_dim: Annotated[int, typer.Option(help="the MLP surrogate's hidden width")] = 128,
+    epochs: Annotated[int, typer.Option(help="MLP training epochs")] = 8,
+    ridge: Annotated[float, typer.Option(help="the linear surrogate's L2 penalty")] = 1.0,
+    seed: Annotated[int, typer.Option(help="prompt choice, task samples, token sampling (evaluation: 42)")] = 1234,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    progress: Annotated[bool, typer.Option(help="print progress")] = True,
+) -> None:
+    """KVzap: fit linear and MLP surrogates of KVzip's scores from hidden states; saves the `kvzap` artifact."""
+    from kvtrim.artifacts.store import load_artifact
+    from kvtrim.calibration.kvzap import KVzapCalibration, calibrate_kvzap
+    from kvtrim.calibration.kvzip_targets import TargetSettings
+
+    start = time.perf_counter()
+    try:
+        settings = KVzapCalibration(
+            targets=TargetSettings(
+                prompts=prompts,
+                heldout=heldout,
+                length=length,
+                tokens_per_prompt=tokens_per_prompt,
+                seed=seed,
+                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                pydoc=pydoc,
+            ),
+            ridge=ridge,
+            hidden_dim=hidden_dim,
+            epochs=epochs,
+        )
+        mdl, tok = _load(model, threads, device, dtype)
+        path = calibrate_kvzap(mdl, tok, settings, out_dir=out, progress=progress)
+        summary = load_artifact("kvzap", mdl, path).meta.get("summary", {})
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"kvzap artifact: {path}")
+    typer.echo(f"training tokens: {summary.get('training_tokens')}")
+    for kind in ("linear", "mlp"):
+        if f"heldout_{kind}" in summary:
+            typer.echo(f"held-out {kind}: {summary[f'heldout_{kind}']}")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
 @calibrate_app.command("show")
 def show(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
-    kind: Annotated[str, typer.Option(help="artifact kind: headkv, compresskv, compilerkv or duo")] = "headkv",
+    kind: Annotated[str, typer.Option(help="artifact kind: headkv, compresskv, compilerkv, duo or kvzap")] = "headkv",
     path: Annotated[Path | None, typer.Option(help="artifact file or directory (default: search)")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a layer x head heatmap (PNG)")] = None,
     tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the artifact's primary one)")] = None,

@@ -1,6 +1,6 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
-leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
-attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
+a learned surrogate of KVzip (KVzap), leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy
+layers (SimLayerKV), the question's attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
 merge on evict."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentio
 from ..scoring.question_attention import QuestionAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.reread import RereadAttentionScorer
+from ..scoring.surrogate import HiddenStateSurrogateScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
@@ -111,6 +112,31 @@ def kvzip(
     """KVzip (Kim et al., arXiv 2505.23416): context-reconstruction scores, global or per-layer budgets."""
     return parts(
         ReconstructionScorer(prompt=prompt, n_sink=n_sink, chunk=chunk, tokenizer=tokenizer),
+        UniformBudget() if layerwise else GlobalThresholdBudget(),
+        TopKSelector(sink=n_sink),
+    )
+
+
+@register(
+    "kvzap",
+    family=FAMILY,
+    summary="KVzip's scores predicted by a small learned surrogate (per layer: linear or a 2-layer MLP) from the "
+    "hidden state entering attention, computed as each token arrives: no attention weights, no extra pass. Needs "
+    "the `kvzap` artifact.",
+    paper=papers.KVZAP,
+    preset="kvpress KVzapPress defaults: MLP surrogate, top-k per KV head (layerwise), no protected tokens; "
+    "layerwise=False ranks every entry of every layer together as kvzip does; the surrogate is trained by "
+    "`kvtrim calibrate kvzap` on log KVzip scores (the paper: log KVzip+ scores), docs/calibration.md",
+)
+def kvzap(model_type: str = "mlp", layerwise: bool = True, n_sink: int = 0, artifact: str | None = None) -> Pipeline:
+    """KVzap (Jegou & Jeblick, arXiv 2601.07891): a learned surrogate of KVzip's scores (Kim et al., arXiv
+    2505.23416) from hidden states; per-head top-k (``layerwise``) or one global threshold."""
+    if not isinstance(layerwise, bool):
+        raise InvalidParameterError(f"layerwise must be True or False, got {layerwise!r}")
+    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+        raise InvalidParameterError(f"n_sink must be an integer >= 0 (protected first tokens), got {n_sink!r}")
+    return parts(
+        HiddenStateSurrogateScorer(model_type=model_type, artifact=artifact),
         UniformBudget() if layerwise else GlobalThresholdBudget(),
         TopKSelector(sink=n_sink),
     )
