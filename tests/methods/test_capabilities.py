@@ -60,6 +60,7 @@ def test_artifacts_come_from_the_parts():
         "ada_compresskv": ("compresskv",),
         "head_compresskv": ("compresskv", "headkv"),
         "duo_attention": ("duo",),
+        "kvzap": ("kvzap",),
         "compilerkv": ("compilerkv",),
         "compilerkv_neutral": (),
         "compilerkv_neutral_elastic": (),
@@ -70,7 +71,7 @@ def test_artifacts_come_from_the_parts():
     assert _with(lambda c: bool(c.artifacts)) == {
         "headkv", "critical_headkv", "compresskv", "compresskv_srh_only", "compresskv_trh", "ada_compresskv",
         "head_compresskv", "duo_attention", "compilerkv", "compilerkv_elastic", "compilerkv_raw_attention",
-        "compilerkv_static_threshold",
+        "compilerkv_static_threshold", "kvzap",
     }  # fmt: skip
 
 
@@ -94,6 +95,7 @@ def test_attention_and_question_awareness():
     assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
         "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging",
+        "kvzap",
     }  # fmt: skip
     assert caps["kvcompress"].question_aware and not caps["kvc_full"].question_aware  # KVC-full: every query
     assert caps["think"].question_aware  # the window queries choose the key channels

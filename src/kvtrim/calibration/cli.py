@@ -253,13 +253,13 @@ def kvzap(
     prompts: Annotated[int, typer.Option(help="training prompts (pydoc prose and synthetic tasks, alternating)")] = 16,
     heldout: Annotated[int, typer.Option(help="held-out prompts the fit is measured on")] = 4,
     length: Annotated[int, typer.Option(help="prompt length in tokens")] = 768,
-    tokens_per_prompt: Annotated[int, typer.Option(help="training tokens drawn from each prompt")] = 256,
+    tokens_per_prompt: Annotated[int, typer.Option(help="training tokens drawn from each prompt")] = 512,
     tasks: Annotated[str, typer.Option(help="synthetic task families, comma-separated ('' for prose only)")] = (
         ",".join(SYNTHETIC_TASKS)
     ),
     pydoc: Annotated[bool, typer.Option(help="every other prompt a window of CPython's bundled prose")] = True,
-    hidden_dim: Annotated[int, typer.Option(help="the MLP surrogate's hidden width")] = 128,
-    epochs: Annotated[int, typer.Option(help="MLP training epochs")] = 8,
+    hidden_dim: Annotated[int, typer.Option(help="the MLP surrogate's hidden width")] = 64,
+    epochs: Annotated[int, typer.Option(help="MLP training epochs")] = 10,
     ridge: Annotated[float, typer.Option(help="the linear surrogate's L2 penalty")] = 1.0,
     seed: Annotated[int, typer.Option(help="prompt choice, task samples, token sampling (evaluation: 42)")] = 1234,
     out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,

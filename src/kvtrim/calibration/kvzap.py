@@ -14,8 +14,10 @@ it departs (docs/calibration.md):
   thousands of Nemotron pretraining samples; ``tokens_per_prompt`` random tokens of each (the first ``n_sink``
   left out: KVzip pins them).
 * **Linear.** Closed-form ridge regression per layer (λ = 1, intercept unpenalised), as the reference's default.
-* **MLP.** Hidden width 128 (the reference: 512), AdamW, lr 5e-3 with cosine decay, gradient-norm clipping 1.0,
-  batch 512, MSE, all layers trained together; fewer epochs than the reference's 15 by default, to fit a CPU.
+* **MLP.** Hidden width 64 (the reference: 512), AdamW, lr 5e-3 with cosine decay, gradient-norm clipping 1.0,
+  batch 512, MSE, all layers trained together; 10 epochs (the reference: 15), to fit a CPU.
+* **Storage.** The surrogates' weights are saved in float16 (the artifact ships inside the package) and used in
+  float32.
 * **Fit report.** On held-out prompts (all their tokens): Spearman correlation between predicted and true scores
   per (layer, KV head), and the overlap of the kept sets at a keep fraction, per head and across the whole model.
 """
@@ -30,12 +32,14 @@ from typing import Any
 
 import torch
 
-from kvtrim.artifacts.kvzap import KVZAP_KIND
+from kvtrim.artifacts.kvzap import KVZAP_KIND, SURROGATE_TENSORS
 from kvtrim.artifacts.store import save_artifact
 from kvtrim.errors import InvalidParameterError
 from kvtrim.scoring.surrogate import surrogate_predict
 
 from .kvzip_targets import KVzipTargets, TargetSettings, calibration_prompts, kvzip_targets, log_scores
+
+_SURROGATE = {name for names in SURROGATE_TENSORS.values() for name in names}
 
 __all__ = ["KVzapCalibration", "calibrate_kvzap", "fit_mlp", "fit_ridge", "spearman", "surrogate_fit"]
 
@@ -53,8 +57,8 @@ class KVzapCalibration:
 
     targets: TargetSettings = field(default_factory=TargetSettings)
     ridge: float = 1.0
-    hidden_dim: int = 128
-    epochs: int = 8
+    hidden_dim: int = 64
+    epochs: int = 10
     lr: float = 5e-3
     batch_size: int = 512
     keep_fraction: float = 0.125
@@ -178,11 +182,13 @@ def surrogate_fit(
     }
 
 
-def _collect(model, prompts, settings: TargetSettings, gen: torch.Generator, progress: bool, label: str):
+def _collect(model, prompts, progress: bool, label: str, keep=None) -> list:
+    """KVzip targets of every prompt; ``keep(targets)`` reduces each one as soon as it is computed."""
     out = []
     for i, (source, ids) in enumerate(prompts):
         start = time.perf_counter()
-        out.append(kvzip_targets(model, ids, source))
+        targets = kvzip_targets(model, ids, source)
+        out.append(targets if keep is None else keep(targets))
         if progress:
             print(f"kvzap {label} {i + 1}/{len(prompts)} {source}: {time.perf_counter() - start:.1f} s", flush=True)
     return out
@@ -203,21 +209,23 @@ def calibrate_kvzap(
     model.eval()
     prompts = calibration_prompts(tokenizer, target.prompts + target.heldout, target)
     gen = torch.Generator().manual_seed(target.seed)
-    train = _collect(model, prompts[: target.prompts], target, gen, progress, "train")
-    heldout = _collect(model, prompts[target.prompts :], target, gen, progress, "held-out")
-    collect_s = time.perf_counter() - start
-    xs, ys = [], []
-    for t in train:
+
+    def sample(t: KVzipTargets) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens_per_prompt`` random tokens past the sinks: ``x [k, layers, hidden]``, ``y [k, layers, kv]``."""
         n = t.hidden.shape[1]
         pick = target.n_sink + torch.randperm(n - target.n_sink, generator=gen)[: target.tokens_per_prompt]
-        xs.append(t.hidden[:, pick].transpose(0, 1))
-        ys.append(log_scores(t.scores[:, :, pick]).permute(2, 0, 1))
-    x, y = torch.cat(xs), torch.cat(ys)
-    del train, xs, ys
+        return t.hidden[:, pick].transpose(0, 1).contiguous(), log_scores(t.scores[:, :, pick]).permute(2, 0, 1)
+
+    train = _collect(model, prompts[: target.prompts], progress, "train", sample)
+    heldout = _collect(model, prompts[target.prompts :], progress, "held-out")
+    collect_s = time.perf_counter() - start
+    x, y = torch.cat([t[0] for t in train]), torch.cat([t[1] for t in train])
+    del train
     fit_start = time.perf_counter()
     tensors = fit_ridge(x, y, settings.ridge)
     mlp, losses = fit_mlp(x, y, settings, target.seed)
     tensors.update(mlp)
+    tensors = {name: t.half().float() for name, t in tensors.items()}  # what the float16 artifact will hold
     fit_s = time.perf_counter() - fit_start
     summary: dict[str, Any] = {"training_tokens": int(x.shape[0]), "prompts": [s for s, _ in prompts]}
     for kind in ("linear", "mlp"):
@@ -226,6 +234,7 @@ def calibrate_kvzap(
             tensors[f"heldout_spearman_{kind}"] = fit.pop("spearman_per_head")
             summary[f"heldout_{kind}"] = {k: round(v, 4) for k, v in fit.items()}
     summary["mlp_epoch_losses"] = [round(v, 4) for v in losses]
+    tensors = {name: t.half() if name in _SURROGATE else t for name, t in tensors.items()}
     summary["collect_seconds"] = round(collect_s, 1)
     summary["fit_seconds"] = round(fit_s, 1)
     meta = {

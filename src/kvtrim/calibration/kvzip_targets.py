@@ -45,10 +45,10 @@ class TargetSettings:
         pydoc: whether every other prompt is a window of CPython's bundled prose (False: tasks only)
     """
 
-    prompts: int = 24
-    heldout: int = 6
-    length: int = 1024
-    tokens_per_prompt: int = 256
+    prompts: int = 16
+    heldout: int = 4
+    length: int = 768
+    tokens_per_prompt: int = 512
     n_sink: int = 4
     seed: int = 1234
     tasks: tuple[str, ...] = SYNTHETIC_TASKS

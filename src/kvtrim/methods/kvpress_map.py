@@ -132,9 +132,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
     ),
     PressMapping(
         "DMSPress", "dms",
-        "a wrapper: `scorer=` names the registry method whose scorer is thresholded (no KVzap surrogate yet); "
-        "`ratio=0` for the threshold alone (a ratio or budget caps each head); kvpress scores a token once, when "
-        "it arrives, kvtrim re-scores the cache at each compression (the same for per-key scores like `knorm`); "
+        "a wrapper: `scorer=` names the registry method whose scorer is thresholded (`scorer='kvzap'`: KVzap's "
+        "surrogate, as the paper); `ratio=0` for the threshold alone (a ratio or budget caps each head); kvpress "
+        "scores a token once, when it arrives, kvtrim re-scores the cache at each compression (the same for per-key "
+        "scores like `knorm`; `kvzap` keeps the score each token got when it arrived); "
         "kvpress masks evicted entries, kvtrim frees them (per-head counts, stored ragged)",
         {"recent": 128, "scorer": "knorm"},
         "`threshold`; `sliding_window_size` → `recent`; `decoding=True` → `dms@every:N`; `press` → `scorer`",
@@ -201,8 +202,15 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "pass at compression)",
     ),
     PressMapping(
-        "KVzapPress", None, f"{_NOT_YET}: a surrogate model predicting KVzip scores from hidden states; "
-        f"{_CALIBRATED}is not built",
+        "KVzapPress", "kvzap",
+        "the surrogate's weights come from `kvtrim calibrate kvzap` (the `kvzap` artifact; the embedded model's "
+        "ships with kvtrim) instead of the Hub's `nvidia/KVzap-*`: trained on kvtrim's own KVzip scores (kvpress: "
+        "KVzip+ scores, which also weigh each attention by the query's hidden-state norm and ‖W_O v‖) of pydoc prose "
+        "and synthetic-task prompts (kvpress: Nemotron pretraining text), MLP width 128 (kvpress: 512); each token "
+        "is scored when it arrives and the score is kept with its entry; the paper's threshold rule (kvpress's "
+        "`ThresholdPress`/`DMSPress` around `KVzapPress`) is `dms` with `scorer='kvzap'`",
+        {"model_type": "mlp", "layerwise": True, "n_sink": 0},
+        "`model_type`; `compression_ratio` → `ratio`",
     ),
     PressMapping(
         "KVzipPress", "kvzip", "one reconstruction pass over the whole cache instead of 2K-token chunks",
