@@ -134,3 +134,25 @@ def test_observation_spec_token_scores_cover_and_merge():
     assert a.merge(ObservationSpec(window=4)).slot_stats == ("x",)
     with pytest.raises(InvalidParameterError, match="token scores"):
         a.merge(b)
+
+
+def test_dms_thresholds_the_surrogate_score(tmp_path, monkeypatch):
+    """KVzap's paper rule: ``dms`` with ``scorer="kvzap"`` keeps the recent window plus every entry scoring >= τ."""
+    monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))
+    model = tiny_model("llama", layers=2)
+    install_kvzap_weights(model, seed=3)
+    pipeline = get_method("dms", scorer="kvzap", threshold=0.5, recent=4)
+    assert isinstance(pipeline.scorer, HiddenStateSurrogateScorer)
+    ids = torch.randint(3, 200, (1, 32), generator=torch.Generator().manual_seed(4))
+    hidden = _hidden_states(model, ids)
+    cache = KVTrimCache(2, pipeline.bind(model), BudgetSpec(ratio=0.0), auto_compress=False)
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache.compress()
+    tensors = kvzap_tensors(model, seed=3)
+    for layer in cache.layers:
+        scores = surrogate_predict(tensors, "mlp", layer.layer_idx, hidden[layer.layer_idx])[0]  # [kv, 32]
+        for head in range(scores.shape[0]):
+            expected = sorted(set((scores[head] >= 0.5).nonzero().flatten().tolist()) | set(range(28, 32)))
+            pos = layer.store.positions[0, head] if layer.store.layout == "dense" else layer.store.row(0, head)[2]
+            assert sorted(int(p) for p in pos.tolist() if p >= 0) == expected
