@@ -172,7 +172,7 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
 
 
 def kvzap_tensors(model, seed: int = 0, width: int = 8) -> dict:
-    """Random KVzap surrogate tensors (linear and MLP) for ``model`` (:mod:`kvtrim.artifacts.kvzap` layout)."""
+    """Random KVzap surrogate tensors (linear and MLP) for ``model`` (:mod:`kvtrim.artifacts.surrogates` layout)."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed + 4)
     layers, heads, hidden = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size

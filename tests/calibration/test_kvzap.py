@@ -7,10 +7,10 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import byte_tokenizer, tiny_model
-from kvtrim.artifacts.kvzap import load_kvzap
+from kvtrim.artifacts.surrogates import load_surrogate
 from kvtrim.calibration.cli import calibrate_app
-from kvtrim.calibration.kvzap import KVzapCalibration, fit_mlp, fit_ridge, spearman
-from kvtrim.calibration.kvzip_targets import TargetSettings, kvzip_targets
+from kvtrim.calibration.kvzap import KVzapCalibration, fit_mlp, fit_ridge
+from kvtrim.calibration.kvzip_targets import TargetSettings, kvzip_targets, spearman
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.errors import InvalidParameterError
 from kvtrim.integration.attention import kvtrim_attention_enabled
@@ -103,10 +103,11 @@ def test_cli_kvzap_writes_an_artifact_the_method_loads(saved_model, tmp_path):
     assert result.exit_code == 0, result.output
     assert "kvzap artifact:" in result.output and "held-out mlp:" in result.output
     assert "training tokens: 128" in result.output
+    assert list((tmp_path / "home" / "kvzip_targets").glob("*.pt"))  # the targets wait for the next calibration
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(saved_model)
-    tensors, source = load_kvzap(model, "mlp", out_dir)
+    tensors, source = load_surrogate(model, "mlp", out_dir)
     assert tensors["mlp_w1"].shape == (2, 8, 64) and source["artifact"].endswith("kvzap.safetensors")
     show = ["show", "--model", str(saved_model), "--kind", "kvzap", "--path", str(out_dir)]
     shown = runner.invoke(calibrate_app, show)

@@ -6,13 +6,22 @@ One table for every reader and every calibration (``kvtrim calibrate <kind>``); 
 
 from __future__ import annotations
 
-__all__ = ["ARTIFACT_KINDS", "COMPILERKV_KIND", "COMPRESSKV_KIND", "DUO_KIND", "HEADKV_KIND", "KVZAP_KIND"]
+__all__ = [
+    "ARTIFACT_KINDS",
+    "COMPILERKV_KIND",
+    "COMPRESSKV_KIND",
+    "DUO_KIND",
+    "FASTKVZIP_KIND",
+    "HEADKV_KIND",
+    "KVZAP_KIND",
+]
 
 HEADKV_KIND = "headkv"
 COMPRESSKV_KIND = "compresskv"
 COMPILERKV_KIND = "compilerkv"
 DUO_KIND = "duo"
 KVZAP_KIND = "kvzap"
+FASTKVZIP_KIND = "fastkvzip"
 
 ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
@@ -23,5 +32,6 @@ ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     COMPILERKV_KIND: ("CompilerKV compiled tables", "kvtrim calibrate compilerkv --model {model}"),
     DUO_KIND: ("DuoAttention head gates", "kvtrim calibrate duo --model {model}"),
     KVZAP_KIND: ("KVzap surrogate weights (linear and MLP)", "kvtrim calibrate kvzap --model {model}"),
+    FASTKVZIP_KIND: ("Fast KVzip gate weights", "kvtrim calibrate fastkvzip --model {model}"),
 }
 """``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""

@@ -51,6 +51,11 @@ def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "fl
 
 DeviceOption = Annotated[str, typer.Option(help="device to load the model on: cpu, cuda, cuda:N, mps")]
 DtypeOption = Annotated[str, typer.Option(help="model precision: float32, float16, bfloat16 or auto")]
+TargetsCacheOption = Annotated[
+    str | None,
+    typer.Option(help="where collected KVzip targets are kept for the next calibration ('' = nowhere; default "
+    "$KVTRIM_HOME/kvzip_targets)"),
+]
 
 
 @calibrate_app.command("headkv")
@@ -262,6 +267,7 @@ def kvzap(
     epochs: Annotated[int, typer.Option(help="MLP training epochs")] = 10,
     ridge: Annotated[float, typer.Option(help="the linear surrogate's L2 penalty")] = 1.0,
     seed: Annotated[int, typer.Option(help="prompt choice, task samples, token sampling (evaluation: 42)")] = 1234,
+    targets_cache: TargetsCacheOption = None,
     out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     device: DeviceOption = "cpu",
@@ -290,7 +296,7 @@ def kvzap(
             epochs=epochs,
         )
         mdl, tok = _load(model, threads, device, dtype)
-        path = calibrate_kvzap(mdl, tok, settings, out_dir=out, progress=progress)
+        path = calibrate_kvzap(mdl, tok, settings, out_dir=out, progress=progress, targets_cache=targets_cache)
         summary = load_artifact("kvzap", mdl, path).meta.get("summary", {})
     except KVTrimError as exc:
         _fail(exc)

@@ -32,16 +32,16 @@ from typing import Any
 
 import torch
 
-from kvtrim.artifacts.kvzap import KVZAP_KIND, SURROGATE_TENSORS
 from kvtrim.artifacts.store import save_artifact
+from kvtrim.artifacts.surrogates import KVZAP_KIND, SURROGATE_TENSORS
 from kvtrim.errors import InvalidParameterError
 from kvtrim.scoring.surrogate import surrogate_predict
 
-from .kvzip_targets import KVzipTargets, TargetSettings, calibration_prompts, kvzip_targets, log_scores
+from .kvzip_targets import TargetSettings, collect_targets, log_scores, surrogate_fit
 
 _SURROGATE = {name for names in SURROGATE_TENSORS.values() for name in names}
 
-__all__ = ["KVzapCalibration", "calibrate_kvzap", "fit_mlp", "fit_ridge", "spearman", "surrogate_fit"]
+__all__ = ["KVzapCalibration", "calibrate_kvzap", "fit_mlp", "fit_ridge"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def fit_ridge(x: torch.Tensor, y: torch.Tensor, penalty: float) -> dict[str, tor
 
 def fit_mlp(x: torch.Tensor, y: torch.Tensor, settings: KVzapCalibration, seed: int) -> tuple[dict, list[float]]:
     """One MLP per layer (``GELU(x·W1ᵀ + b1)·W2ᵀ + b2``), all layers trained together on the MSE; returns the
-    tensors (:mod:`kvtrim.artifacts.kvzap` layout) and the mean training loss of every epoch."""
+    tensors (:mod:`kvtrim.artifacts.surrogates` layout) and the mean training loss of every epoch."""
     gen = torch.Generator().manual_seed(seed)
     n, layers, hidden = x.shape
     heads, width = y.shape[-1], settings.hidden_dim
@@ -137,111 +137,49 @@ def fit_mlp(x: torch.Tensor, y: torch.Tensor, settings: KVzapCalibration, seed: 
     return {k: v.detach().contiguous() for k, v in tensors.items()}, losses
 
 
-def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Spearman rank correlation along the last dimension (ties broken by order)."""
-
-    def ranks(t: torch.Tensor) -> torch.Tensor:
-        r = torch.empty_like(t, dtype=torch.float64)
-        r.scatter_(-1, t.argsort(-1), torch.arange(t.shape[-1], dtype=torch.float64).expand_as(t).contiguous())
-        return r - r.mean(-1, keepdim=True)
-
-    ra, rb = ranks(a), ranks(b)
-    return (ra * rb).sum(-1) / (ra.norm(dim=-1) * rb.norm(dim=-1)).clamp(min=1e-12)
-
-
-def _overlap(pred: torch.Tensor, true: torch.Tensor, keep: int) -> torch.Tensor:
-    """Share of the true top-``keep`` along the last dimension that the predicted top-``keep`` also holds."""
-    p = torch.zeros_like(pred, dtype=torch.bool).scatter_(-1, pred.topk(keep, dim=-1).indices, True)
-    t = torch.zeros_like(true, dtype=torch.bool).scatter_(-1, true.topk(keep, dim=-1).indices, True)
-    return (p & t).sum(-1).double() / keep
-
-
-def surrogate_fit(
-    tensors: dict[str, torch.Tensor], kind: str, heldout: list[KVzipTargets], n_sink: int, keep_fraction: float
-) -> dict[str, Any]:
-    """How well the ``kind`` surrogate ranks the held-out prompts' entries like KVzip (sinks left out): mean
-    Spearman per (layer, KV head), kept-set overlap per head (``keep_fraction`` of each head) and across all
-    layers and heads at once (kvzip's global threshold). Returns floats and a ``[layers, kv_heads]`` Spearman."""
-    rho, per_head, global_overlap = [], [], []
-    for t in heldout:
-        true = log_scores(t.scores[:, :, n_sink:]).double()
-        pred = torch.stack(
-            [surrogate_predict(tensors, kind, layer, t.hidden[layer][None])[0] for layer in range(t.hidden.shape[0])]
-        )[:, :, n_sink:].double()
-        keep = max(1, round(keep_fraction * true.shape[-1]))
-        rho.append(spearman(pred, true))
-        per_head.append(_overlap(pred, true, keep).mean())
-        global_overlap.append(_overlap(pred.flatten(), true.flatten(), keep * true.shape[0] * true.shape[1]))
-    rho_mean = torch.stack(rho).mean(0)
-    return {
-        "spearman": float(rho_mean.mean()),
-        "spearman_min": float(rho_mean.min()),
-        "overlap_per_head": float(torch.stack(per_head).mean()),
-        "overlap_global": float(torch.stack(global_overlap).mean()),
-        "spearman_per_head": rho_mean.float(),
-    }
-
-
-def _collect(model, prompts, progress: bool, label: str, keep=None) -> list:
-    """KVzip targets of every prompt; ``keep(targets)`` reduces each one as soon as it is computed."""
-    out = []
-    for i, (source, ids) in enumerate(prompts):
-        start = time.perf_counter()
-        targets = kvzip_targets(model, ids, source)
-        out.append(targets if keep is None else keep(targets))
-        if progress:
-            print(f"kvzap {label} {i + 1}/{len(prompts)} {source}: {time.perf_counter() - start:.1f} s", flush=True)
-    return out
-
-
 def calibrate_kvzap(
     model: torch.nn.Module,
     tokenizer: Any,
     settings: KVzapCalibration | None = None,
     out_dir: str | Path | None = None,
     progress: bool = False,
+    targets_cache: str | Path | None = None,
 ) -> Path:
-    """Collect KVzip targets on calibration prompts, fit both surrogates, measure them on the held-out prompts and
-    save the ``kvzap`` artifact; returns the ``.safetensors`` path."""
+    """Collect KVzip targets on calibration prompts (or read them from ``targets_cache``, see
+    :func:`~kvtrim.calibration.kvzip_targets.collect_targets`), fit both surrogates, measure them on the held-out
+    prompts and save the ``kvzap`` artifact; returns the ``.safetensors`` path."""
     settings = settings or KVzapCalibration()
     target = settings.targets
     start = time.perf_counter()
-    model.eval()
-    prompts = calibration_prompts(tokenizer, target.prompts + target.heldout, target)
-    gen = torch.Generator().manual_seed(target.seed)
-
-    def sample(t: KVzipTargets) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens_per_prompt`` random tokens past the sinks: ``x [k, layers, hidden]``, ``y [k, layers, kv]``."""
-        n = t.hidden.shape[1]
-        pick = target.n_sink + torch.randperm(n - target.n_sink, generator=gen)[: target.tokens_per_prompt]
-        return t.hidden[:, pick].transpose(0, 1).contiguous(), log_scores(t.scores[:, :, pick]).permute(2, 0, 1)
-
-    train = _collect(model, prompts[: target.prompts], progress, "train", sample)
-    heldout = _collect(model, prompts[target.prompts :], progress, "held-out")
-    collect_s = time.perf_counter() - start
-    x, y = torch.cat([t[0] for t in train]), torch.cat([t[1] for t in train])
-    del train
+    data = collect_targets(model, tokenizer, target, targets_cache, progress)
+    x, y = data.x.float(), log_scores(data.y)
     fit_start = time.perf_counter()
     tensors = fit_ridge(x, y, settings.ridge)
     mlp, losses = fit_mlp(x, y, settings, target.seed)
     tensors.update(mlp)
+    del x, y
     tensors = {name: t.half().float() for name, t in tensors.items()}  # what the float16 artifact will hold
     fit_s = time.perf_counter() - fit_start
-    summary: dict[str, Any] = {"training_tokens": int(x.shape[0]), "prompts": [s for s, _ in prompts]}
+    summary: dict[str, Any] = {"training_tokens": int(data.x.shape[0]), "prompts": data.sources}
     for kind in ("linear", "mlp"):
-        if heldout:
-            fit = surrogate_fit(tensors, kind, heldout, target.n_sink, settings.keep_fraction)
+        if data.heldout:
+
+            def predict(layer: int, hidden: torch.Tensor, kind: str = kind) -> torch.Tensor:
+                return surrogate_predict(tensors, kind, layer, hidden)
+
+            fit = surrogate_fit(predict, data.heldout, target.n_sink, settings.keep_fraction)
             tensors[f"heldout_spearman_{kind}"] = fit.pop("spearman_per_head")
             summary[f"heldout_{kind}"] = {k: round(v, 4) for k, v in fit.items()}
     summary["mlp_epoch_losses"] = [round(v, 4) for v in losses]
-    tensors = {name: t.half() if name in _SURROGATE else t for name, t in tensors.items()}
-    summary["collect_seconds"] = round(collect_s, 1)
+    summary["collect_seconds"] = round(data.seconds, 1)
+    summary["targets_cached"] = data.cached
     summary["fit_seconds"] = round(fit_s, 1)
+    tensors = {name: t.half() if name in _SURROGATE else t for name, t in tensors.items()}
     meta = {
         "settings": settings.as_dict(),
         "seconds": time.perf_counter() - start,
         "summary": summary,
-        "primary_tensor": "heldout_spearman_mlp" if heldout else None,
+        "primary_tensor": "heldout_spearman_mlp" if data.heldout else None,
         "threads": torch.get_num_threads(),
     }
     return save_artifact(KVZAP_KIND, model, tensors, meta, out_dir)
