@@ -132,6 +132,7 @@ ARTIFACT_METHODS = {
     "compilerkv_static_threshold",
     "duo_attention",
     "kvzap",
+    "fastkvzip",
 }
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
@@ -171,6 +172,23 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
     install_kvzap_weights(model, seed=seed)
 
 
+def gate_tensors(model, seed: int = 0, width: int = 4, sinks: int = 3) -> dict:
+    """Random Fast KVzip gate tensors for ``model`` (:mod:`kvtrim.artifacts.surrogates` layout)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 5)
+    layers, heads, hidden = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size
+    groups = cfg.num_attention_heads // heads
+    return {
+        "gate_q_weight": torch.randn(layers, heads * groups * width, hidden, generator=g),
+        "gate_q_bias": torch.randn(layers, heads * groups * width, generator=g),
+        "gate_k_weight": torch.randn(layers, heads * width, hidden, generator=g),
+        "gate_q_norm": torch.rand(layers, width, generator=g) + 0.5,
+        "gate_k_norm": torch.rand(layers, width, generator=g) + 0.5,
+        "gate_bias": torch.randn(layers, heads, groups, generator=g),
+        "gate_sink_keys": torch.randn(layers, heads, sinks, width, generator=g),
+    }
+
+
 def kvzap_tensors(model, seed: int = 0, width: int = 8) -> dict:
     """Random KVzap surrogate tensors (linear and MLP) for ``model`` (:mod:`kvtrim.artifacts.surrogates` layout)."""
     cfg = model.config
@@ -187,11 +205,13 @@ def kvzap_tensors(model, seed: int = 0, width: int = 8) -> dict:
 
 
 def install_kvzap_weights(model, directory=None, seed: int = 0):
-    """Save random KVzap surrogate weights for ``model`` (default: in the kvtrim home)."""
+    """Save random KVzap surrogate and Fast KVzip gate weights for ``model`` (default: in the kvtrim home); returns
+    the ``kvzap`` artifact's path."""
     from kvtrim.artifacts.store import save_artifact
 
-    tensors = kvzap_tensors(model, seed)
-    return save_artifact("kvzap", model, tensors, {"settings": {"test": True}, "seconds": 0.0}, directory)
+    meta = {"settings": {"test": True}, "seconds": 0.0}
+    save_artifact("fastkvzip", model, gate_tensors(model, seed), meta, directory)
+    return save_artifact("kvzap", model, kvzap_tensors(model, seed), meta, directory)
 
 
 def install_duo_gates(model, directory=None, seed: int = 0):

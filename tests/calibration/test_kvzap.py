@@ -1,4 +1,5 @@
-"""KVzap calibration: KVzip targets, the ridge and MLP fits, the fit report, the artifact and the CLI."""
+"""KVzap and Fast KVzip calibrations: KVzip targets, the ridge, MLP and gate fits, the fit report, the artifacts and
+the CLI."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typer.testing import CliRunner
 from conftest import byte_tokenizer, tiny_model
 from kvtrim.artifacts.surrogates import load_surrogate
 from kvtrim.calibration.cli import calibrate_app
+from kvtrim.calibration.fastkvzip import FastKVzipCalibration, fit_gate
 from kvtrim.calibration.kvzap import KVzapCalibration, fit_mlp, fit_ridge
 from kvtrim.calibration.kvzip_targets import TargetSettings, kvzip_targets, spearman
 from kvtrim.compression.compressor import BudgetSpec
@@ -114,3 +116,23 @@ def test_cli_kvzap_writes_an_artifact_the_method_loads(saved_model, tmp_path):
     assert shown.exit_code == 0 and "heldout_spearman_mlp: 2x2" in shown.output
     missing = runner.invoke(calibrate_app, ["show", "--model", str(saved_model), "--kind", "kvzap"])
     assert missing.exit_code == 2 and "kvtrim calibrate kvzap --model" in missing.output
+
+
+def test_gate_training_lowers_the_loss():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 2, 8, generator=g)
+    y = torch.sigmoid(3 * x[..., :2])  # [n, 2 layers, 2 heads], in (0, 1) as KVzip's scores
+    tensors, losses = fit_gate(x, y, 2, FastKVzipCalibration(width=4, sinks=2, epochs=15, batch_size=64), seed=0)
+    assert losses[-1] < 0.8 * losses[0]
+    assert tensors["gate_q_weight"].shape == (2, 2 * 2 * 4, 8) and tensors["gate_sink_keys"].shape == (2, 2, 2, 4)
+
+
+def test_cli_fastkvzip_reuses_the_kvzap_targets(saved_model, tmp_path):
+    common = ["--model", str(saved_model), "--prompts", "2", "--heldout", "1", "--length", "300"]
+    common += ["--tokens-per-prompt", "64", "--tasks", "passkey", "--no-pydoc", "--epochs", "1"]
+    common += ["--out", str(tmp_path / "arts"), "--no-progress", "--threads", "1"]
+    assert runner.invoke(calibrate_app, ["kvzap", *common, "--hidden-dim", "4"]).exit_code == 0
+    result = runner.invoke(calibrate_app, ["fastkvzip", *common, "--width", "4", "--sinks", "2"])
+    assert result.exit_code == 0, result.output
+    assert "fastkvzip artifact:" in result.output and "targets cached: True" in result.output
+    assert "held-out gate:" in result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import install_kvzap_weights, kvzap_tensors, tiny_model
+from conftest import gate_tensors, install_kvzap_weights, kvzap_tensors, tiny_model
 from kvtrim.budgets.uniform import UniformBudget
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.errors import InvalidParameterError, MissingArtifactError
@@ -15,7 +15,7 @@ from kvtrim.integration.hidden_states import attention_modules
 from kvtrim.methods import get_method
 from kvtrim.methods.registry import parts
 from kvtrim.scoring.observation import ObservationSpec, TokenScores
-from kvtrim.scoring.surrogate import HiddenStateSurrogateScorer, surrogate_predict
+from kvtrim.scoring.surrogate import GateScorer, HiddenStateSurrogateScorer, surrogate_predict
 from kvtrim.selection.topk import TopKSelector
 
 
@@ -156,3 +156,58 @@ def test_dms_thresholds_the_surrogate_score(tmp_path, monkeypatch):
             expected = sorted(set((scores[head] >= 0.5).nonzero().flatten().tolist()) | set(range(28, 32)))
             pos = layer.store.positions[0, head] if layer.store.layout == "dense" else layer.store.row(0, head)[2]
             assert sorted(int(p) for p in pos.tolist() if p >= 0) == expected
+
+
+def test_gate_by_hand():
+    """One KV head, one query per group, width 2, one sink key: σ(q·k/√2 + b − q·s/√2)."""
+    hidden = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # [1, 2 tokens, hidden 2]
+    tensors = {
+        "gate_q_weight": torch.eye(2)[None],  # q = h
+        "gate_q_bias": torch.zeros(1, 2),
+        "gate_k_weight": torch.tensor([[[1.0, 0.0], [1.0, 0.0]]]),  # k = (h0, h0)
+        "gate_q_norm": torch.ones(1, 2),
+        "gate_k_norm": torch.ones(1, 2),
+        "gate_bias": torch.tensor([[[0.5]]]),
+        "gate_sink_keys": torch.tensor([[[[1.0, -1.0]]]]),
+    }
+    got = surrogate_predict(tensors, "gate", 0, hidden)[0, 0]  # [2 tokens]
+
+    def rms(v):
+        return v / torch.sqrt(v.square().mean() + 1e-6)
+
+    expected = []
+    for h in hidden[0]:
+        q, k, s = rms(h), rms(torch.stack([h[0], h[0]])), torch.tensor([1.0, -1.0])
+        logit = (q @ k) / 2**0.5 + 0.5
+        expected.append(torch.sigmoid(logit - (q @ s) / 2**0.5))
+    assert torch.allclose(got, torch.stack(expected), atol=1e-5)
+    assert bool(((got > 0) & (got < 1)).all())
+
+
+def test_fastkvzip_pins_sinks_and_the_recent_window_and_ranks_by_the_gate():
+    model = tiny_model("llama", layers=2)
+    tensors = gate_tensors(model, seed=1)
+    ids = torch.randint(3, 200, (1, 100), generator=torch.Generator().manual_seed(3))
+    hidden = _hidden_states(model, ids)
+    scorer = GateScorer(tensors=tensors, n_sink=4, window_ratio=0.05)
+    pipeline = parts(scorer, UniformBudget(), TopKSelector())
+    cache = KVTrimCache(2, pipeline, BudgetSpec(budget=20), auto_compress=False)
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache.compress()
+    pinned = set(range(4)) | set(range(95, 100))  # 4 sinks + ⌊0.05·100⌋ recent
+    for layer in cache.layers:
+        gate = surrogate_predict(tensors, "gate", layer.layer_idx, hidden[layer.layer_idx])[0]  # [kv, 100]
+        for head in range(gate.shape[0]):
+            rest = [p for p in gate[head].argsort(descending=True).tolist() if p not in pinned][: 20 - len(pinned)]
+            kept = sorted(int(p) for p in layer.store.positions[0, head].tolist())
+            assert kept == sorted(pinned | set(rest))
+
+
+def test_fastkvzip_needs_its_artifact(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))
+    model = tiny_model("llama", layers=2, seed=8)
+    with pytest.raises(MissingArtifactError, match="kvtrim calibrate fastkvzip"):
+        get_method("fastkvzip").bind(model)
+    with pytest.raises(InvalidParameterError, match="window_ratio"):
+        get_method("fastkvzip", window_ratio=1.5)

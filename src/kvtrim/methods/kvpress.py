@@ -23,7 +23,7 @@ from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentio
 from ..scoring.question_attention import QuestionAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.reread import RereadAttentionScorer
-from ..scoring.surrogate import HiddenStateSurrogateScorer
+from ..scoring.surrogate import GateScorer, HiddenStateSurrogateScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
@@ -140,6 +140,32 @@ def kvzap(model_type: str = "mlp", layerwise: bool = True, n_sink: int = 0, arti
         UniformBudget() if layerwise else GlobalThresholdBudget(),
         TopKSelector(sink=n_sink),
     )
+
+
+@register(
+    "fastkvzip",
+    family=FAMILY,
+    summary="KVzip's scores predicted by a learned gate per layer (a token's gate key and queries from its hidden "
+    "state against 16 learned sink keys, output in (0, 1)), computed as each token arrives; 4 sinks and the last "
+    "2% of the context pinned; one global threshold across layers and heads. Needs the `fastkvzip` artifact.",
+    paper=papers.FASTKVZIP,
+    preset="kvpress FastKVzipPress defaults: non-layerwise (global) budgets, 4 sinks, recent window 2% of the context "
+    "(4096 tokens from 32k on); gate width 16 with 16 sink keys, trained by `kvtrim calibrate fastkvzip` on kvtrim's "
+    "kvzip scores (docs/calibration.md)",
+)
+def fastkvzip(
+    layerwise: bool = False,
+    n_sink: int = SINKS,
+    window_ratio: float = 0.02,
+    window: int = 4096,
+    artifact: str | None = None,
+) -> Pipeline:
+    """Fast KVzip (Kim, Han & Yun, arXiv 2601.17668): gates distilled from KVzip's scores (Kim et al., arXiv
+    2505.23416); one global threshold (or per-head top-k with ``layerwise``)."""
+    if not isinstance(layerwise, bool):
+        raise InvalidParameterError(f"layerwise must be True or False, got {layerwise!r}")
+    scorer = GateScorer(artifact=artifact, n_sink=n_sink, window_ratio=window_ratio, window=window)
+    return parts(scorer, UniformBudget() if layerwise else GlobalThresholdBudget(), TopKSelector())
 
 
 @register(

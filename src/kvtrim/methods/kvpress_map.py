@@ -172,7 +172,13 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "is not built (kvtrim's `expected_attention` takes the statistics from the prompt itself)",
     ),
     PressMapping(
-        "FastKVzipPress", None, f"{_NOT_YET}: KVzip scores predicted by a learned gate; {_CALIBRATED}is not built",
+        "FastKVzipPress", "fastkvzip",
+        "the gates come from `kvtrim calibrate fastkvzip` (the `fastkvzip` artifact; the embedded model's ships with "
+        "kvtrim) instead of the authors' Hub weights: trained on kvtrim's own KVzip scores of pydoc prose and "
+        "synthetic-task prompts with AdamW for a few epochs (the authors: SGD, 5,000 steps); each token is scored "
+        "when it arrives; evicted entries are freed (per-head counts, stored ragged; kvpress masks them)",
+        {"layerwise": False, "n_sink": 4, "window_ratio": 0.02, "window": 4096},
+        "`window_size` → `window`; `window_ratio`, `n_sink`, `layerwise`; `compression_ratio` → `ratio`",
     ),
     PressMapping(
         "FinchPress", "finch",
