@@ -133,6 +133,7 @@ ARTIFACT_METHODS = {
     "duo_attention",
     "kvzap",
     "fastkvzip",
+    "expected_attention_stats",
 }
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
@@ -189,6 +190,16 @@ def gate_tensors(model, seed: int = 0, width: int = 4, sinks: int = 3) -> dict:
     }
 
 
+def query_stat_tensors(model, seed: int = 0) -> dict:
+    """Random query statistics for ``model`` (a mean and a positive semi-definite covariance per layer and head)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 6)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    shape = (cfg.num_hidden_layers, cfg.num_attention_heads)
+    a = torch.randn(*shape, d, d, generator=g) / d**0.5
+    return {"query_mean": torch.randn(*shape, d, generator=g), "query_cov": a @ a.transpose(-1, -2)}
+
+
 def kvzap_tensors(model, seed: int = 0, width: int = 8) -> dict:
     """Random KVzap surrogate tensors (linear and MLP) for ``model`` (:mod:`kvtrim.artifacts.surrogates` layout)."""
     cfg = model.config
@@ -205,12 +216,13 @@ def kvzap_tensors(model, seed: int = 0, width: int = 8) -> dict:
 
 
 def install_kvzap_weights(model, directory=None, seed: int = 0):
-    """Save random KVzap surrogate and Fast KVzip gate weights for ``model`` (default: in the kvtrim home); returns
-    the ``kvzap`` artifact's path."""
+    """Save random KVzap surrogate, Fast KVzip gate and Expected Attention query statistics for ``model`` (default:
+    in the kvtrim home); returns the ``kvzap`` artifact's path."""
     from kvtrim.artifacts.store import save_artifact
 
     meta = {"settings": {"test": True}, "seconds": 0.0}
     save_artifact("fastkvzip", model, gate_tensors(model, seed), meta, directory)
+    save_artifact("expected_attention_stats", model, query_stat_tensors(model, seed), meta, directory)
     return save_artifact("kvzap", model, kvzap_tensors(model, seed), meta, directory)
 
 

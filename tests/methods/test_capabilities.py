@@ -62,6 +62,7 @@ def test_artifacts_come_from_the_parts():
         "duo_attention": ("duo",),
         "kvzap": ("kvzap",),
         "fastkvzip": ("fastkvzip",),
+        "expected_attention_stats": ("expected_attention_stats",),
         "compilerkv": ("compilerkv",),
         "compilerkv_neutral": (),
         "compilerkv_neutral_elastic": (),
@@ -72,7 +73,7 @@ def test_artifacts_come_from_the_parts():
     assert _with(lambda c: bool(c.artifacts)) == {
         "headkv", "critical_headkv", "compresskv", "compresskv_srh_only", "compresskv_trh", "ada_compresskv",
         "head_compresskv", "duo_attention", "compilerkv", "compilerkv_elastic", "compilerkv_raw_attention",
-        "compilerkv_static_threshold", "kvzap", "fastkvzip",
+        "compilerkv_static_threshold", "kvzap", "fastkvzip", "expected_attention_stats",
     }  # fmt: skip
 
 
@@ -96,7 +97,7 @@ def test_attention_and_question_awareness():
     assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
         "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging",
-        "kvzap", "fastkvzip",
+        "kvzap", "fastkvzip", "expected_attention_stats",
     }  # fmt: skip
     assert caps["kvcompress"].question_aware and not caps["kvc_full"].question_aware  # KVC-full: every query
     assert caps["think"].question_aware  # the window queries choose the key channels

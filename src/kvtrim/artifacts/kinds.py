@@ -11,6 +11,7 @@ __all__ = [
     "COMPILERKV_KIND",
     "COMPRESSKV_KIND",
     "DUO_KIND",
+    "EXPECTED_ATTENTION_STATS_KIND",
     "FASTKVZIP_KIND",
     "HEADKV_KIND",
     "KVZAP_KIND",
@@ -22,6 +23,7 @@ COMPILERKV_KIND = "compilerkv"
 DUO_KIND = "duo"
 KVZAP_KIND = "kvzap"
 FASTKVZIP_KIND = "fastkvzip"
+EXPECTED_ATTENTION_STATS_KIND = "expected_attention_stats"
 
 ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
@@ -33,5 +35,9 @@ ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     DUO_KIND: ("DuoAttention head gates", "kvtrim calibrate duo --model {model}"),
     KVZAP_KIND: ("KVzap surrogate weights (linear and MLP)", "kvtrim calibrate kvzap --model {model}"),
     FASTKVZIP_KIND: ("Fast KVzip gate weights", "kvtrim calibrate fastkvzip --model {model}"),
+    EXPECTED_ATTENTION_STATS_KIND: (
+        "Expected Attention query statistics",
+        "kvtrim calibrate expected_attention_stats --model {model}",
+    ),
 }
 """``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""

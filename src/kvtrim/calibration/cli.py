@@ -366,6 +366,51 @@ def fastkvzip(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+@calibrate_app.command("expected_attention_stats")
+def expected_attention_stats(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    prompts: Annotated[int, typer.Option(help="calibration prompts (pydoc prose and synthetic tasks, alternating)")] = (
+        16
+    ),
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 768,
+    tasks: Annotated[str, typer.Option(help="synthetic task families, comma-separated ('' for prose only)")] = (
+        ",".join(SYNTHETIC_TASKS)
+    ),
+    pydoc: Annotated[bool, typer.Option(help="every other prompt a window of CPython's bundled prose")] = True,
+    n_sink: Annotated[int, typer.Option(help="first positions left out of the statistics")] = 4,
+    seed: Annotated[int, typer.Option(help="prompt choice and task samples (evaluation: 42)")] = 1234,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    progress: Annotated[bool, typer.Option(help="print progress")] = True,
+) -> None:
+    """Expected Attention: each layer's pre-RoPE query mean and covariance over calibration prompts; saves the
+    `expected_attention_stats` artifact."""
+    from kvtrim.calibration.kvzip_targets import TargetSettings
+    from kvtrim.calibration.query_stats import QueryStatsCalibration, calibrate_query_stats
+
+    start = time.perf_counter()
+    try:
+        settings = QueryStatsCalibration(
+            prompts=TargetSettings(
+                prompts=prompts,
+                heldout=0,
+                length=length,
+                seed=seed,
+                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                pydoc=pydoc,
+            ),
+            n_sink=n_sink,
+        )
+        mdl, tok = _load(model, threads, device, dtype)
+        path = calibrate_query_stats(mdl, tok, settings, out_dir=out, progress=progress)
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"expected_attention_stats artifact: {path}")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
 @calibrate_app.command("show")
 def show(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",

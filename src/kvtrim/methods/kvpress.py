@@ -17,7 +17,7 @@ from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
 from ..scoring.base import Scorer
 from ..scoring.capacity import CapacityScorer
-from ..scoring.expected_attention import ExpectedAttentionScorer
+from ..scoring.expected_attention import ExpectedAttentionScorer, StoredStatsExpectedAttentionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.question_attention import QuestionAttentionScorer
@@ -53,6 +53,33 @@ def expected_attention(
     """Expected Attention (Devoto et al., arXiv 2510.00636): kvpress's query-agnostic expected-attention score."""
     scorer = ExpectedAttentionScorer(
         n_future=n_future, n_sink=n_sink, use_covariance=use_covariance, use_vnorm=use_vnorm, eps=eps
+    )
+    return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))
+
+
+@register(
+    "expected_attention_stats",
+    family=FAMILY,
+    summary="Expected attention with each layer's query statistics computed offline on calibration prompts "
+    "instead of the prompt's own queries (nothing recorded at prefill); sinks kept. Needs the "
+    "`expected_attention_stats` artifact.",
+    paper=papers.EXPECTED_ATTENTION,
+    preset="kvpress ExpectedAttentionStatsPress defaults (those of expected_attention); the statistics come from "
+    "`kvtrim calibrate expected_attention_stats` (kvtrim's calibration prompts instead of BookSum, population "
+    "covariance), docs/calibration.md",
+)
+def expected_attention_stats(
+    n_future: int = 512,
+    n_sink: int = SINKS,
+    use_covariance: bool = True,
+    use_vnorm: bool = True,
+    eps: float = 0.0,
+    artifact: str | None = None,
+) -> Pipeline:
+    """Expected Attention (Devoto et al., arXiv 2510.00636) with stored query statistics (kvpress's
+    ExpectedAttentionStatsPress)."""
+    scorer = StoredStatsExpectedAttentionScorer(
+        n_future=n_future, n_sink=n_sink, use_covariance=use_covariance, use_vnorm=use_vnorm, eps=eps, artifact=artifact
     )
     return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))
 

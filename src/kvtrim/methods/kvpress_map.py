@@ -167,9 +167,14 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "`n_future_positions` → `n_future`; `epsilon` → `eps`",
     ),
     PressMapping(
-        "ExpectedAttentionStatsPress", None,
-        f"{_NOT_YET}: expected attention from query statistics computed offline on a dataset; {_CALIBRATED}"
-        "is not built (kvtrim's `expected_attention` takes the statistics from the prompt itself)",
+        "ExpectedAttentionStatsPress", "expected_attention_stats",
+        "the statistics come from `kvtrim calibrate expected_attention_stats` (the `expected_attention_stats` "
+        "artifact; the embedded model's ships with kvtrim) instead of the Hub: kvtrim's calibration prompts (pydoc "
+        "prose and synthetic tasks) instead of 100 BookSum chapters, population covariance (kvpress: sample), "
+        "queries un-rotated from the recorded post-RoPE ones as `expected_attention` does",
+        {"n_future": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "eps": 0.0},
+        "`n_future_positions` → `n_future`; `epsilon` → `eps`; `dataset_name`, `num_samples`, `sample_seq_len` → "
+        "the calibration's options",
     ),
     PressMapping(
         "FastKVzipPress", "fastkvzip",
