@@ -7,7 +7,8 @@ prompt's own queries. kvtrim's procedure: the prompts of :mod:`kvtrim.calibratio
 prose and kvtrim's synthetic tasks, seed 1234, the chat template's context part), prefilled with the
 ``expected_attention`` method's cache, which records every prompt query after RoPE; the queries are un-rotated with
 the model's rotary frequencies exactly as that method does, the first ``n_sink`` positions left out, and
-accumulated in float64 into a mean and a population covariance (``/n``, as the method's own statistics).
+accumulated in float64 into a mean and a population covariance (``/n``, as the method's own statistics), stored
+in float16.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def calibrate_query_stats(
         raise InvalidParameterError("no query past the sinks: lengthen the prompts or lower n_sink")
     mean = torch.stack(sums) / count  # [layers, heads, d]
     cov = torch.stack(outer) / count - mean[..., :, None] * mean[..., None, :]
-    tensors = {"query_mean": mean.float(), "query_cov": cov.float()}
+    tensors = {"query_mean": mean.half(), "query_cov": cov.half()}  # float16: the artifact ships in the package
     meta = {
         "settings": settings.as_dict(),
         "seconds": time.perf_counter() - start,
