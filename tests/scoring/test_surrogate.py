@@ -85,7 +85,7 @@ def test_token_scores_follow_decoding_under_a_schedule():
     assert cache.compressions >= 2
     for layer in cache.layers:
         store = layer.store
-        stat = store.stat(scorer.observation.token_scores.stat)[0]  # [kv, stored]
+        stat = store.stat(scorer.observation.token_scores[0].stat)[0]  # [kv, stored]
         expected = surrogate_predict(tensors, "linear", layer.layer_idx, hidden[layer.layer_idx])[0]
         pos = store.positions[0]
         # layer 0's input is the token's embedding whatever the cache holds; deeper layers of decoded tokens saw
@@ -108,7 +108,7 @@ def test_artifact_weights_are_used(tmp_path, monkeypatch):
     install_kvzap_weights(model, seed=3)
     pipeline = get_method("kvzap", model_type="linear").bind(model)
     hidden = torch.randn(1, 5, model.config.hidden_size)
-    got = pipeline.scorer.observation.token_scores(model, 1, hidden)
+    got = pipeline.scorer.observation.token_scores[0](model, 1, hidden)
     assert torch.allclose(got, surrogate_predict(kvzap_tensors(model, seed=3), "linear", 1, hidden), atol=1e-6)
 
 
@@ -127,13 +127,27 @@ class _Named(TokenScores):
 
 
 def test_observation_spec_token_scores_cover_and_merge():
-    a, b = ObservationSpec(token_scores=_Named("x")), ObservationSpec(token_scores=_Named("y"))
-    assert a.covers(ObservationSpec(token_scores=_Named("x"))) and not a.covers(b)
+    a, b = ObservationSpec(token_scores=(_Named("x"),)), ObservationSpec(token_scores=(_Named("y"),))
+    assert a.covers(ObservationSpec(token_scores=(_Named("x"),))) and not a.covers(b)
     assert not ObservationSpec().covers(a) and a.covers(ObservationSpec())
-    assert a.merge(ObservationSpec(window=4)).token_scores.stat == "x"
     assert a.merge(ObservationSpec(window=4)).slot_stats == ("x",)
-    with pytest.raises(InvalidParameterError, match="token scores"):
-        a.merge(b)
+    both = a.merge(b).merge(a)
+    assert both.slot_stats == ("x", "y") and both.covers(a) and both.covers(b)
+
+
+def test_two_surrogates_share_one_prefill(tmp_path, monkeypatch):
+    """A Session prefills once for kvzap and fastkvzip: both token scores are recorded, each method ranks by its own."""
+    import kvtrim
+    from conftest import byte_tokenizer
+
+    monkeypatch.setenv("KVTRIM_HOME", str(tmp_path))
+    model = tiny_model("llama", layers=2)
+    install_kvzap_weights(model, seed=3)
+    methods = ["kvzap", "fastkvzip"]
+    session = kvtrim.Session(model, byte_tokenizer(), "some context " * 8, "a question?", methods=methods)
+    for method in ("kvzap", "fastkvzip"):
+        result = session.run(method, ratio=0.5, max_new_tokens=2)
+        assert result.stats.kv_entries_after < result.stats.kv_entries_before
 
 
 def test_dms_thresholds_the_surrogate_score(tmp_path, monkeypatch):

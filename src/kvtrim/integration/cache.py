@@ -208,10 +208,10 @@ class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
         """Score the hidden states entering layer ``layer_idx``'s attention (``[batch, q, hidden_size]``) with the
         method's token scores (``ObservationSpec.token_scores``) while observing; the layer stores the scores
         with its new tokens."""
-        scorer = self.observation_spec.token_scores
-        if scorer is None or not self.observing:
+        scorers = self.observation_spec.token_scores
+        if not scorers or not self.observing:
             return
-        self.layers[layer_idx].pending_token_scores = scorer(model, layer_idx, hidden)
+        self.layers[layer_idx].pending_token_scores = {s.stat: s(model, layer_idx, hidden) for s in scorers}
 
     @staticmethod
     def replay(
@@ -301,8 +301,8 @@ class CompressibleLayer(CacheLayerMixin):
         self.module: torch.nn.Module | None = None
         self.compressed_until: torch.Tensor | None = None  # [batch], set by recursive methods (LagKV)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        # [batch, kv_heads, q] token scores of the tokens the next attend stores (ObservationSpec.token_scores)
-        self.pending_token_scores: torch.Tensor | None = None
+        # statistic -> [batch, kv_heads, q] token scores of the tokens the next attend stores (ObservationSpec)
+        self.pending_token_scores: dict[str, torch.Tensor] | None = None
 
     @property
     def cache(self) -> KVTrimCache:
@@ -393,9 +393,9 @@ class CompressibleLayer(CacheLayerMixin):
         token_scores, self.pending_token_scores = self.pending_token_scores, None
         if self.cache.observing:
             record(self.cache.observation_spec, self.observation, store, query, positions, scaling)
-            if token_scores is not None:
-                stat = store.stat(self.cache.observation_spec.token_scores.stat)
-                stat[..., stat.shape[-1] - q :].copy_(token_scores)
+            for name, scores in (token_scores or {}).items():
+                stat = store.stat(name)
+                stat[..., stat.shape[-1] - q :].copy_(scores)
         return out
 
     def _continues_prefix(self, store, positions: torch.Tensor, q: int, valid: torch.Tensor | None) -> bool:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.attention import attention_probabilities
-from ..errors import InvalidParameterError
 
 # At most this many fp32 attention probabilities per chunk (256 MiB): long prompts get fewer queries per chunk.
 MAX_CHUNK_PROBABILITIES = 1 << 26
@@ -49,8 +48,9 @@ class ObservationSpec:
             (from the prefill logits; recorded by :mod:`kvtrim.api`, which owns the LM head's output)
         input_ids: keep the prompt's token ids (``KVTrimCache.prompt_ids``), for methods that feed the prompt
             to the model again (KVzip); recorded by :mod:`kvtrim.integration.prompt_ids`
-        token_scores: score every new token from its hidden state as it arrives (:class:`TokenScores`), kept as
-            the per-slot statistic ``token_scores.stat``; recorded by :mod:`kvtrim.integration.hidden_states`
+        token_scores: score every new token from its hidden state as it arrives (:class:`TokenScores`, one per
+            statistic), each kept as the per-slot statistic ``.stat``; recorded by
+            :mod:`kvtrim.integration.hidden_states`
     """
 
     window: int = 0
@@ -59,12 +59,12 @@ class ObservationSpec:
     token_logprobs: int = 0
     band: int = 32
     input_ids: bool = False
-    token_scores: TokenScores | None = None
+    token_scores: tuple[TokenScores, ...] = ()
 
     @property
     def slot_stats(self) -> tuple[str, ...]:
-        """Names of the per-slot statistics this spec fills: ``accumulate`` plus the token scores' statistic."""
-        return self.accumulate + (() if self.token_scores is None else (self.token_scores.stat,))
+        """Names of the per-slot statistics this spec fills: ``accumulate`` plus the token scores' statistics."""
+        return self.accumulate + tuple(t.stat for t in self.token_scores)
 
     def covers(self, need: ObservationSpec) -> bool:
         """Whether a prefill recorded with this spec holds everything ``need`` asks for."""
@@ -74,19 +74,11 @@ class ObservationSpec:
             and need.token_logprobs <= self.token_logprobs
             and ("attn_band_sum" not in need.accumulate or need.band <= self.band)
             and (self.input_ids or not need.input_ids)
-            and (
-                need.token_scores is None
-                or (self.token_scores is not None and self.token_scores.stat == need.token_scores.stat)
-            )
+            and {t.stat for t in need.token_scores} <= {t.stat for t in self.token_scores}
         )
 
     def merge(self, other: ObservationSpec) -> ObservationSpec:
-        mine, theirs = self.token_scores, other.token_scores
-        if mine is not None and theirs is not None and mine.stat != theirs.stat:
-            raise InvalidParameterError(
-                f"one prefill records one kind of token scores; these methods need two ({mine.stat!r} and "
-                f"{theirs.stat!r}): prefill them separately"
-            )
+        names = {t.stat for t in self.token_scores}
         return ObservationSpec(
             window=max(self.window, other.window),
             accumulate=tuple(sorted(set(self.accumulate) | set(other.accumulate))),
@@ -94,7 +86,7 @@ class ObservationSpec:
             token_logprobs=max(self.token_logprobs, other.token_logprobs),
             band=max(self.band, other.band),
             input_ids=self.input_ids or other.input_ids,
-            token_scores=mine if mine is not None else theirs,
+            token_scores=self.token_scores + tuple(t for t in other.token_scores if t.stat not in names),
         )
 
 

@@ -126,7 +126,7 @@ class HiddenStateSurrogateScorer(Scorer):
             if missing:
                 raise InvalidParameterError(f"tensors lacks {missing} for model_type={self.model_type!r}")
         self._tokens = SurrogateTokenScores(self.model_type, self.artifact, self.tensors)
-        self.observation = ObservationSpec(token_scores=self._tokens)
+        self.observation = ObservationSpec(token_scores=(self._tokens,))
 
     @property
     def artifact_kind(self) -> str:
