@@ -131,6 +131,9 @@ ARTIFACT_METHODS = {
     "compilerkv_raw_attention",
     "compilerkv_static_threshold",
     "duo_attention",
+    "kvzap",
+    "fastkvzip",
+    "expected_attention_stats",
 }
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
@@ -167,6 +170,60 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
     install_compresskv_scores(model, seed=seed)
     install_compilerkv_tables(model, seed=seed)
     install_duo_gates(model, seed=seed)
+    install_kvzap_weights(model, seed=seed)
+
+
+def gate_tensors(model, seed: int = 0, width: int = 4, sinks: int = 3) -> dict:
+    """Random Fast KVzip gate tensors for ``model`` (:mod:`kvtrim.artifacts.surrogates` layout)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 5)
+    layers, heads, hidden = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size
+    groups = cfg.num_attention_heads // heads
+    return {
+        "gate_q_weight": torch.randn(layers, heads * groups * width, hidden, generator=g),
+        "gate_q_bias": torch.randn(layers, heads * groups * width, generator=g),
+        "gate_k_weight": torch.randn(layers, heads * width, hidden, generator=g),
+        "gate_q_norm": torch.rand(layers, width, generator=g) + 0.5,
+        "gate_k_norm": torch.rand(layers, width, generator=g) + 0.5,
+        "gate_bias": torch.randn(layers, heads, groups, generator=g),
+        "gate_sink_keys": torch.randn(layers, heads, sinks, width, generator=g),
+    }
+
+
+def query_stat_tensors(model, seed: int = 0) -> dict:
+    """Random query statistics for ``model`` (a mean and a positive semi-definite covariance per layer and head)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 6)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    shape = (cfg.num_hidden_layers, cfg.num_attention_heads)
+    a = torch.randn(*shape, d, d, generator=g) / d**0.5
+    return {"query_mean": torch.randn(*shape, d, generator=g), "query_cov": a @ a.transpose(-1, -2)}
+
+
+def kvzap_tensors(model, seed: int = 0, width: int = 8) -> dict:
+    """Random KVzap surrogate tensors (linear and MLP) for ``model`` (:mod:`kvtrim.artifacts.surrogates` layout)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 4)
+    layers, heads, hidden = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size
+    return {
+        "linear_weight": torch.randn(layers, heads, hidden, generator=g),
+        "linear_bias": torch.randn(layers, heads, generator=g),
+        "mlp_w1": torch.randn(layers, width, hidden, generator=g),
+        "mlp_b1": torch.randn(layers, width, generator=g),
+        "mlp_w2": torch.randn(layers, heads, width, generator=g),
+        "mlp_b2": torch.randn(layers, heads, generator=g),
+    }
+
+
+def install_kvzap_weights(model, directory=None, seed: int = 0):
+    """Save random KVzap surrogate, Fast KVzip gate and Expected Attention query statistics for ``model`` (default:
+    in the kvtrim home); returns the ``kvzap`` artifact's path."""
+    from kvtrim.artifacts.store import save_artifact
+
+    meta = {"settings": {"test": True}, "seconds": 0.0}
+    save_artifact("fastkvzip", model, gate_tensors(model, seed), meta, directory)
+    save_artifact("expected_attention_stats", model, query_stat_tensors(model, seed), meta, directory)
+    return save_artifact("kvzap", model, kvzap_tensors(model, seed), meta, directory)
 
 
 def install_duo_gates(model, directory=None, seed: int = 0):

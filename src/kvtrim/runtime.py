@@ -240,7 +240,7 @@ class Prefill:
         part begins (logical positions), when it has one. Call under kvtrim attention."""
         cache = KVTrimCache(model.config.num_hidden_layers, auto_compress=False)
         cache.question_start = question_start
-        cache.observing = bool(observation.window or observation.accumulate)
+        cache.observing = bool(observation.window or observation.slot_stats)
         cache.observation_spec = observation
         fed = feed(model, cache, mask[:, :0], ids, mask)
         cache.observing = False

@@ -6,12 +6,24 @@ One table for every reader and every calibration (``kvtrim calibrate <kind>``); 
 
 from __future__ import annotations
 
-__all__ = ["ARTIFACT_KINDS", "COMPILERKV_KIND", "COMPRESSKV_KIND", "DUO_KIND", "HEADKV_KIND"]
+__all__ = [
+    "ARTIFACT_KINDS",
+    "COMPILERKV_KIND",
+    "COMPRESSKV_KIND",
+    "DUO_KIND",
+    "EXPECTED_ATTENTION_STATS_KIND",
+    "FASTKVZIP_KIND",
+    "HEADKV_KIND",
+    "KVZAP_KIND",
+]
 
 HEADKV_KIND = "headkv"
 COMPRESSKV_KIND = "compresskv"
 COMPILERKV_KIND = "compilerkv"
 DUO_KIND = "duo"
+KVZAP_KIND = "kvzap"
+FASTKVZIP_KIND = "fastkvzip"
+EXPECTED_ATTENTION_STATS_KIND = "expected_attention_stats"
 
 ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
@@ -21,5 +33,11 @@ ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     ),
     COMPILERKV_KIND: ("CompilerKV compiled tables", "kvtrim calibrate compilerkv --model {model}"),
     DUO_KIND: ("DuoAttention head gates", "kvtrim calibrate duo --model {model}"),
+    KVZAP_KIND: ("KVzap surrogate weights (linear and MLP)", "kvtrim calibrate kvzap --model {model}"),
+    FASTKVZIP_KIND: ("Fast KVzip gate weights", "kvtrim calibrate fastkvzip --model {model}"),
+    EXPECTED_ATTENTION_STATS_KIND: (
+        "Expected Attention query statistics",
+        "kvtrim calibrate expected_attention_stats --model {model}",
+    ),
 }
 """``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""

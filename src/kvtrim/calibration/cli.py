@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from kvtrim.calibration.kvzip_targets import SYNTHETIC_TASKS
 from kvtrim.errors import KVTrimError
 
 calibrate_app = typer.Typer(
@@ -50,6 +51,11 @@ def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "fl
 
 DeviceOption = Annotated[str, typer.Option(help="device to load the model on: cpu, cuda, cuda:N, mps")]
 DtypeOption = Annotated[str, typer.Option(help="model precision: float32, float16, bfloat16 or auto")]
+TargetsCacheOption = Annotated[
+    str | None,
+    typer.Option(help="where collected KVzip targets are kept for the next calibration ('' = nowhere; default "
+    "$KVTRIM_HOME/kvzip_targets)"),
+]
 
 
 @calibrate_app.command("headkv")
@@ -246,10 +252,169 @@ def duo(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+@calibrate_app.command("kvzap")
+def kvzap(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    prompts: Annotated[int, typer.Option(help="training prompts (pydoc prose and synthetic tasks, alternating)")] = 16,
+    heldout: Annotated[int, typer.Option(help="held-out prompts the fit is measured on")] = 4,
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 768,
+    tokens_per_prompt: Annotated[int, typer.Option(help="training tokens drawn from each prompt")] = 512,
+    tasks: Annotated[str, typer.Option(help="synthetic task families, comma-separated ('' for prose only)")] = (
+        ",".join(SYNTHETIC_TASKS)
+    ),
+    pydoc: Annotated[bool, typer.Option(help="every other prompt a window of CPython's bundled prose")] = True,
+    hidden_dim: Annotated[int, typer.Option(help="the MLP surrogate's hidden width")] = 64,
+    epochs: Annotated[int, typer.Option(help="MLP training epochs")] = 10,
+    ridge: Annotated[float, typer.Option(help="the linear surrogate's L2 penalty")] = 1.0,
+    seed: Annotated[int, typer.Option(help="prompt choice, task samples, token sampling (evaluation: 42)")] = 1234,
+    targets_cache: TargetsCacheOption = None,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    progress: Annotated[bool, typer.Option(help="print progress")] = True,
+) -> None:
+    """KVzap: fit linear and MLP surrogates of KVzip's scores from hidden states; saves the `kvzap` artifact."""
+    from kvtrim.artifacts.store import load_artifact
+    from kvtrim.calibration.kvzap import KVzapCalibration, calibrate_kvzap
+    from kvtrim.calibration.kvzip_targets import TargetSettings
+
+    start = time.perf_counter()
+    try:
+        settings = KVzapCalibration(
+            targets=TargetSettings(
+                prompts=prompts,
+                heldout=heldout,
+                length=length,
+                tokens_per_prompt=tokens_per_prompt,
+                seed=seed,
+                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                pydoc=pydoc,
+            ),
+            ridge=ridge,
+            hidden_dim=hidden_dim,
+            epochs=epochs,
+        )
+        mdl, tok = _load(model, threads, device, dtype)
+        path = calibrate_kvzap(mdl, tok, settings, out_dir=out, progress=progress, targets_cache=targets_cache)
+        summary = load_artifact("kvzap", mdl, path).meta.get("summary", {})
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"kvzap artifact: {path}")
+    typer.echo(f"training tokens: {summary.get('training_tokens')}")
+    for kind in ("linear", "mlp"):
+        if f"heldout_{kind}" in summary:
+            typer.echo(f"held-out {kind}: {summary[f'heldout_{kind}']}")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
+@calibrate_app.command("fastkvzip")
+def fastkvzip(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    prompts: Annotated[int, typer.Option(help="training prompts (pydoc prose and synthetic tasks, alternating)")] = 16,
+    heldout: Annotated[int, typer.Option(help="held-out prompts the fit is measured on")] = 4,
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 768,
+    tokens_per_prompt: Annotated[int, typer.Option(help="training tokens drawn from each prompt")] = 512,
+    tasks: Annotated[str, typer.Option(help="synthetic task families, comma-separated ('' for prose only)")] = (
+        ",".join(SYNTHETIC_TASKS)
+    ),
+    pydoc: Annotated[bool, typer.Option(help="every other prompt a window of CPython's bundled prose")] = True,
+    width: Annotated[int, typer.Option(help="the gate queries' and keys' width")] = 16,
+    sinks: Annotated[int, typer.Option(help="learned sink keys per KV head")] = 16,
+    epochs: Annotated[int, typer.Option(help="training epochs")] = 10,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate")] = 1e-2,
+    seed: Annotated[int, typer.Option(help="prompt choice, task samples, token sampling (evaluation: 42)")] = 1234,
+    targets_cache: TargetsCacheOption = None,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    progress: Annotated[bool, typer.Option(help="print progress")] = True,
+) -> None:
+    """Fast KVzip: train gates predicting KVzip's scores from hidden states; saves the `fastkvzip` artifact (the
+    KVzip targets are shared with `kvtrim calibrate kvzap` through the targets cache)."""
+    from kvtrim.artifacts.store import load_artifact
+    from kvtrim.calibration.fastkvzip import FastKVzipCalibration, calibrate_fastkvzip
+    from kvtrim.calibration.kvzip_targets import TargetSettings
+
+    start = time.perf_counter()
+    try:
+        settings = FastKVzipCalibration(
+            targets=TargetSettings(
+                prompts=prompts,
+                heldout=heldout,
+                length=length,
+                tokens_per_prompt=tokens_per_prompt,
+                seed=seed,
+                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                pydoc=pydoc,
+            ),
+            width=width,
+            sinks=sinks,
+            epochs=epochs,
+            lr=lr,
+        )
+        mdl, tok = _load(model, threads, device, dtype)
+        path = calibrate_fastkvzip(mdl, tok, settings, out_dir=out, progress=progress, targets_cache=targets_cache)
+        summary = load_artifact("fastkvzip", mdl, path).meta.get("summary", {})
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"fastkvzip artifact: {path}")
+    typer.echo(f"training tokens: {summary.get('training_tokens')} (targets cached: {summary.get('targets_cached')})")
+    if "heldout_gate" in summary:
+        typer.echo(f"held-out gate: {summary['heldout_gate']}")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
+@calibrate_app.command("expected_attention_stats")
+def expected_attention_stats(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    prompts: Annotated[int, typer.Option(help="calibration prompts (pydoc prose and synthetic tasks, alternating)")] = (
+        16
+    ),
+    length: Annotated[int, typer.Option(help="prompt length in tokens")] = 768,
+    tasks: Annotated[str, typer.Option(help="synthetic task families, comma-separated ('' for prose only)")] = (
+        ",".join(SYNTHETIC_TASKS)
+    ),
+    pydoc: Annotated[bool, typer.Option(help="every other prompt a window of CPython's bundled prose")] = True,
+    n_sink: Annotated[int, typer.Option(help="first positions left out of the statistics")] = 4,
+    seed: Annotated[int, typer.Option(help="prompt choice and task samples (evaluation: 42)")] = 1234,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    progress: Annotated[bool, typer.Option(help="print progress")] = True,
+) -> None:
+    """Expected Attention: each layer's pre-RoPE query mean and covariance over calibration prompts; saves the
+    `expected_attention_stats` artifact."""
+    from kvtrim.calibration.kvzip_targets import TargetSettings
+    from kvtrim.calibration.query_stats import QueryStatsCalibration, calibrate_query_stats
+
+    start = time.perf_counter()
+    try:
+        settings = QueryStatsCalibration(
+            prompts=TargetSettings(
+                prompts=prompts,
+                heldout=0,
+                length=length,
+                seed=seed,
+                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                pydoc=pydoc,
+            ),
+            n_sink=n_sink,
+        )
+        mdl, tok = _load(model, threads, device, dtype)
+        path = calibrate_query_stats(mdl, tok, settings, out_dir=out, progress=progress)
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"expected_attention_stats artifact: {path}")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
 @calibrate_app.command("show")
 def show(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
-    kind: Annotated[str, typer.Option(help="artifact kind: headkv, compresskv, compilerkv or duo")] = "headkv",
+    kind: Annotated[str, typer.Option(help="artifact kind (headkv, compresskv, duo, kvzap, ...)")] = "headkv",
     path: Annotated[Path | None, typer.Option(help="artifact file or directory (default: search)")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a layer x head heatmap (PNG)")] = None,
     tensor: Annotated[str | None, typer.Option(help="tensor to plot (default: the artifact's primary one)")] = None,

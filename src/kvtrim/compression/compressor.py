@@ -148,11 +148,11 @@ def compress_cache(
         return report
 
     shared: dict = {"keep": keep}
-    views = layer_views(cache, context, pipeline.observation.accumulate, logits, shared)
+    views = layer_views(cache, context, pipeline.observation.slot_stats, logits, shared)
     pipeline.scorer.prepare(views)
     # Accumulated per-slot statistics live in dense stores only: a schedule that keeps accumulating after this
     # compression needs the padded dense layout.
-    keep_dense = bool(pipeline.observation.accumulate) and pipeline.schedule.continuous
+    keep_dense = bool(pipeline.observation.slot_stats) and pipeline.schedule.continuous
     scores = []
     for view in views:
         s = pipeline.scorer.score(view).float()

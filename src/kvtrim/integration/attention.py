@@ -15,7 +15,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from ..cache.attention import grouped_attention
 from ..cache.layer import take_current_layer
 from ..errors import UnsupportedModelError
-from . import prompt_ids
+from . import hidden_states, prompt_ids
 
 IMPLEMENTATION = "kvtrim"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -98,6 +98,7 @@ def enable(model: torch.nn.Module) -> str:
     check_supported(model)
     register()
     prompt_ids.install(model)
+    hidden_states.install(model)
     previous = model.config._attn_implementation
     if previous != IMPLEMENTATION:
         model.set_attn_implementation(IMPLEMENTATION)

@@ -25,6 +25,7 @@ from ..compression.state import CompressionState
 from ..errors import InvalidParameterError
 from ..scoring.observation import LayerObservation, ObservationSpec, record
 from .attention import kvtrim_attention_enabled
+from .hidden_states import RecordsHiddenStates
 from .prompt_ids import RecordsPromptIds
 
 __all__ = ["CacheStats", "CompressibleLayer", "KVTrimCache"]
@@ -63,7 +64,7 @@ class CacheStats:
         }
 
 
-class KVTrimCache(Cache, RecordsPromptIds):
+class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
     """A KV cache that a compression method can shrink after prefill.
 
     Used two ways:
@@ -203,6 +204,15 @@ class KVTrimCache(Cache, RecordsPromptIds):
             ids = ids.masked_fill(~attention_mask[:, -ids.shape[1] :].to(torch.bool), -1)
         self.prompt_ids = ids if self.prompt_ids is None else torch.cat([self.prompt_ids, ids], dim=1)
 
+    def record_hidden_states(self, model: torch.nn.Module, layer_idx: int, hidden: torch.Tensor) -> None:
+        """Score the hidden states entering layer ``layer_idx``'s attention (``[batch, q, hidden_size]``) with the
+        method's token scores (``ObservationSpec.token_scores``) while observing; the layer stores the scores
+        with its new tokens."""
+        scorers = self.observation_spec.token_scores
+        if not scorers or not self.observing:
+            return
+        self.layers[layer_idx].pending_token_scores = {s.stat: s(model, layer_idx, hidden) for s in scorers}
+
     @staticmethod
     def replay(
         model: torch.nn.Module,
@@ -298,6 +308,8 @@ class CompressibleLayer(CacheLayerMixin):
         self.module: torch.nn.Module | None = None
         self.compressed_until: torch.Tensor | None = None  # [batch], set by recursive methods (LagKV)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        # statistic -> [batch, kv_heads, q] token scores of the tokens the next attend stores (ObservationSpec)
+        self.pending_token_scores: dict[str, torch.Tensor] | None = None
 
     @property
     def cache(self) -> KVTrimCache:
@@ -385,8 +397,12 @@ class CompressibleLayer(CacheLayerMixin):
         store.append(keys, values, positions, padded=valid is not None)
         out = store.attend(query, positions, scaling, fresh_causal=fresh)
         self.seen += q
+        token_scores, self.pending_token_scores = self.pending_token_scores, None
         if self.cache.observing:
             record(self.cache.observation_spec, self.observation, store, query, positions, scaling)
+            for name, scores in (token_scores or {}).items():
+                stat = store.stat(name)
+                stat[..., stat.shape[-1] - q :].copy_(scores)
         return out
 
     def _continues_prefix(self, store, positions: torch.Tensor, q: int, valid: torch.Tensor | None) -> bool:
@@ -410,6 +426,7 @@ class CompressibleLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store = None
+        self.pending_token_scores = None
         self.seen = 0
         self.is_initialized = False
         self.observation = LayerObservation()

@@ -1,6 +1,6 @@
 """Methods from kvpress's press family: expected attention, chunk-granular selection, context reconstruction,
-leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy layers (SimLayerKV), the question's
-attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
+a learned surrogate of KVzip (KVzap), leverage scores (CurDKV, Compactor, CapKV), block-wise compression, lazy
+layers (SimLayerKV), the question's attention (FINCH), entropy-gated chunks, composite tokens (KVCompose),
 merge on evict, cache merging (CaM), key re-rotation, gradient attribution (KVgrad)."""
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from ..compression.pipeline import Pipeline
 from ..errors import InvalidParameterError
 from ..scoring.base import Scorer
 from ..scoring.capacity import CapacityScorer
-from ..scoring.expected_attention import ExpectedAttentionScorer
+from ..scoring.expected_attention import ExpectedAttentionScorer, StoredStatsExpectedAttentionScorer
 from ..scoring.gradient_attribution import GradientAttributionScorer
 from ..scoring.leverage import KeyLeverageScorer, LocalLeverageScorer
 from ..scoring.noncausal_attention import ChunkAttentionScorer, LeverageAttentionScorer
 from ..scoring.question_attention import QuestionAttentionScorer
 from ..scoring.reconstruction import ReconstructionScorer
 from ..scoring.reread import RereadAttentionScorer
+from ..scoring.surrogate import GateScorer, HiddenStateSurrogateScorer
 from ..scoring.window_attention import WindowAttentionScorer
 from ..selection.block_iterative import BlockIterativeSelector
 from ..selection.chunk import ChunkSelector
@@ -55,6 +56,33 @@ def expected_attention(
     """Expected Attention (Devoto et al., arXiv 2510.00636): kvpress's query-agnostic expected-attention score."""
     scorer = ExpectedAttentionScorer(
         n_future=n_future, n_sink=n_sink, use_covariance=use_covariance, use_vnorm=use_vnorm, eps=eps
+    )
+    return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))
+
+
+@register(
+    "expected_attention_stats",
+    family=FAMILY,
+    summary="Expected attention with each layer's query statistics computed offline on calibration prompts "
+    "instead of the prompt's own queries (nothing recorded at prefill); sinks kept. Needs the "
+    "`expected_attention_stats` artifact.",
+    paper=papers.EXPECTED_ATTENTION,
+    preset="kvpress ExpectedAttentionStatsPress defaults (those of expected_attention); the statistics come from "
+    "`kvtrim calibrate expected_attention_stats` (kvtrim's calibration prompts instead of BookSum, population "
+    "covariance), docs/calibration.md",
+)
+def expected_attention_stats(
+    n_future: int = 512,
+    n_sink: int = SINKS,
+    use_covariance: bool = True,
+    use_vnorm: bool = True,
+    eps: float = 0.0,
+    artifact: str | None = None,
+) -> Pipeline:
+    """Expected Attention (Devoto et al., arXiv 2510.00636) with stored query statistics (kvpress's
+    ExpectedAttentionStatsPress)."""
+    scorer = StoredStatsExpectedAttentionScorer(
+        n_future=n_future, n_sink=n_sink, use_covariance=use_covariance, use_vnorm=use_vnorm, eps=eps, artifact=artifact
     )
     return parts(scorer, UniformBudget(), TopKSelector(sink=n_sink))
 
@@ -117,6 +145,57 @@ def kvzip(
         UniformBudget() if layerwise else GlobalThresholdBudget(),
         TopKSelector(sink=n_sink),
     )
+
+
+@register(
+    "kvzap",
+    family=FAMILY,
+    summary="KVzip's scores predicted by a small learned surrogate (per layer: linear or a 2-layer MLP) from the "
+    "hidden state entering attention, computed as each token arrives: no attention weights, no extra pass. Needs "
+    "the `kvzap` artifact.",
+    paper=papers.KVZAP,
+    preset="kvpress KVzapPress defaults: MLP surrogate, top-k per KV head (layerwise), no protected tokens; "
+    "layerwise=False ranks every entry of every layer together as kvzip does; the surrogate is trained by "
+    "`kvtrim calibrate kvzap` on log KVzip scores (the paper: log KVzip+ scores), docs/calibration.md",
+)
+def kvzap(model_type: str = "mlp", layerwise: bool = True, n_sink: int = 0, artifact: str | None = None) -> Pipeline:
+    """KVzap (Jegou & Jeblick, arXiv 2601.07891): a learned surrogate of KVzip's scores (Kim et al., arXiv
+    2505.23416) from hidden states; per-head top-k (``layerwise``) or one global threshold."""
+    if not isinstance(layerwise, bool):
+        raise InvalidParameterError(f"layerwise must be True or False, got {layerwise!r}")
+    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+        raise InvalidParameterError(f"n_sink must be an integer >= 0 (protected first tokens), got {n_sink!r}")
+    return parts(
+        HiddenStateSurrogateScorer(model_type=model_type, artifact=artifact),
+        UniformBudget() if layerwise else GlobalThresholdBudget(),
+        TopKSelector(sink=n_sink),
+    )
+
+
+@register(
+    "fastkvzip",
+    family=FAMILY,
+    summary="KVzip's scores predicted by a learned gate per layer (a token's gate key and queries from its hidden "
+    "state against 16 learned sink keys, output in (0, 1)), computed as each token arrives; 4 sinks and the last "
+    "2% of the context pinned; one global threshold across layers and heads. Needs the `fastkvzip` artifact.",
+    paper=papers.FASTKVZIP,
+    preset="kvpress FastKVzipPress defaults: non-layerwise (global) budgets, 4 sinks, recent window 2% of the context "
+    "(4096 tokens from 32k on); gate width 16 with 16 sink keys, trained by `kvtrim calibrate fastkvzip` on kvtrim's "
+    "kvzip scores (docs/calibration.md)",
+)
+def fastkvzip(
+    layerwise: bool = False,
+    n_sink: int = SINKS,
+    window_ratio: float = 0.02,
+    window: int = 4096,
+    artifact: str | None = None,
+) -> Pipeline:
+    """Fast KVzip (Kim, Han & Yun, arXiv 2601.17668): gates distilled from KVzip's scores (Kim et al., arXiv
+    2505.23416); one global threshold (or per-head top-k with ``layerwise``)."""
+    if not isinstance(layerwise, bool):
+        raise InvalidParameterError(f"layerwise must be True or False, got {layerwise!r}")
+    scorer = GateScorer(artifact=artifact, n_sink=n_sink, window_ratio=window_ratio, window=window)
+    return parts(scorer, UniformBudget() if layerwise else GlobalThresholdBudget(), TopKSelector())
 
 
 @register(

@@ -137,9 +137,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
     ),
     PressMapping(
         "DMSPress", "dms",
-        "a wrapper: `scorer=` names the registry method whose scorer is thresholded (no KVzap surrogate yet); "
-        "`ratio=0` for the threshold alone (a ratio or budget caps each head); kvpress scores a token once, when "
-        "it arrives, kvtrim re-scores the cache at each compression (the same for per-key scores like `knorm`); "
+        "a wrapper: `scorer=` names the registry method whose scorer is thresholded (`scorer='kvzap'`: KVzap's "
+        "surrogate, as the paper); `ratio=0` for the threshold alone (a ratio or budget caps each head); kvpress "
+        "scores a token once, when it arrives, kvtrim re-scores the cache at each compression (the same for per-key "
+        "scores like `knorm`; `kvzap` keeps the score each token got when it arrived); "
         "kvpress masks evicted entries, kvtrim frees them (per-head counts, stored ragged)",
         {"recent": 128, "scorer": "knorm"},
         "`threshold`; `sliding_window_size` → `recent`; `decoding=True` → `dms@every:N`; `press` → `scorer`",
@@ -171,12 +172,23 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "`n_future_positions` → `n_future`; `epsilon` → `eps`",
     ),
     PressMapping(
-        "ExpectedAttentionStatsPress", None,
-        f"{_NOT_YET}: expected attention from query statistics computed offline on a dataset; {_CALIBRATED}"
-        "is not built (kvtrim's `expected_attention` takes the statistics from the prompt itself)",
+        "ExpectedAttentionStatsPress", "expected_attention_stats",
+        "the statistics come from `kvtrim calibrate expected_attention_stats` (the `expected_attention_stats` "
+        "artifact; the embedded model's ships with kvtrim) instead of the Hub: kvtrim's calibration prompts (pydoc "
+        "prose and synthetic tasks) instead of 100 BookSum chapters, population covariance (kvpress: sample), "
+        "queries un-rotated from the recorded post-RoPE ones as `expected_attention` does",
+        {"n_future": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "eps": 0.0},
+        "`n_future_positions` → `n_future`; `epsilon` → `eps`; `dataset_name`, `num_samples`, `sample_seq_len` → "
+        "the calibration's options",
     ),
     PressMapping(
-        "FastKVzipPress", None, f"{_NOT_YET}: KVzip scores predicted by a learned gate; {_CALIBRATED}is not built",
+        "FastKVzipPress", "fastkvzip",
+        "the gates come from `kvtrim calibrate fastkvzip` (the `fastkvzip` artifact; the embedded model's ships with "
+        "kvtrim) instead of the authors' Hub weights: trained on kvtrim's own KVzip scores of pydoc prose and "
+        "synthetic-task prompts with AdamW for a few epochs (the authors: SGD, 5,000 steps); each token is scored "
+        "when it arrives; evicted entries are freed (per-head counts, stored ragged; kvpress masks them)",
+        {"layerwise": False, "n_sink": 4, "window_ratio": 0.02, "window": 4096},
+        "`window_size` → `window`; `window_ratio`, `n_sink`, `layerwise`; `compression_ratio` → `ratio`",
     ),
     PressMapping(
         "FinchPress", "finch",
@@ -208,8 +220,15 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {"n_sink": 4, "layerwise": False}, "`chunk_size` → none (one pass); `compression_ratio` → `ratio`",
     ),
     PressMapping(
-        "KVzapPress", None, f"{_NOT_YET}: a surrogate model predicting KVzip scores from hidden states; "
-        f"{_CALIBRATED}is not built",
+        "KVzapPress", "kvzap",
+        "the surrogate's weights come from `kvtrim calibrate kvzap` (the `kvzap` artifact; the embedded model's "
+        "ships with kvtrim) instead of the Hub's `nvidia/KVzap-*`: trained on kvtrim's own KVzip scores (kvpress: "
+        "KVzip+ scores, which also weigh each attention by the query's hidden-state norm and ‖W_O v‖) of pydoc prose "
+        "and synthetic-task prompts (kvpress: Nemotron pretraining text), MLP width 128 (kvpress: 512); each token "
+        "is scored when it arrives and the score is kept with its entry; the paper's threshold rule (kvpress's "
+        "`ThresholdPress`/`DMSPress` around `KVzapPress`) is `dms` with `scorer='kvzap'`",
+        {"model_type": "mlp", "layerwise": True, "n_sink": 0},
+        "`model_type`; `compression_ratio` → `ratio`",
     ),
     PressMapping(
         "KVzipPress", "kvzip", "one reconstruction pass over the whole cache instead of 2K-token chunks",

@@ -57,6 +57,11 @@ KVZIP = (
     "Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction, NeurIPS 2025 "
     "(arXiv 2505.23416)"
 )
+KVZAP = "Jegou & Jeblick, KVzap: Fast, Adaptive, and Faithful KV Cache Pruning (arXiv 2601.07891); kvpress KVzapPress"
+FASTKVZIP = (
+    "Kim, Han & Yun, Fast KVzip: Efficient and Accurate LLM Inference with Gated KV Eviction (arXiv 2601.17668); "
+    "kvpress FastKVzipPress"
+)
 THINK = "Xu et al., ThinK: Thinner Key Cache by Query-Driven Pruning, ICLR 2025 (arXiv 2407.21018)"
 DUO_ATTENTION = (
     "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, "

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..artifacts.query_stats import EXPECTED_ATTENTION_STATS_KIND, load_query_statistics
 from ..errors import InvalidParameterError
 from .base import LayerView, Scorer
 from .observation import ObservationSpec
@@ -116,18 +117,26 @@ class ExpectedAttentionScorer(Scorer):
             raise InvalidParameterError(f"eps must be >= 0, got {self.eps!r}")
         self.observation = ObservationSpec(window=ALL_QUERIES)
 
-    def score(self, view: LayerView) -> torch.Tensor:
-        obs = view.observation
-        if obs.queries is None:
-            raise RuntimeError(f"layer {view.layer_idx}: expected attention needs the prompt's recorded queries")
-        head_dim = view.keys.shape[-1]
+    def _rope(self, view: LayerView) -> tuple[torch.Tensor, float]:
         config = getattr(view.module, "config", None)
         if config is None:
             raise RuntimeError(f"layer {view.layer_idx}: expected attention needs the attention module's config")
+        return rope_frequencies(config, view.keys.shape[-1], view.keys.device)
+
+    def _statistics(
+        self, view: LayerView, inv_freq: torch.Tensor, rope_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mean ``[batch, q_heads, d]`` and covariance (or None) of the pre-RoPE queries: the prompt's own."""
+        obs = view.observation
+        if obs.queries is None:
+            raise RuntimeError(f"layer {view.layer_idx}: expected attention needs the prompt's recorded queries")
         device = view.keys.device
-        inv_freq, rope_scale = rope_frequencies(config, head_dim, device)
         queries = unrotate(obs.queries.to(device), obs.positions.to(device), inv_freq, rope_scale)
-        mean, cov = query_statistics(queries, obs.positions.to(device), self.n_sink, self.use_covariance)
+        return query_statistics(queries, obs.positions.to(device), self.n_sink, self.use_covariance)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        inv_freq, rope_scale = self._rope(view)
+        mean, cov = self._statistics(view, inv_freq, rope_scale)
         rot = future_rotation(view.context_lengths, self.n_future, inv_freq, rope_scale)  # [b, d, d]
         mean = torch.einsum("bij,bhj->bhi", rot, mean)
         if cov is not None:
@@ -139,3 +148,49 @@ class ExpectedAttentionScorer(Scorer):
         if self.use_vnorm:
             probs = (probs + self.eps) * view.values.float().norm(dim=-1)
         return probs
+
+
+@dataclass
+class StoredStatsExpectedAttentionScorer(ExpectedAttentionScorer):
+    """Expected Attention with query statistics computed offline (kvpress's ExpectedAttentionStatsPress; Devoto et
+    al., arXiv 2510.00636): the mean ``[q_heads, d]`` and covariance ``[q_heads, d, d]`` of each layer's pre-RoPE
+    queries over a calibration corpus (the ``expected_attention_stats`` artifact, ``kvtrim calibrate
+    expected_attention_stats``) stand in for the prompt's own, so nothing is recorded during prefill; the rest is
+    :class:`ExpectedAttentionScorer`'s.
+
+    Args:
+        artifact: artifact file or directory (default: the kvtrim home, then the shipped artifacts)
+        mean, cov: ``[layers, q_heads, d]`` and ``[layers, q_heads, d, d]`` given directly instead of an artifact
+    """
+
+    artifact_kind = EXPECTED_ATTENTION_STATS_KIND
+
+    artifact: str | None = None
+    mean: torch.Tensor | None = field(default=None, repr=False)
+    cov: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.observation = ObservationSpec()
+        self._given = self.mean is not None
+        if self._given and (self.mean.dim() != 3 or (self.cov is not None and self.cov.dim() != 4)):
+            raise InvalidParameterError("mean must be [layers, q_heads, d] and cov [layers, q_heads, d, d]")
+        self._model = None
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Load ``model``'s statistics (not when they were given directly)."""
+        if self._given or self._model is model:
+            return
+        self.mean, self.cov = load_query_statistics(model, self.artifact)
+        self._model = model
+
+    def _statistics(
+        self, view: LayerView, inv_freq: torch.Tensor, rope_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.mean is None:
+            raise RuntimeError("expected attention with stored statistics needs bind(model) or mean=/cov=")
+        b, device = view.keys.shape[0], view.keys.device
+        mean = self.mean[view.layer_idx].to(device, torch.float32).expand(b, -1, -1)
+        if not self.use_covariance or self.cov is None:
+            return mean, None
+        return mean, self.cov[view.layer_idx].to(device, torch.float32).expand(b, -1, -1, -1)

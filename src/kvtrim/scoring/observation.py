@@ -16,6 +16,22 @@ from ..cache.attention import attention_probabilities
 MAX_CHUNK_PROBABILITIES = 1 << 26
 
 
+class TokenScores:
+    """A score for every new token of a layer, computed from the attention layer's input hidden states when the
+    token arrives (a learned surrogate, KVzap) and kept as the per-slot statistic :attr:`stat`, which follows
+    compaction like the accumulated attention statistics.
+
+    Two instances with the same :attr:`stat` compute the same scores (the name identifies the weights).
+    """
+
+    stat: str = "token_scores"
+
+    def __call__(self, model: torch.nn.Module, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, q]`` scores of the ``q`` new tokens from ``hidden`` ``[batch, q, hidden_size]``
+        (the input of layer ``layer_idx``'s attention); ``model`` lets lazily loaded weights find their model."""
+        raise NotImplementedError(f"{type(self).__name__} must define __call__(model, layer_idx, hidden)")
+
+
 @dataclass(frozen=True)
 class ObservationSpec:
     """What to record during prefill.
@@ -32,6 +48,9 @@ class ObservationSpec:
             (from the prefill logits; recorded by :mod:`kvtrim.api`, which owns the LM head's output)
         input_ids: keep the prompt's token ids (``KVTrimCache.prompt_ids``), for methods that feed the prompt
             to the model again (KVzip); recorded by :mod:`kvtrim.integration.prompt_ids`
+        token_scores: score every new token from its hidden state as it arrives (:class:`TokenScores`, one per
+            statistic), each kept as the per-slot statistic ``.stat``; recorded by
+            :mod:`kvtrim.integration.hidden_states`
     """
 
     window: int = 0
@@ -40,6 +59,12 @@ class ObservationSpec:
     token_logprobs: int = 0
     band: int = 32
     input_ids: bool = False
+    token_scores: tuple[TokenScores, ...] = ()
+
+    @property
+    def slot_stats(self) -> tuple[str, ...]:
+        """Names of the per-slot statistics this spec fills: ``accumulate`` plus the token scores' statistics."""
+        return self.accumulate + tuple(t.stat for t in self.token_scores)
 
     def covers(self, need: ObservationSpec) -> bool:
         """Whether a prefill recorded with this spec holds everything ``need`` asks for."""
@@ -49,9 +74,11 @@ class ObservationSpec:
             and need.token_logprobs <= self.token_logprobs
             and ("attn_band_sum" not in need.accumulate or need.band <= self.band)
             and (self.input_ids or not need.input_ids)
+            and {t.stat for t in need.token_scores} <= {t.stat for t in self.token_scores}
         )
 
     def merge(self, other: ObservationSpec) -> ObservationSpec:
+        names = {t.stat for t in self.token_scores}
         return ObservationSpec(
             window=max(self.window, other.window),
             accumulate=tuple(sorted(set(self.accumulate) | set(other.accumulate))),
@@ -59,6 +86,7 @@ class ObservationSpec:
             token_logprobs=max(self.token_logprobs, other.token_logprobs),
             band=max(self.band, other.band),
             input_ids=self.input_ids or other.input_ids,
+            token_scores=self.token_scores + tuple(t for t in other.token_scores if t.stat not in names),
         )
 
 
