@@ -11,7 +11,7 @@ pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would s
 
 from per_head_checks import worker_state
 from vllm.inputs import TokensPrompt
-from vllm_helpers import close, make_llm, scheduler, token_prompts, truncated_model
+from vllm_helpers import close, gauge, make_llm, scheduler, token_prompts, truncated_model
 
 from vllm import SamplingParams
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 REQUESTS = 200
 BLOCK = 32
 LAYERS = 2  # the bookkeeping under test does not depend on depth
-POOL = 40  # usable blocks of 32 tokens: 1,280 tokens, a few requests at once, then queueing and preemption
+POOL = 20  # usable blocks of 32 tokens: 640 tokens, one long prefill at a time: queueing and preemption
 # One configuration per engine; a ratio makes each request's budget follow its random prompt length. Prompts
 # under ``min_prompt`` keep every entry: the 8-token request that delivers the last aborts is never compressed
 # (it finishes last, so the worker would only hear of it with a later step).
@@ -47,14 +47,19 @@ def test_per_head_requests_with_aborts_return_every_block_and_sub_page(tmp_path,
     monkeypatch.setattr(worker_patch.HeadStep, "__init__", checking_init)
     model = truncated_model(tmp_path / "smollm2-2layers", layers=LAYERS)
     rng = random.Random(11)
-    lengths = [rng.randint(20, 400) for _ in range(REQUESTS)]
+    lengths = [rng.randint(20, 320) for _ in range(REQUESTS)]
     prompts = token_prompts(lengths, seed=12)
     engines = [rng.randrange(len(CONFIGS)) for _ in range(REQUESTS)]
-    total_aborted, total_compressed = 0, 0
+    total_aborted, total_compressed, total_preempted = 0, 0, 0
     for e, config in enumerate(CONFIGS):
         chosen = [i for i, k in enumerate(engines) if k == e]
         llm = make_llm(
-            config, model=str(model), block_size=BLOCK, num_gpu_blocks_override=POOL + 1, max_model_len=POOL * BLOCK
+            config,
+            model=str(model),
+            block_size=BLOCK,
+            num_gpu_blocks_override=POOL + 1,
+            max_model_len=POOL * BLOCK,
+            disable_log_stats=False,
         )
         engine = llm.llm_engine
         sched = scheduler(llm)
@@ -71,7 +76,7 @@ def test_per_head_requests_with_aborts_return_every_block_and_sub_page(tmp_path,
                 for out in engine.step():
                     if out.finished:
                         outstanding.discard(out.request_id)
-                if outstanding and rng.random() < 0.15:
+                if outstanding and rng.random() < 0.08:
                     victim = rng.choice(sorted(outstanding))
                     engine.abort_request([victim])
                     outstanding.discard(victim)
@@ -89,8 +94,11 @@ def test_per_head_requests_with_aborts_return_every_block_and_sub_page(tmp_path,
             assert worker.evictions >= state.requests_compressed > 0
             total_aborted += len(aborted)
             total_compressed += state.requests_compressed
+            total_preempted += int(gauge(llm, "vllm:num_preemptions"))
         finally:
             close(llm)
+    print(f"aborted {total_aborted}, compressed {total_compressed}, preempted {total_preempted}")
     assert total_aborted >= 10, total_aborted
+    assert total_preempted > 0, "no request was preempted: the pool is too large to test preemption"
     assert total_compressed > REQUESTS // 2, total_compressed
     assert max(checked) >= 2  # several per-head requests decoded in one folded step
