@@ -11,7 +11,7 @@ from kvtrim.budgets.pyramid import pyramid_layer_budgets
 from kvtrim.errors import InvalidParameterError, UnsupportedModelError
 from kvtrim.methods import get_method
 from kvtrim.scoring.partitions import kept_length
-from kvtrim.vllm.config import ENV_VAR, load_config, parse_config
+from kvtrim.vllm.config import ENV_VAR, PER_HEAD_METHODS, SUPPORTED_METHODS, load_config, parse_config
 from kvtrim.vllm.evictor import PendingEviction, evict_layer
 from kvtrim.vllm.kv_layout import entry_format, probe_layout
 
@@ -90,6 +90,20 @@ def test_rounds_follow_token_counts_only():
     assert over.round_keep(700, 703, 67) is None and over.round_keep(700, 704, 68) == 64
     assert over.round_keep(700, 300, 300) is None  # no between_chunks: the prompt is compressed once, at its end
     assert not parse_config({"method": "snapkv", "budget": 64}).rounds
+
+
+@pytest.mark.parametrize("method", PER_HEAD_METHODS)
+def test_per_head_methods_refuse_tensor_parallelism(method):
+    config = parse_config({"method": method, "budget": 64})
+    config.check_tensor_parallel(1)
+    with pytest.raises(InvalidParameterError, match=f"tensor_parallel_size=2 is not supported with {method}"):
+        config.check_tensor_parallel(2)
+
+
+def test_uniform_and_per_layer_methods_accept_tensor_parallelism():
+    for method in ("snapkv", "critical_snapkv", "tova", "streaming_llm", "pyramidkv"):
+        assert method in SUPPORTED_METHODS and method not in PER_HEAD_METHODS
+        parse_config({"method": method, "budget": 64}).check_tensor_parallel(4)
 
 
 def test_additional_config_wins_over_the_environment(monkeypatch):

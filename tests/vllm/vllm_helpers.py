@@ -52,6 +52,35 @@ def truncated_model(dst: Path, layers: int = 2) -> Path:
     return dst
 
 
+def head_sliced_model(dst: Path, layers: int = 2, kv_heads: int = 2) -> Path:
+    """A cut of the embedded SmolLM2 with its first ``layers`` layers and first ``kv_heads`` KV heads.
+
+    SmolLM2 has 3 KV heads (9 query heads, 3 per KV head), which tensor parallelism over 2 ranks cannot split;
+    keeping KV heads ``0 … kv_heads−1`` with their query heads (rows of ``q_proj``/``k_proj``/``v_proj``, columns
+    of ``o_proj``) gives a model with trained weights (peaked logits: greedy tokens are not decided by rounding)
+    whose KV heads divide by 2. ``head_dim`` stays 64, so ``hidden_size`` (576) ≠ heads · head_dim.
+    """
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    group = config["num_attention_heads"] // config["num_key_value_heads"]
+    d = config["head_dim"]
+    q_rows, kv_rows = kv_heads * group * d, kv_heads * d
+    truncated_model(dst, layers=layers)
+    tensors = load_file(dst / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            tensors[name] = t[:q_rows].contiguous()
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            tensors[name] = t[:kv_rows].contiguous()
+        elif name.endswith("self_attn.o_proj.weight"):
+            tensors[name] = t[:, :q_rows].contiguous()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config.update(num_hidden_layers=layers, num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
 def make_llm(config: dict | None = None, **kwargs):
     """A ``vllm.LLM`` on the embedded SmolLM2 (float32, eager, no prefix caching), kvtrim on when ``config``."""
     from vllm import LLM

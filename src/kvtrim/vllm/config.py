@@ -174,6 +174,23 @@ class VLLMEvictionConfig:
         """Whether KV heads keep different counts (AdaKV): the worker then stores each head in its own sub-pages."""
         return split_schedule(self.method)[0] in PER_HEAD_METHODS
 
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """Refuse tensor parallelism for per-head methods (:data:`PER_HEAD_METHODS`).
+
+        Each tensor-parallel rank holds and scores only its own KV heads. Uniform and per-layer methods keep a
+        count that follows from the prompt length alone, so every rank keeps the same slots and selects per head
+        as one rank would. A per-head method splits a layer's ``kv_heads · B`` entries among *all* its KV heads
+        by score (AdaKV), or takes counts for all heads of the model from a calibration artifact (HeadKV,
+        DuoAttention): a rank would split among its own heads only, which is not the single-rank selection.
+        """
+        if self.per_head and tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                f"tensor_parallel_size={tensor_parallel_size} is not supported with {self.method}: its per-head "
+                "counts are split among all KV heads of a layer (or fixed for all heads by a calibration artifact), "
+                "and each tensor-parallel rank holds only its own heads. Use tensor_parallel_size=1, or a uniform "
+                "or per-layer method (e.g. snapkv, pyramidkv), which support tensor parallelism"
+            )
+
     def pipeline(self) -> Pipeline:
         """A fresh kvtrim pipeline for this configuration."""
         pipeline = get_method(self.method, **self.params)  # ``name@schedule`` carries its schedule

@@ -164,11 +164,16 @@ def worker_stats(worker) -> dict:
     ``requests_compressed`` (requests whose prompt entries this worker compacted), ``layer_evictions``
     ((request, layer) pairs compacted), ``rounds`` (compressions with ``between_chunks`` or a decoding schedule,
     later rounds included), ``num_layers`` (attention layers on this worker; 0 before the first step),
-    ``kv_cache_dtypes`` (the ``kv_cache_dtype`` of every block layout the worker probed, sorted).
+    ``kv_cache_dtypes`` (the ``kv_cache_dtype`` of every block layout the worker probed, sorted), ``kv_heads``
+    (the KV heads of this worker's cache: its tensor-parallel rank's share; 0 before the cache exists),
+    ``tracked_requests`` (requests whose dropped count the worker still holds).
     """
     runner = getattr(worker, "model_runner", None)
     state = getattr(runner, "_kvtrim_state", None)
+    kv_config = getattr(runner, "kv_cache_config", None)
     return {
+        "kv_heads": int(kv_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads) if kv_config else 0,
+        "tracked_requests": 0 if state is None else len(state.dropped),
         "runner": runner_name(runner),
         "configured": state is not None,
         "requests_compressed": 0 if state is None else state.evictions,

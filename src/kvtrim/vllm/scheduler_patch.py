@@ -21,7 +21,6 @@ import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..errors import InvalidParameterError
 from .config import VLLMEvictionConfig, load_config
 from .kv_layout import entry_format
 from .wrappers import UnpatchedVLLMError, bypassed, wrap
@@ -88,17 +87,12 @@ def _patch_init(orig):
         self._kvtrim_state = None
         if config is not None:
             _check_supported(self)
+            config.check_tensor_parallel(self.vllm_config.parallel_config.tensor_parallel_size)
             state = SchedulerState(config, num_layers=model_num_layers(self.vllm_config))
             if config.per_head:
                 vc = self.vllm_config
                 state.pipeline = config.bound_pipeline(vc.model_config.model)
                 state.kv_heads = vc.model_config.get_num_kv_heads(vc.parallel_config)
-                fixed = config.head_counts(state.pipeline, 2, state.num_layers, state.kv_heads) is not None
-                if fixed and vc.parallel_config.tensor_parallel_size > 1:
-                    raise InvalidParameterError(
-                        f"{config.method} takes its per-head counts from a calibration artifact of the whole "
-                        "model; tensor parallelism is not supported for it inside vLLM"
-                    )
             self._kvtrim_state = state
             # The coordinator consults the same dropped counts.
             coordinator = self.kv_cache_manager.coordinator
