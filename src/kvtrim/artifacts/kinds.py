@@ -6,12 +6,22 @@ One table for every reader and every calibration (``kvtrim calibrate <kind>``); 
 
 from __future__ import annotations
 
-__all__ = ["ARTIFACT_KINDS", "COMPILERKV_KIND", "COMPRESSKV_KIND", "DUO_KIND", "HEADKV_KIND"]
+__all__ = [
+    "ARTIFACT_KINDS",
+    "COMPILERKV_KIND",
+    "COMPRESSKV_KIND",
+    "DUO_KIND",
+    "HEADKV_KIND",
+    "LUKV_KIND",
+    "QFILTER_KIND",
+]
 
 HEADKV_KIND = "headkv"
 COMPRESSKV_KIND = "compresskv"
 COMPILERKV_KIND = "compilerkv"
 DUO_KIND = "duo"
+QFILTER_KIND = "qfilter"
+LUKV_KIND = "lukv"
 
 ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
@@ -21,5 +31,7 @@ ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     ),
     COMPILERKV_KIND: ("CompilerKV compiled tables", "kvtrim calibrate compilerkv --model {model}"),
     DUO_KIND: ("DuoAttention head gates", "kvtrim calibrate duo --model {model}"),
+    QFILTER_KIND: ("Q-Filters key-space directions", "kvtrim calibrate qfilter --model {model}"),
+    LUKV_KIND: ("LU-KV per-head budget curves", "kvtrim calibrate lukv --model {model}"),
 }
 """``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""
