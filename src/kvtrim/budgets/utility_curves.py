@@ -35,7 +35,7 @@ def keep_fractions_at(ratios: torch.Tensor, keep_fractions: torch.Tensor, ratio:
     values = torch.cat([torch.ones_like(keep_fractions[:1]), keep_fractions.double()])
     if ratio >= float(grid[-1]):
         return values[-1]
-    hi = int(torch.searchsorted(grid, torch.tensor(ratio, dtype=grid.dtype), right=True))
+    hi = sum(1 for g in grid.tolist() if g <= ratio)  # first grid point above the ratio
     lo = hi - 1
     t = (ratio - float(grid[lo])) / max(float(grid[hi] - grid[lo]), 1e-12)
     return values[lo] * (1 - t) + values[hi] * t
@@ -95,7 +95,8 @@ class UtilityCurveBudget(BudgetAllocator):
         for keep, context in zip(request.keep.tolist(), request.context_lengths.tolist(), strict=True):
             keep, context = int(keep), int(context)
             if keep >= context:
-                rows.append(torch.full((layers, kv_heads), context, dtype=torch.long))
+                device = self.keep_fractions.device
+                rows.append(torch.full((layers, kv_heads), context, dtype=torch.long, device=device))
                 continue
             fractions = keep_fractions_at(self.ratios, self.keep_fractions, 1.0 - keep / max(context, 1))
             lo = min(self.protected, keep)
