@@ -134,6 +134,8 @@ ARTIFACT_METHODS = {
     "kvzap",
     "fastkvzip",
     "expected_attention_stats",
+    "qfilter",
+    "lukv",
 }
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
@@ -171,6 +173,8 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
     install_compilerkv_tables(model, seed=seed)
     install_duo_gates(model, seed=seed)
     install_kvzap_weights(model, seed=seed)
+    install_qfilters(model, seed=seed)
+    install_lukv_curves(model, seed=seed)
 
 
 def gate_tensors(model, seed: int = 0, width: int = 4, sinks: int = 3) -> dict:
@@ -234,6 +238,32 @@ def install_duo_gates(model, directory=None, seed: int = 0):
     g = torch.Generator().manual_seed(seed + 3)
     gates = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=g)
     return save_artifact("duo", model, {"gates": gates}, {"settings": {"test": True}, "seconds": 0.0}, directory)
+
+
+def install_qfilters(model, directory=None, seed: int = 0):
+    """Save random unit Q-Filters ``[layers, kv_heads, head_dim]`` for ``model`` (default: in the kvtrim home)."""
+    from kvtrim.artifacts.store import save_artifact
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 4)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    filters = torch.randn(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, generator=g)
+    filters = filters / filters.norm(dim=-1, keepdim=True)
+    meta = {"settings": {"test": True}, "seconds": 0.0}
+    return save_artifact("qfilter", model, {"filters": filters}, meta, directory)
+
+
+def install_lukv_curves(model, directory=None, seed: int = 0):
+    """Save random LU-KV keep fractions (decreasing with the ratio) for ``model`` (default: in the kvtrim home)."""
+    from kvtrim.artifacts.store import save_artifact
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 5)
+    ratios = torch.arange(1, 100, dtype=torch.float64) / 100
+    weights = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=g, dtype=torch.float64) + 0.5
+    keep = ((1 - ratios)[:, None, None] * weights / weights.mean()).clamp(max=1.0)
+    tensors = {"ratios": ratios, "keep_fractions": keep.float()}
+    return save_artifact("lukv", model, tensors, {"settings": {"test": True}, "seconds": 0.0}, directory)
 
 
 def install_compilerkv_tables(model, directory=None, seed: int = 0, budgets=(20, 40)):

@@ -20,7 +20,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def test_every_shipped_kind_names_its_calibration_command():
-    assert set(ARTIFACT_KINDS) == {"headkv", "compresskv", "compilerkv", "duo"}
+    assert set(ARTIFACT_KINDS) == {"headkv", "compresskv", "compilerkv", "duo", "qfilter", "lukv"}
     for kind in ARTIFACT_KINDS:
         assert artifact_command(kind) == f"kvtrim calibrate {kind} --model <model>"
 

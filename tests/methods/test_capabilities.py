@@ -63,6 +63,8 @@ def test_artifacts_come_from_the_parts():
         "kvzap": ("kvzap",),
         "fastkvzip": ("fastkvzip",),
         "expected_attention_stats": ("expected_attention_stats",),
+        "qfilter": ("qfilter",),
+        "lukv": ("lukv",),
         "compilerkv": ("compilerkv",),
         "compilerkv_neutral": (),
         "compilerkv_neutral_elastic": (),
@@ -73,7 +75,7 @@ def test_artifacts_come_from_the_parts():
     assert _with(lambda c: bool(c.artifacts)) == {
         "headkv", "critical_headkv", "compresskv", "compresskv_srh_only", "compresskv_trh", "ada_compresskv",
         "head_compresskv", "duo_attention", "compilerkv", "compilerkv_elastic", "compilerkv_raw_attention",
-        "compilerkv_static_threshold", "kvzap", "fastkvzip", "expected_attention_stats",
+        "compilerkv_static_threshold", "kvzap", "fastkvzip", "expected_attention_stats", "qfilter", "lukv",
     }  # fmt: skip
 
 
@@ -84,7 +86,7 @@ def test_budget_kinds():
     per_head = {n for n, b in budgets.items() if b == "per head"}
     assert per_head == {
         "adakv", "critical_adakv", "headkv", "critical_headkv", "head_compresskv", "ada_compresskv",
-        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "kvgrad", "dms", "fastkvzip",
+        "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "kvgrad", "dms", "fastkvzip", "lukv",
     }  # fmt: skip
     assert method_info("kvzip").capabilities.budgets == "per head"  # global threshold; layerwise=True is uniform
     from kvtrim.methods import get_method
@@ -97,7 +99,7 @@ def test_attention_and_question_awareness():
     assert _with(lambda c: not c.attention) == {
         "streaming_llm", "knorm", "keydiff", "random", "lagkv", "localkv", "lag_knorm", "expected_attention",
         "duo_attention", "think", "curdkv", "leverage", "dms", "chunked", "block", "capkv", "merging", "triattention",
-        "kvzap", "fastkvzip", "expected_attention_stats",
+        "kvzap", "fastkvzip", "expected_attention_stats", "qfilter", "lukv",
     }  # fmt: skip
     assert caps["kvcompress"].question_aware and not caps["kvc_full"].question_aware  # KVC-full: every query
     assert caps["think"].question_aware  # the window queries choose the key channels

@@ -15,6 +15,8 @@ __all__ = [
     "FASTKVZIP_KIND",
     "HEADKV_KIND",
     "KVZAP_KIND",
+    "LUKV_KIND",
+    "QFILTER_KIND",
 ]
 
 HEADKV_KIND = "headkv"
@@ -24,6 +26,8 @@ DUO_KIND = "duo"
 KVZAP_KIND = "kvzap"
 FASTKVZIP_KIND = "fastkvzip"
 EXPECTED_ATTENTION_STATS_KIND = "expected_attention_stats"
+QFILTER_KIND = "qfilter"
+LUKV_KIND = "lukv"
 
 ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
@@ -39,5 +43,7 @@ ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
         "Expected Attention query statistics",
         "kvtrim calibrate expected_attention_stats --model {model}",
     ),
+    QFILTER_KIND: ("Q-Filters key-space directions", "kvtrim calibrate qfilter --model {model}"),
+    LUKV_KIND: ("LU-KV per-head budget curves", "kvtrim calibrate lukv --model {model}"),
 }
 """``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""

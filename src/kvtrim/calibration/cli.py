@@ -481,5 +481,13 @@ def _heatmap(values, title: str, target: Path) -> None:
     plt.close(fig)
 
 
+# Calibrations whose commands live in their own modules.
+from .lukv_cli import lukv as _lukv  # noqa: E402
+from .qfilter_cli import qfilter as _qfilter  # noqa: E402
+
+calibrate_app.command("qfilter")(_qfilter)
+calibrate_app.command("lukv")(_lukv)
+
+
 if __name__ == "__main__":  # pragma: no cover
     calibrate_app()

@@ -8,7 +8,8 @@ layer and KV head *including* protected windows.
 Families: :mod:`.attention` (SnapKV, PyramidKV, AdaKV, H2O, TOVA), :mod:`.attention_free` (StreamingLLM, KNorm,
 KeyDiff, random), :mod:`.lag` (LagKV), :mod:`.critical` (CriticalKV), :mod:`.head_budgets` (HeadKV, DuoAttention),
 :mod:`.retrieval_heads` (CompressKV), :mod:`.compiled` (CompilerKV), :mod:`.kv_compress` (KV-Compress),
-:mod:`.kvpress` (Expected Attention, ChunkKV, KVzip, CaM, KVgrad, key re-rotation …), :mod:`.reasoning` (R-KV,
+:mod:`.kvpress` (Expected Attention, ChunkKV, KVzip, CaM, KVgrad, key re-rotation …), :mod:`.calibrated`
+(Q-Filters, LU-KV), :mod:`.reasoning` (R-KV,
 TriAttention), :mod:`.channels` (ThinK). A family module's name never shadows a method's factory.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from . import (
     attention,
     attention_free,
+    calibrated,
     channels,
     compiled,
     critical,
@@ -51,6 +53,7 @@ FAMILIES = (
     compiled,
     kv_compress,
     kvpress,
+    calibrated,
     reasoning,
     channels,
 )

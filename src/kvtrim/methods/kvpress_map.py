@@ -251,9 +251,14 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "KnormPress", "knorm", "same score (lowest key norm kept)",
     ),
     PressMapping(
-        "LUKVPress", None,
-        f"{_NOT_YET}: per-(layer, head) budget curves computed offline with the LU-KV code; a calibration that "
-        "produces them is not built",
+        "LUKVPress", "lukv",
+        "kvtrim computes its own curves (`kvtrim calibrate lukv`: greedy marginal future utility over each head's "
+        "concave hull, the future being the question and answer of kvtrim's synthetic tasks) instead of "
+        "downloading the authors' Llama-3.1-8B file; the curve is interpolated between whole percents (kvpress: "
+        "rounded to the nearest) and the counts are rounded so every row keeps exactly the requested total; the "
+        "scorer is fixed to kvpress's default (expected attention, ε=0.02)",
+        {"sink": 4, "window": 1, "eps": 0.02},
+        "`press` → none (expected attention, the curves' scorer); `sink`, `window`; `compression_ratio` → `ratio`",
     ),
     PressMapping(
         "LagKVPress", "lagkv", "kvtrim follows the paper's defaults (16 sinks) and compresses recursively",
@@ -310,14 +315,23 @@ MAPPINGS: tuple[PressMapping, ...] = (
         {**_SNAPKV_PRESS, "beta": 20.0}, "`window_size` → `window`; `kernel_size` → `kernel`",
     ),
     PressMapping(
-        "QFilterPress", None, f"{_NOT_YET}: scores keys against learned query directions; {_CALIBRATED}is not built",
+        "QFilterPress", "qfilter",
+        "kvtrim computes its own filters (`kvtrim calibrate qfilter`: top singular direction of each GQA group's "
+        "post-RoPE queries on kvtrim's synthetic tasks) instead of downloading the authors' Hub files; the filter "
+        "points where the queries do and the score is `⟨k, u⟩` (kvpress: `−⟨k, f⟩` with the opposite filter, the "
+        "same order)",
     ),
     PressMapping(
         "RandomPress", "random", "kvtrim seeds by default (`seed=0`); kvpress draws unseeded by default",
     ),
     PressMapping(
         "RestoreKVPress", None,
-        f"{_NOT_YET}: KVzip plus learned restore tokens filling part of the budget; {_CALIBRATED}is not built",
+        f"{_NOT_YET}: KVzip plus 8 learned restore tokens that fill part of the budget, encoded by one "
+        "LoRA-adapted pass over the full cache; the restore embeddings and the LoRA weights are trained by "
+        "self-distillation from the full-cache model (backward passes through the whole model over long "
+        "contexts, with KVzip's eviction in the loop), which a `kvtrim calibrate` on the CPU cannot do in minutes; "
+        "kvtrim has no LoRA (PEFT is not a dependency) and its caches cannot yet append tokens encoded by a "
+        "different set of weights; the authors publish adapters only for Llama-3.1-8B-Instruct and Qwen3-8B",
     ),
     PressMapping(
         "SimLayerKVPress", "simlayerkv",

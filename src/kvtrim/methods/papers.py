@@ -126,3 +126,11 @@ KVGRAD = (
 TRIATTENTION = (
     "Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression (arXiv 2604.04921)"
 )
+QFILTERS = (
+    "Godey et al., Q-Filters: Leveraging Query-Key Geometry for Efficient Key-Value Cache Compression "
+    "(arXiv 2503.02812); kvpress QFilterPress"
+)
+LUKV = (
+    "Tang et al., Predicting Future Utility: Global Combinatorial Optimization for Task-Agnostic KV Cache Eviction "
+    "(arXiv 2602.08585); kvpress LUKVPress"
+)
