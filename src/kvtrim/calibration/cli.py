@@ -252,6 +252,17 @@ def duo(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+def _prompt_settings(prompts, heldout, length, seed, tasks: str, pydoc, tokens_per_prompt=None):
+    """The calibration prompts of the surrogate and statistics commands (``tasks``: comma-separated families)."""
+    from kvtrim.calibration.kvzip_targets import TargetSettings
+
+    extra = {} if tokens_per_prompt is None else {"tokens_per_prompt": tokens_per_prompt}
+    families = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    return TargetSettings(
+        prompts=prompts, heldout=heldout, length=length, seed=seed, tasks=families, pydoc=pydoc, **extra
+    )
+
+
 @calibrate_app.command("kvzap")
 def kvzap(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
@@ -277,20 +288,11 @@ def kvzap(
     """KVzap: fit linear and MLP surrogates of KVzip's scores from hidden states; saves the `kvzap` artifact."""
     from kvtrim.artifacts.store import load_artifact
     from kvtrim.calibration.kvzap import KVzapCalibration, calibrate_kvzap
-    from kvtrim.calibration.kvzip_targets import TargetSettings
 
     start = time.perf_counter()
     try:
         settings = KVzapCalibration(
-            targets=TargetSettings(
-                prompts=prompts,
-                heldout=heldout,
-                length=length,
-                tokens_per_prompt=tokens_per_prompt,
-                seed=seed,
-                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
-                pydoc=pydoc,
-            ),
+            targets=_prompt_settings(prompts, heldout, length, seed, tasks, pydoc, tokens_per_prompt),
             ridge=ridge,
             hidden_dim=hidden_dim,
             epochs=epochs,
@@ -335,20 +337,11 @@ def fastkvzip(
     KVzip targets are shared with `kvtrim calibrate kvzap` through the targets cache)."""
     from kvtrim.artifacts.store import load_artifact
     from kvtrim.calibration.fastkvzip import FastKVzipCalibration, calibrate_fastkvzip
-    from kvtrim.calibration.kvzip_targets import TargetSettings
 
     start = time.perf_counter()
     try:
         settings = FastKVzipCalibration(
-            targets=TargetSettings(
-                prompts=prompts,
-                heldout=heldout,
-                length=length,
-                tokens_per_prompt=tokens_per_prompt,
-                seed=seed,
-                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
-                pydoc=pydoc,
-            ),
+            targets=_prompt_settings(prompts, heldout, length, seed, tasks, pydoc, tokens_per_prompt),
             width=width,
             sinks=sinks,
             epochs=epochs,
@@ -387,20 +380,12 @@ def expected_attention_stats(
 ) -> None:
     """Expected Attention: each layer's pre-RoPE query mean and covariance over calibration prompts; saves the
     `expected_attention_stats` artifact."""
-    from kvtrim.calibration.kvzip_targets import TargetSettings
     from kvtrim.calibration.query_stats import QueryStatsCalibration, calibrate_query_stats
 
     start = time.perf_counter()
     try:
         settings = QueryStatsCalibration(
-            prompts=TargetSettings(
-                prompts=prompts,
-                heldout=0,
-                length=length,
-                seed=seed,
-                tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
-                pydoc=pydoc,
-            ),
+            prompts=_prompt_settings(prompts, 0, length, seed, tasks, pydoc),
             n_sink=n_sink,
         )
         mdl, tok = _load(model, threads, device, dtype)
