@@ -15,7 +15,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from kvtrim.eval.runner import RECORDS_FILE, load_records
+from kvtrim.eval.runner import load_records
 
 
 def _averages(folder: Path) -> dict[tuple[str, str, float | None], tuple[float, float, int]]:
@@ -23,7 +23,7 @@ def _averages(folder: Path) -> dict[tuple[str, str, float | None], tuple[float, 
     their task count."""
     by_row: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     mib: dict[tuple, list[float]] = defaultdict(list)
-    for rec in load_records(folder / RECORDS_FILE):
+    for rec in load_records(folder):
         key = (rec["mode"], rec["method"], rec["ratio"])
         by_row[key][rec["task"]].append(rec["score"])
         mib[key].append(rec["kv_bytes_after"] / 2**20)
@@ -38,7 +38,7 @@ def _averages(folder: Path) -> dict[tuple[str, str, float | None], tuple[float, 
 
 
 def build(root: Path, formats: list[str]) -> str:
-    data = {fmt: _averages(root / fmt) for fmt in formats if (root / fmt / RECORDS_FILE).exists()}
+    data = {fmt: _averages(root / fmt) for fmt in formats if load_records(root / fmt)}
     all_tasks = max((n for rows in data.values() for _, _, n in rows.values()), default=0)
     keys = sorted(
         {k for rows in data.values() for k in rows},
