@@ -8,10 +8,8 @@ from typing import Annotated
 
 import typer
 
+from kvtrim.calibration.qfilter_cli import DEFAULT_TASKS
 from kvtrim.errors import KVTrimError
-
-# the default of kvtrim.calibration.qfilter.DEFAULT_TASKS, spelled here so that `kvtrim --help` imports no torch
-DEFAULT_TASKS = "passkey,niah_single_2,niah_multikey_1,vt,fwe"
 
 
 def lukv(
