@@ -136,3 +136,11 @@ def test_cli_fastkvzip_reuses_the_kvzap_targets(saved_model, tmp_path):
     assert result.exit_code == 0, result.output
     assert "fastkvzip artifact:" in result.output and "targets cached: True" in result.output
     assert "held-out gate:" in result.output
+
+
+def test_the_commands_default_tasks_are_the_calibration_prompts_default():
+    """The CLI spells the default task list out (so that `kvtrim --help` imports no torch): it must stay equal."""
+    from kvtrim.calibration.cli import SURROGATE_TASKS
+    from kvtrim.calibration.kvzip_targets import SYNTHETIC_TASKS
+
+    assert tuple(SURROGATE_TASKS.split(",")) == SYNTHETIC_TASKS == TargetSettings().tasks
