@@ -65,7 +65,9 @@ def test_per_head_methods_keep_budget_plus_one_block_minus_one_slots():
         ({"method": "snapkv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
         ({"method": "pyramidkv@every:8", "budget": 8}, "not 'pyramidkv'"),
         ({"method": "adakv", "budget": 8, "between_chunks": True}, "not 'adakv'"),
-        ({"method": "lagkv@tail:32", "ratio": 0.5}, "'tail:LAG' recursion is not run inside vLLM"),
+        ({"method": "lagkv@every:8", "ratio": 0.5}, "compresses by its own recursion inside vLLM"),
+        ({"method": "lagkv@tail:32", "ratio": 0.5}, "must equal the method's lag (128)"),
+        ({"method": "snapkv@tail:32", "budget": 8}, "needs a lag-partition method"),
     ],
 )
 def test_bad_configurations_are_refused(raw, needle):
@@ -90,6 +92,50 @@ def test_rounds_follow_token_counts_only():
     assert over.round_keep(700, 703, 67) is None and over.round_keep(700, 704, 68) == 64
     assert over.round_keep(700, 300, 300) is None  # no between_chunks: the prompt is compressed once, at its end
     assert not parse_config({"method": "snapkv", "budget": 64}).rounds
+
+
+def test_lagkv_rounds_follow_its_recursion_from_token_counts_only():
+    frame = {"ratio": 0.5, "params": {"sink": 4, "lag": 32}}  # 16 of every 32-token partition kept
+    once = parse_config({"method": "lagkv@prefill", **frame})
+    assert not once.rounds and once.keep_count(700) == kept_length(700, 4, 32, 16) == 380
+    rec = parse_config({"method": "lagkv", **frame})  # LagKV's own schedule: tail:32
+    assert rec.rounds and rec.decode_schedule is not None and rec.held_bound(128) is None
+    assert parse_config({"method": "lagkv@tail:32", **frame}).rounds
+    # after the prompt: the one-pass count (20 partitions compressed, compressed_until 4 + 20·32 = 644)
+    assert rec.round_keep(700, 700, 700, 128) == 380 and rec.compressed_until(320) == 644
+    assert rec.round_keep(700, 128, 128, 128) is None  # no between_chunks: prompt chunks are not compressed
+    # decoding: the tail 700 − 644 = 56 reaches 2 partitions at 708; one partition (16 entries) goes each round
+    assert rec.round_keep(700, 707, 387) is None and rec.round_keep(700, 708, 388) == 372
+    assert rec.compressed_until(336) == 676 and rec.round_keep(700, 739, 403) is None
+    assert rec.round_keep(700, 740, 404) == 388
+    assert rec.lag_round(740, 336) == (16, 708)
+    chunks = parse_config({"method": "localkv", "between_chunks": True, **frame})
+    assert chunks.round_keep(700, 60, 60, 60) is None  # a chunk whose tail holds under 2 partitions
+    assert chunks.round_keep(700, 128, 128, 128) == 96  # (128 − 4) // 32 = 3 partitions: 2 compressed
+    assert chunks.round_keep(700, 256, 224, 128) == 160  # from compressed_until 68: 5 partitions, 4 compressed
+    assert chunks.round_keep(700, 900, 900, 256) == 900 - 27 * 16  # a recomputation past the prompt
+    assert parse_config({"method": "lagkv@prefill", "between_chunks": True, **frame}).round_keep(700, 708, 388) is None
+    assert parse_config({"method": "lagkv", "ratio": 0.0, "params": {"sink": 4, "lag": 32}}).round_keep(
+        700, 700, 700
+    ) is None  # every entry of every partition kept: nothing to drop
+
+
+@pytest.mark.parametrize("chunk", [1, 48, 128])
+def test_lagkv_admission_bound_covers_every_step(chunk):
+    config = parse_config(
+        {"method": "lagkv", "ratio": 0.75, "params": {"sink": 4, "lag": 32}, "between_chunks": True}
+    )
+    for prompt in (50, 300, 1000):
+        end, physical, steps = 0, 0, []
+        while end < prompt + 200:
+            n = min(chunk, prompt - end) if end < prompt else 1
+            end, physical = end + n, physical + n
+            steps.append((end, physical))  # held before the step's round
+            keep = config.round_keep(prompt, end, physical, n)
+            physical = physical if keep is None else keep
+        assert all(held <= config.admission_tokens(t, chunk) for t, held in steps)
+        assert max(held for _, held in steps) < prompt + 200
+    assert parse_config({"method": "lagkv", "ratio": 0.5}).admission_tokens(1000, 64) is None
 
 
 @pytest.mark.parametrize("method", PER_HEAD_METHODS)
@@ -195,6 +241,36 @@ def test_evict_layer_snapkv_matches_kvtrims_selector_on_the_same_entries():
 def _causal(p: int, w: int) -> torch.Tensor:
     qpos = torch.arange(p - w, p).view(-1, 1)
     return torch.where(torch.arange(p).view(1, -1) <= qpos, 0.0, float("-inf")).view(1, 1, w, p)
+
+
+def test_evict_layer_lagkv_round_scores_only_past_compressed_until():
+    h, d, bs = 2, 8, 4
+    impl = _TransposedImpl(h, d, bs)
+    cache = torch.zeros(12, h, bs, 2 * d)
+    layout = probe_layout(impl, None, cache)
+    torch.manual_seed(1)
+    pipeline = get_method("lagkv", sink=2, lag=4)  # ratio 0.5: 2 of every 4-token partition kept
+    keys, values = torch.randn(30, h, d), torch.randn(30, h, d)
+    blocks = torch.arange(8)
+    slots = torch.arange(32)
+    impl.do_kv_cache_update(None, keys[:14], values[:14], cache, slots[:14])
+    # round 1 at 14 tokens: 3 partitions after the 2 sinks, 2 compressed (8 → 4), compressed_until 2 + 8 = 10
+    first = PendingEviction("r", 0, 14, 14, 10, blocks, logical_len=14, compressed_until=2)
+    kept = evict_layer(pipeline, layout, cache, torch.randn(14, 2 * h, d), first, 0, 1, d**-0.5, 0.5)
+    assert kept.shape == (h, 10) and bool((kept[:, :2] == torch.tensor([0, 1])).all())
+    assert bool((kept[:, -4:] == torch.arange(10, 14)).all())  # the tail, untouched
+    before, _ = layout.read(cache, blocks, 10)
+    # 4 more tokens: at 18 the tail from 10 holds 2 partitions, the first one (10 … 13) is compressed
+    impl.do_kv_cache_update(None, keys[14:18], values[14:18], cache, slots[10:14])
+    second = PendingEviction(
+        "r", 0, 1, 14, 12, blocks, logical_len=18, positions=kept.unsqueeze(0), compressed_until=10
+    )
+    again = evict_layer(pipeline, layout, cache, torch.randn(1, 2 * h, d), second, 0, 1, d**-0.5, 0.5)
+    after, _ = layout.read(cache, blocks, 12)
+    assert torch.equal(again[:, :6], kept[:, :6]) and torch.equal(after[:6], before[:6])  # never re-scored
+    assert bool((again[:, -4:] == torch.arange(14, 18)).all())
+    assert bool(((again[:, 6:8] >= 10) & (again[:, 6:8] < 14)).all())  # 2 of the compressed partition 10 … 13
+    assert torch.equal(after[8:], keys[14:18])
 
 
 def test_evict_layer_uses_the_layers_own_pyramid_count():

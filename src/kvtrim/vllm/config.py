@@ -10,6 +10,8 @@ prompt entries removed, in [0, 1)) or ``budget`` (prompt entries kept per layer 
 are not compressed, default 0) and ``between_chunks`` (compress to the budget after every prefill chunk, and
 admit a request by that compressed size; default false). ``method`` may carry a decoding schedule,
 ``"snapkv@every:64"`` (compress to the budget again every 64 decoded tokens) or ``"snapkv@over:SLACK"``.
+LagKV's family (``lagkv``, ``localkv``, ``lag_knorm``) runs its own recursion (``tail:LAG``, its default) while
+decoding and, with ``between_chunks``, between prefill chunks; ``"lagkv@prefill"`` compresses once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -30,7 +33,7 @@ from ..budgets.pyramid import PyramidBudget, pyramid_layer_budgets
 from ..budgets.uniform import UniformBudget
 from ..compression.compressor import BudgetSpec
 from ..compression.pipeline import Pipeline
-from ..compression.schedule import EveryNTokens, OverBudget
+from ..compression.schedule import AfterPrefill, EveryNTokens, OverBudget, TailFull
 from ..errors import InvalidParameterError
 from ..methods import get_method, method_info, method_names
 from ..methods.registry import BUDGET_KINDS, split_schedule
@@ -60,6 +63,9 @@ UNIFORM_ROUND_METHODS = tuple(
     for name in ("snapkv", "tova", "streaming_llm", "knorm", "random", "critical_snapkv")
     if name in SUPPORTED_METHODS
 )
+# LagKV's family: recursive rounds of their own (``tail:LAG``), compressing only the partitions past the part
+# already compressed; the kept count follows from the token counts alone (:meth:`VLLMEvictionConfig.lag_round`).
+LAG_ROUND_METHODS = tuple(name for name in ("lagkv", "localkv", "lag_knorm") if name in SUPPORTED_METHODS)
 
 
 @dataclass(frozen=True)
@@ -98,10 +104,13 @@ class VLLMEvictionConfig:
             raise InvalidParameterError(
                 "params.skip_layers is not supported inside vLLM: every layer must keep the same number of entries"
             )
+        if isinstance(pipeline.budget, PartitionBudget):
+            self._check_lag_schedule(pipeline)
+            return
         if schedule is not None and not isinstance(pipeline.schedule, (EveryNTokens, OverBudget)):
             raise InvalidParameterError(
                 f"method {self.method!r}: inside vLLM a decoding schedule is 'every:N' or 'over:SLACK' "
-                "(LagKV's 'tail:LAG' recursion is not run inside vLLM)"
+                "('tail:LAG' is LagKV's own recursion: lagkv, localkv, lag_knorm)"
             )
         if self.rounds:
             if self.spec.budget is None:
@@ -111,29 +120,54 @@ class VLLMEvictionConfig:
                 )
             if base not in UNIFORM_ROUND_METHODS:
                 raise InvalidParameterError(
-                    f"between_chunks and decoding schedules run for {', '.join(UNIFORM_ROUND_METHODS)} inside vLLM, "
-                    f"not {base!r} (per-layer, per-head and lag-partition counts are not re-sized between rounds)"
+                    f"between_chunks and decoding schedules run for {', '.join(UNIFORM_ROUND_METHODS)} (and LagKV's "
+                    f"recursion for {', '.join(LAG_ROUND_METHODS)}) inside vLLM, not {base!r} (per-layer and "
+                    "per-head counts are not re-sized between rounds)"
                 )
             if pipeline.observation.accumulate:
                 raise InvalidParameterError(f"method {base!r} accumulates statistics over all queries")
+
+    def _check_lag_schedule(self, pipeline: Pipeline) -> None:
+        """LagKV's family runs its own recursion (``tail:LAG``, the default) or compresses once (``@prefill``)."""
+        schedule = pipeline.schedule
+        lag = pipeline.budget.lag
+        if isinstance(schedule, TailFull) and (schedule.lag, schedule.sink) != (lag, pipeline.budget.sink):
+            raise InvalidParameterError(
+                f"method {self.method!r}: inside vLLM the recursion's 'tail:LAG' must equal the method's lag ({lag})"
+            )
+        if not isinstance(schedule, (TailFull, AfterPrefill)):
+            raise InvalidParameterError(
+                f"method {self.method!r}: LagKV's family compresses by its own recursion inside vLLM "
+                f"('{split_schedule(self.method)[0]}', i.e. 'tail:{lag}', or '@prefill' for once after the prompt); "
+                "'every:N' and 'over:SLACK' need a fixed budget"
+            )
+
+    @cached_property
+    def lag(self) -> PartitionBudget | None:
+        """LagKV's family: the partition frame (sink, lag), or None for other methods."""
+        budget = self.pipeline().budget
+        return budget if isinstance(budget, PartitionBudget) else None
 
     @property
     def rounds(self) -> bool:
         """Whether a request is compressed more than once (between prefill chunks or while decoding)."""
         return self.between_chunks or self.decode_schedule is not None
 
-    @property
-    def decode_schedule(self) -> EveryNTokens | OverBudget | None:
-        """The decoding schedule of ``method@every:N`` / ``method@over:SLACK``, or None (compress once)."""
-        if split_schedule(self.method)[1] is None:
+    @cached_property
+    def decode_schedule(self) -> EveryNTokens | OverBudget | TailFull | None:
+        """The decoding schedule: ``method@every:N`` / ``method@over:SLACK``, LagKV's own ``tail:LAG`` (its
+        default), or None (compress once)."""
+        if split_schedule(self.method)[1] is None and self.lag is None:
             return None
-        return get_method(self.method, **self.params).schedule
+        schedule = get_method(self.method, **self.params).schedule
+        return schedule if schedule.continuous else None
 
     def held_bound(self, chunk: int) -> int | None:
         """Most entries a request ever holds with steps of at most ``chunk`` tokens, or None (unbounded): with
-        ``between_chunks`` and a decoding schedule, the budget plus the larger of one chunk and one round."""
+        ``between_chunks`` and a decoding schedule, the budget plus the larger of one chunk and one round.
+        LagKV keeps a share of every partition, so its requests grow without bound (None)."""
         schedule = self.decode_schedule
-        if not self.between_chunks or schedule is None:
+        if not self.between_chunks or schedule is None or isinstance(schedule, TailFull):
             return None
         period = schedule.n if isinstance(schedule, EveryNTokens) else schedule.slack + 1
         return int(self.spec.budget) + max(chunk, period)
@@ -150,6 +184,8 @@ class VLLMEvictionConfig:
         """
         if prompt_len < max(self.min_prompt, 1):
             return None
+        if self.lag is not None:
+            return self._lag_keep(prompt_len, logical_end, physical_end, step_tokens)
         budget = int(self.spec.budget)
         if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
             return budget if self.between_chunks and physical_end > budget else None
@@ -163,6 +199,63 @@ class VLLMEvictionConfig:
         else:
             return None
         return budget if due and physical_end > budget else None
+
+    def _lag_keep(self, prompt_len: int, logical_end: int, physical_end: int, step_tokens: int) -> int | None:
+        """LagKV's rounds: a prefill chunk (``between_chunks``), the last prompt chunk, a recomputed chunk past
+        the prompt (``between_chunks`` or the recursion) and every decoding step (the recursion: ``tail:LAG``)
+        compress when the uncompressed tail holds two partitions; see :meth:`lag_round`."""
+        if logical_end < prompt_len or (logical_end > prompt_len and step_tokens > 1):
+            due = self.between_chunks or (logical_end > prompt_len and self.decode_schedule is not None)
+        elif logical_end == prompt_len:
+            due = True
+        else:
+            due = self.decode_schedule is not None
+        if not due:
+            return None
+        removed = self.lag_round(logical_end, logical_end - physical_end)[0]
+        return physical_end - removed if removed else None
+
+    def lag_keep_per_partition(self) -> int:
+        """LagKV's family: entries kept of each compressed partition, ``⌊(1 − ratio)·lag⌋``."""
+        return keep_per_partition(float(self.spec.ratio), self.lag.lag)
+
+    def compressed_until(self, dropped: int) -> int:
+        """LagKV's family: the first logical position a request has not compressed yet, from the entries its
+        rounds dropped so far (each compressed partition drops ``lag − ⌊r·lag⌋``): ``S + lag · dropped /
+        (lag − ⌊r·lag⌋)``, the sink size before the first round. Scheduler and workers derive it from the same
+        count, so no per-request state besides ``dropped`` is kept (and it goes when ``dropped`` goes)."""
+        frame = self.lag
+        gone = frame.lag - self.lag_keep_per_partition()
+        return frame.sink + (frame.lag * dropped // gone if gone else 0)
+
+    def lag_round(self, logical_end: int, dropped: int) -> tuple[int, int]:
+        """LagKV's family, a request that has seen ``logical_end`` tokens and dropped ``dropped`` entries so far:
+        ``(entries a round drops now, compressed_until after it)``. With ``n`` full partitions past
+        ``compressed_until``, partitions ``0 … n−2`` keep ``⌊r·lag⌋`` entries each (kvtrim's
+        ``PartitionBudget`` / ``TailFull`` on the transformers path); nothing when ``n < 2``."""
+        frame = self.lag
+        start = self.compressed_until(dropped)
+        gone = frame.lag - self.lag_keep_per_partition()
+        parts = max((logical_end - start) // frame.lag - 1, 0) if gone else 0
+        return parts * gone, start + parts * frame.lag
+
+    def admission_tokens(self, num_tokens: int, chunk: int) -> int | None:
+        """With ``between_chunks``: most entries a request of ``num_tokens`` tokens holds at once, compressed after
+        every step of at most ``chunk`` tokens (vLLM's full-sequence admission gate counts this), else None.
+
+        Uniform methods: the budget plus one chunk. LagKV's family: before a round, the tail past
+        ``compressed_until`` holds under ``2·lag + chunk`` tokens, so with ``c = S + 2·lag − 1 + chunk`` a request at
+        ``T`` tokens holds at most ``c + k·⌈(T − c)/lag⌉`` (``k = ⌊r·lag⌋`` per compressed partition), which grows
+        with ``T``: the bound at ``num_tokens``.
+        """
+        if not self.between_chunks:
+            return None
+        if self.lag is None:
+            return int(self.spec.budget) + chunk
+        frame = self.lag
+        c = frame.sink + 2 * frame.lag - 1 + chunk
+        over = max(num_tokens - c, 0)
+        return min(num_tokens, c + self.lag_keep_per_partition() * -(-over // frame.lag))
 
     @property
     def per_layer(self) -> bool:

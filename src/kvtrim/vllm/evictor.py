@@ -42,6 +42,8 @@ class PendingEviction:
             ``i`` holds token ``i``
         observed: the window queries come from the worker's record of the request's recent queries (decoding
             rounds), not from this step's rows alone
+        compressed_until: LagKV's family: the first logical position not compressed yet (earlier rounds'
+            partitions are never scored again), or None: the sink size, nothing compressed before
     """
 
     req_id: str
@@ -57,6 +59,7 @@ class PendingEviction:
     logical_len: int = 0
     positions: torch.Tensor | None = None
     observed: bool = False
+    compressed_until: int | None = None
 
     def key_positions(self, layer_idx: int, kv_heads: int, device) -> torch.Tensor:
         """``[kv_heads, prompt_len]`` logical positions of the request's entries in this layer."""
@@ -101,6 +104,7 @@ def _score_and_select(
     q = q[max(q.shape[0] - window, 0) :] if window > 0 else q[:0]
     qpos = torch.arange(end - q.shape[0], end, device=device).view(1, -1)
     positions = pending.key_positions(layer_idx, kv_heads, device).unsqueeze(0)  # [1, kv_heads, p]
+    done = None if pending.compressed_until is None else torch.tensor([pending.compressed_until], device=device)
     view = LayerView(
         layer_idx=layer_idx,
         num_layers=num_layers,
@@ -115,6 +119,7 @@ def _score_and_select(
         stats={},
         module=module,
         scaling=scaling,
+        compressed_until=done,
     )
     scores = pipeline.scorer.score(view).float()
     request = BudgetRequest(
@@ -124,7 +129,7 @@ def _score_and_select(
         kv_heads=kv_heads,
         positions=[positions],
         ratio=ratio,
-        compressed_until=[None],
+        compressed_until=[done],
     )
     # One layer at a time: PyramidBudget with num_layers=1 returns ``keep`` (this layer's pyramid count);
     # HeadAdaptiveBudget splits ``kv_heads · keep`` among this layer's heads.

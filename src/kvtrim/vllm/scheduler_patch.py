@@ -6,7 +6,8 @@ overridden),
 ``Scheduler._update_after_schedule`` (when a request's last prompt chunk is scheduled, free the blocks past
 ``keep`` right away: the worker compacts the kept entries into the first blocks in that same step, before any
 later step can reuse the freed ones; with rounds, ``between_chunks`` and ``method@every:N``, the same after
-every chunk and every ``N`` decoded tokens, :meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep`),
+every chunk and every ``N`` decoded tokens, or by LagKV's recursion,
+:meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep`),
 ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` (token counts of compressed
 requests are physical: logical − dropped; with ``between_chunks`` vLLM's full-sequence admission gate counts
 at most budget + one chunk) and ``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request).
@@ -99,9 +100,10 @@ def _patch_init(orig):
             coordinator._kvtrim_dropped = state.dropped
             coordinator._kvtrim_state = state
             if config.between_chunks:
-                # Admission by compressed size: a prompt never holds more than the budget plus one chunk.
-                coordinator._kvtrim_admission_tokens = int(config.spec.budget) + int(
-                    self.scheduler_config.max_num_batched_tokens
+                # Admission by compressed size: a prompt never holds more than the budget plus one chunk (LagKV:
+                # its bound at the request's length, VLLMEvictionConfig.admission_tokens).
+                coordinator._kvtrim_admission_tokens = functools.partial(
+                    config.admission_tokens, chunk=int(self.scheduler_config.max_num_batched_tokens)
                 )
 
     return __init__
@@ -174,10 +176,11 @@ def _patch_blocks_to_allocate(orig):
         d = getattr(self, "_kvtrim_dropped", {}).get(request_id, 0)
         if d and "prefill_end" in kwargs:
             kwargs["prefill_end"] = max(kwargs["prefill_end"] - d, 0)
-        cap = getattr(self, "_kvtrim_admission_tokens", None)
-        if cap is not None and kwargs.get("apply_admission_cap"):
+        admission = getattr(self, "_kvtrim_admission_tokens", None)
+        if admission is not None and kwargs.get("apply_admission_cap"):
             # vLLM's full-sequence admission gate (scheduler_reserve_full_isl): with compression between chunks
             # the request holds at most budget + one chunk (+ the computed tokens already kept) at once.
+            cap = admission(num_tokens)
             num_tokens = min(num_tokens, max(cap + d, total_computed_tokens))
             num_tokens_main_model = min(num_tokens_main_model, num_tokens)
         return orig(

@@ -14,10 +14,12 @@ Patched methods of vLLM's V1 ``GPUModelRunner`` (the CPU runner inherits them):
 - each attention impl's ``forward``: after attention for the step, score/select/compact the pending requests'
   entries in that layer's cache.
 
-Rounds (``between_chunks``, ``method@every:N``): the same compaction after any step that
+Rounds (``between_chunks``, ``method@every:N``, LagKV's recursion): the same compaction after any step that
 :meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep` names (the scheduler applies the same rule), over the
 request's physical entries; each layer's kept logical positions are kept per request for the next round, and the
 last ``window`` queries of the request are recorded around a round (the observation window while decoding).
+LagKV's ``compressed_until`` follows from the request's dropped count
+(:meth:`~kvtrim.vllm.config.VLLMEvictionConfig.compressed_until`), so it is forgotten with it.
 
 Only the V1 runner is patched: ``runner_check`` makes V1 the default under kvtrim and refuses any other runner.
 
@@ -257,10 +259,12 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     if keep is None:
         return
     blocks = torch.tensor(runner.requests[req_id].block_ids[0], dtype=torch.long, device=runner.device)
+    # LagKV's family: only the partitions past what earlier rounds compressed are scored (derived from ``dropped``)
+    done = None if config.lag is None else config.compressed_until(end - physical)
     state.pending.append(
         PendingEviction(
             req_id, qs, qe, physical, keep, blocks, logical_len=end, positions=state.positions.get(req_id),
-            observed=window > 0,
+            observed=window > 0, compressed_until=done,
         )
     )
 
