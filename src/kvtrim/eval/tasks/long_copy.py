@@ -47,9 +47,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvtrim.errors import InvalidParameterError
-from kvtrim.eval.haystacks import NOISE_BLOCK
-from kvtrim.eval.tasks.base import Sample, TokenCounter, check_common_args, fit_units, sample_rng
+from kvtrim.eval.tasks.base import Sample, TokenCounter, check_common_args, sample_rng
+from kvtrim.eval.tasks.filler import check_depth, fill_to_length
 
 __all__ = [
     "LONG_COPY_ANSWER_PREFIX",
@@ -99,11 +98,6 @@ LONG_COPY_WORDS: tuple[str, ...] = (
 """Common concrete nouns the items are drawn from (none occurs in the noise filler)."""
 
 
-def _garbage(chars: int) -> str:
-    repeats = chars // (len(NOISE_BLOCK) + 1) + 2
-    return " ".join([NOISE_BLOCK] * repeats)[:chars]
-
-
 def _items(rng: Any) -> list[str]:
     words = rng.sample(LONG_COPY_WORDS, LONG_COPY_ITEMS)
     codes = rng.sample(range(1000, 10000), LONG_COPY_ITEMS)
@@ -128,8 +122,7 @@ def generate_long_copy(
     ``haystack`` is ignored: the filler is always the noise block (``meta["haystack"] = "noise"``).
     """
     check_common_args(task, length, num_samples, seed)
-    if depth is not None and not 0 <= depth <= 100:
-        raise InvalidParameterError(f"depth={depth!r}: expected a percentage in [0, 100] or None (random).")
+    check_depth(depth)
     counter = TokenCounter(tokenizer)
     tail = LONG_COPY_QUESTION + LONG_COPY_ANSWER_PREFIX
     samples: list[Sample] = []
@@ -143,43 +136,32 @@ def generate_long_copy(
         reference_tokens = counter.count(reference)
         max_new_tokens = math.ceil(LONG_COPY_BUDGET_FACTOR * reference_tokens)
 
-        def build(n: int, block: str = block, fraction: float = fraction) -> tuple[str, int]:
-            n_pre = int(n * depth / 100) if depth is not None else min(n, int(fraction * (n + 1)))
-            lines = [LONG_COPY_INTRO, _garbage(n_pre), block, _garbage(n - n_pre)]
-            return "\n".join(lines) + "\n", n_pre
-
-        result = fit_units(
-            build,
-            lambda built: counter.count(built[0] + tail),
-            length - max_new_tokens,
-            0,
-            max(64 * length, 64),
-            hint,
+        filled = fill_to_length(
+            counter,
+            intro=LONG_COPY_INTRO,
+            insert=block,
+            tail=tail,
+            length=length,
+            max_new_tokens=max_new_tokens,
+            depth=depth,
+            fraction=fraction,
+            hint=hint,
             what=f"{task} prompt",
         )
-        hint = result.units
-        context, n_pre = result.value
-        list_offset = context.find(block)
-        token_offsets = counter.char_to_token(context, [list_offset])
+        hint = filled.garbage_chars
+        context = filled.context
         meta: dict[str, Any] = {
             "benchmark": "long_copy",
-            "target_length": length,
-            "length": result.tokens + max_new_tokens,
-            "prompt_tokens": result.tokens,
-            "haystack": "noise",
-            "garbage_chars": result.units,
-            "garbage_prefix_chars": n_pre,
-            "depth_percent": round(100 * n_pre / result.units, 2) if result.units else 0.0,
-            "requested_depth": depth,
-            "list_char_offset": list_offset,
+            **filled.meta,
+            "list_char_offset": filled.insert_char_offset,
             "num_items": len(items),
             "reference": reference,
             "reference_tokens": reference_tokens,
             "chat_template": True,
             "secondary_metrics": ["copy_item_recall"],
         }
-        if token_offsets is not None:
-            meta["list_token_offset"] = token_offsets[0]
+        if filled.insert_token_offset is not None:
+            meta["list_token_offset"] = filled.insert_token_offset
         samples.append(
             Sample(
                 task=task,
