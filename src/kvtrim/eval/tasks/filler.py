@@ -11,18 +11,21 @@ Prompt context (lines joined with ``\\n``, ending with one)::
 ``n`` is the largest filler size whose context plus ``tail`` (the question and answer prefix) fits the target
 length less the tokens to generate; ``n_pre = int(n * depth / 100)`` for a given ``depth`` (percent), otherwise
 ``min(n, int(fraction * (n + 1)))`` for a fraction the sample drew once (uniform in ``[0, n]``, as in LongLoRA).
+:func:`filler_samples` makes a task's samples from what each one hides (:class:`Hidden`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrim.errors import InvalidParameterError
 from kvtrim.eval.haystacks import NOISE_BLOCK
-from kvtrim.eval.tasks.base import TokenCounter, fit_units
+from kvtrim.eval.tasks.base import Sample, TokenCounter, fit_units, sample_rng
 
-__all__ = ["FilledContext", "check_depth", "fill_to_length", "garbage"]
+__all__ = ["FilledContext", "Hidden", "check_depth", "fill_to_length", "filler_samples", "garbage"]
 
 
 def garbage(chars: int) -> str:
@@ -92,3 +95,74 @@ def fill_to_length(
         "requested_depth": depth,
     }
     return FilledContext(context, result.units, meta, offset, None if token_offsets is None else token_offsets[0])
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """What one sample hides in the filler and is scored on, drawn from the sample's RNG."""
+
+    insert: str
+    answers: list[str]
+    fraction: float  # where the insert sits without a depth (drawn once, so it does not move while fitting)
+    max_new_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)  # the task's own meta, after the length and placement meta
+
+
+def filler_samples(
+    task: str,
+    tokenizer: Any,
+    length: int,
+    num_samples: int,
+    seed: int,
+    depth: float | None,
+    draw: Callable[[random.Random, TokenCounter], Hidden],
+    *,
+    intro: str,
+    question: str,
+    answer_prefix: str,
+    metric: str,
+    head_meta: dict[str, Any],
+    offset_name: str,
+) -> list[Sample]:
+    """``num_samples`` samples of ``task``: ``draw(rng, counter)`` the sample's :class:`Hidden` text, inserted at
+    ``depth`` (None: random) in the filler fitted to ``length`` (:func:`fill_to_length`); ``question`` and
+    ``answer_prefix`` follow the context. ``meta``: ``head_meta``, the length and placement meta, the insert's
+    character offset (``{offset_name}_char_offset``), the task's own, then its token offset where the tokenizer
+    gives offsets (``{offset_name}_token_offset``)."""
+    check_depth(depth)
+    counter = TokenCounter(tokenizer)
+    samples: list[Sample] = []
+    hint: int | None = None
+    for index in range(num_samples):
+        hidden = draw(sample_rng(task, seed, index), counter)
+        filled = fill_to_length(
+            counter,
+            intro=intro,
+            insert=hidden.insert,
+            tail=question + answer_prefix,
+            length=length,
+            max_new_tokens=hidden.max_new_tokens,
+            depth=depth,
+            fraction=hidden.fraction,
+            hint=hint,
+            what=f"{task} prompt",
+        )
+        hint = filled.garbage_chars
+        meta = {**head_meta, **filled.meta, f"{offset_name}_char_offset": filled.insert_char_offset, **hidden.meta}
+        if filled.insert_token_offset is not None:
+            meta[f"{offset_name}_token_offset"] = filled.insert_token_offset
+        samples.append(
+            Sample(
+                task=task,
+                context=filled.context,
+                question=question,
+                answer_prefix=answer_prefix,
+                answers=hidden.answers,
+                metric=metric,
+                max_new_tokens=hidden.max_new_tokens,
+                index=index,
+                seed=seed,
+                meta=meta,
+            )
+        )
+    return samples

@@ -45,10 +45,11 @@ and the primary metric is recall-oriented:
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
-from kvtrim.eval.tasks.base import Sample, TokenCounter, check_common_args, sample_rng
-from kvtrim.eval.tasks.filler import check_depth, fill_to_length
+from kvtrim.eval.tasks.base import Sample, TokenCounter, check_common_args
+from kvtrim.eval.tasks.filler import Hidden, filler_samples
 
 __all__ = [
     "LONG_COPY_ANSWER_PREFIX",
@@ -122,58 +123,22 @@ def generate_long_copy(
     ``haystack`` is ignored: the filler is always the noise block (``meta["haystack"] = "noise"``).
     """
     check_common_args(task, length, num_samples, seed)
-    check_depth(depth)
-    counter = TokenCounter(tokenizer)
-    tail = LONG_COPY_QUESTION + LONG_COPY_ANSWER_PREFIX
-    samples: list[Sample] = []
-    hint: int | None = None
-    for index in range(num_samples):
-        rng = sample_rng(task, seed, index)
+
+    def draw(rng: random.Random, counter: TokenCounter) -> Hidden:
         items = _items(rng)
         fraction = rng.random()  # drawn once so the list does not move while fitting n
         reference = _reference(items)
-        block = "\n".join([LONG_COPY_HEADING, reference, LONG_COPY_END])
         reference_tokens = counter.count(reference)
-        max_new_tokens = math.ceil(LONG_COPY_BUDGET_FACTOR * reference_tokens)
-
-        filled = fill_to_length(
-            counter,
-            intro=LONG_COPY_INTRO,
-            insert=block,
-            tail=tail,
-            length=length,
-            max_new_tokens=max_new_tokens,
-            depth=depth,
-            fraction=fraction,
-            hint=hint,
-            what=f"{task} prompt",
-        )
-        hint = filled.garbage_chars
-        context = filled.context
-        meta: dict[str, Any] = {
-            "benchmark": "long_copy",
-            **filled.meta,
-            "list_char_offset": filled.insert_char_offset,
+        meta = {
             "num_items": len(items),
             "reference": reference,
             "reference_tokens": reference_tokens,
             "chat_template": True,
             "secondary_metrics": ["copy_item_recall"],
         }
-        if filled.insert_token_offset is not None:
-            meta["list_token_offset"] = filled.insert_token_offset
-        samples.append(
-            Sample(
-                task=task,
-                context=context,
-                question=LONG_COPY_QUESTION,
-                answer_prefix=LONG_COPY_ANSWER_PREFIX,
-                answers=items,
-                metric="copy_rouge_l",
-                max_new_tokens=max_new_tokens,
-                index=index,
-                seed=seed,
-                meta=meta,
-            )
-        )
-    return samples
+        block = "\n".join([LONG_COPY_HEADING, reference, LONG_COPY_END])
+        return Hidden(block, items, fraction, math.ceil(LONG_COPY_BUDGET_FACTOR * reference_tokens), meta)
+
+    return filler_samples(task, tokenizer, length, num_samples, seed, depth, draw, intro=LONG_COPY_INTRO,
+                          question=LONG_COPY_QUESTION, answer_prefix=LONG_COPY_ANSWER_PREFIX, metric="copy_rouge_l",
+                          head_meta={"benchmark": "long_copy"}, offset_name="list")  # fmt: skip

@@ -25,12 +25,13 @@ format, ``meta["chat_template"] = False``).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
 from kvtrim.errors import InvalidParameterError
-from kvtrim.eval.tasks.base import Sample, TokenCounter, sample_rng
-from kvtrim.eval.tasks.filler import check_depth, fill_to_length
+from kvtrim.eval.tasks.base import Sample, TokenCounter
+from kvtrim.eval.tasks.filler import Hidden, filler_samples
 
 __all__ = ["PASSKEY_ANSWER_PREFIX", "PASSKEY_INFO", "PASSKEY_INTRO", "PASSKEY_QUESTION", "generate_passkey"]
 
@@ -74,56 +75,18 @@ def generate_passkey(
         raise InvalidParameterError(f"length={length!r}: expected a positive number of tokens.")
     if not isinstance(num_samples, int) or num_samples < 0:
         raise InvalidParameterError(f"num_samples={num_samples!r}: expected an integer >= 0.")
-    check_depth(depth)
     variant = _VARIANTS[task]
-    max_new_tokens = variant.max_new_tokens
     digits = variant.digits
-    counter = TokenCounter(tokenizer)
-    samples: list[Sample] = []
-    hint: int | None = None
-    for index in range(num_samples):
-        rng = sample_rng(task, seed, index)
+
+    def draw(rng: random.Random, counter: TokenCounter) -> Hidden:
         if digits is None:
             key = str(rng.randint(1, 50000))
         else:
             key = str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
         fraction = rng.random()  # drawn once so the key position does not move while fitting n
-        filled = fill_to_length(
-            counter,
-            intro=PASSKEY_INTRO,
-            insert=PASSKEY_INFO.format(key=key),
-            tail=PASSKEY_QUESTION + PASSKEY_ANSWER_PREFIX,
-            length=length,
-            max_new_tokens=max_new_tokens,
-            depth=depth,
-            fraction=fraction,
-            hint=hint,
-            what=f"{task} prompt",
-        )
-        hint = filled.garbage_chars
-        context = filled.context
-        meta: dict[str, Any] = {
-            "benchmark": "passkey",
-            "format": "landmark",
-            **filled.meta,
-            "key_char_offset": filled.insert_char_offset,
-            "chat_template": False,
-            "secondary_metrics": list(variant.secondary_metrics),
-        }
-        if filled.insert_token_offset is not None:
-            meta["key_token_offset"] = filled.insert_token_offset
-        samples.append(
-            Sample(
-                task=task,
-                context=context,
-                question=PASSKEY_QUESTION,
-                answer_prefix=PASSKEY_ANSWER_PREFIX,
-                answers=[key],
-                metric="passkey_match",
-                max_new_tokens=max_new_tokens,
-                index=index,
-                seed=seed,
-                meta=meta,
-            )
-        )
-    return samples
+        meta = {"chat_template": False, "secondary_metrics": list(variant.secondary_metrics)}
+        return Hidden(PASSKEY_INFO.format(key=key), [key], fraction, variant.max_new_tokens, meta)
+
+    return filler_samples(task, tokenizer, length, num_samples, seed, depth, draw, intro=PASSKEY_INTRO,
+                          question=PASSKEY_QUESTION, answer_prefix=PASSKEY_ANSWER_PREFIX, metric="passkey_match",
+                          head_meta={"benchmark": "passkey", "format": "landmark"}, offset_name="key")  # fmt: skip
