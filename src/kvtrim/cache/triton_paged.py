@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -333,7 +334,7 @@ def split_k_decode(
     block_size: int,
     scale: float,
     metric: FusedMetric | None,
-    partial_kernels,
+    partial_kernels: Callable[[bool], tuple],
     consts: dict,
     *,
     num_splits: int | None,
