@@ -13,12 +13,10 @@ The interpreter runs each program in Python, so the batches are small.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -26,15 +24,22 @@ import paged_kernel_reference as ref
 from kvtrim.cache import paged_kernels
 from kvtrim.cache.paged import BlockPool, PagedBatchCache, PagedSequence
 from kvtrim.errors import InvalidParameterError
-from kvtrim.selection.block_eviction import apply_evictions, schedule_evictions
+from triton_paged_cases import (
+    DEVICE,
+    HOST_READS,
+    INTERPRETED,
+    Ops,
+    assert_split_count_invariant,
+    assert_triton_equals_gather,
+    check,
+    config,
+    decode,
+    fused_metric,
+    reference,
+    row_tables,
+)
 
 torch.set_num_threads(1)
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-DEVICE = "cpu" if INTERPRETED else "cuda"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
 
 
 def _dense(q, keys, values, scale):
@@ -86,22 +91,13 @@ def _paged_case(lengths, block_size, head_dim, group, dtype, *, seed=0, seqs_hea
     metric, positions and query positions: everything :func:`paged_decode` and its metric read."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lengths]
-    width = max(need) + 1  # one more column than the widest row: entries past a row's blocks are never read
     blocks = sum(need) + 3
     k_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, block_size, 1, head_dim, generator=g).to(dtype)
-    order = torch.randperm(blocks, generator=g)
-    table = torch.randint(0, blocks, (len(lengths), width), generator=g)
-    used = 0
-    for r, k in enumerate(need):
-        table[r, :k] = order[used : used + k]
-        used += k
-    qpos = torch.randint(0, 4 * max(lengths) + 1, (len(lengths) // seqs_heads,), generator=g) + 8
-    positions = torch.randint(0, int(qpos.min()) + 1, (blocks, block_size), generator=g)
-    positions[::3] = qpos.max()  # some keys within any buffer of the query
+    table, qpos, positions = row_tables(g, lengths, need, blocks, block_size, seqs_heads)
     return SimpleNamespace(
         q=torch.randn(len(lengths), group, head_dim, generator=g).to(dtype), k_cache=k_cache, v_cache=v_cache,
-        table=table.to(torch.int32), seqlens=torch.tensor(lengths, dtype=torch.int32), lengths=lengths,
+        table=table, seqlens=torch.tensor(lengths, dtype=torch.int32), lengths=lengths,
         metric=torch.rand(blocks, block_size, generator=g), positions=positions, qpos=qpos, heads=seqs_heads,
         buffer=buffer, scale=head_dim**-0.5,
     )  # fmt: skip
@@ -109,53 +105,26 @@ def _paged_case(lengths, block_size, head_dim, group, dtype, *, seed=0, seqs_hea
 
 def _reference(case):
     """Plain PyTorch, row by row in float64: (out [B, G, d], lse [B, G], metric after the update)."""
-    rows, group, d = case.q.shape
-    bs = case.k_cache.shape[1]
-    out = torch.zeros(rows, group, d, dtype=torch.float64)
-    lse = torch.full((rows, group), float("-inf"), dtype=torch.float64)
-    metric = case.metric.double().reshape(-1).clone()
-    for r, n in enumerate(case.lengths):
-        if n == 0:
-            continue
-        slots = (case.table[r].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
-        keys = case.k_cache.reshape(-1, d)[slots].double()
-        values = case.v_cache.reshape(-1, d)[slots].double()
-        logits = case.q[r].double() @ keys.T * case.scale  # [G, n]
-        lse[r] = torch.logsumexp(logits, dim=-1)
-        probs = torch.exp(logits - lse[r, :, None])
-        out[r] = probs @ values
-        counted = case.positions.reshape(-1)[slots] <= case.qpos[r // case.heads] - case.buffer
-        metric.index_add_(0, slots, torch.where(counted, probs.square().sum(0), 0.0))
-    return out, lse, metric.reshape(case.metric.shape)
+    d = case.q.shape[-1]
+
+    def entries(slots):
+        return case.k_cache.reshape(-1, d)[slots].double(), case.v_cache.reshape(-1, d)[slots].double()
+
+    return reference(case, case.k_cache.shape[1], entries)
 
 
 def _run(case, *, metric: bool, **kwargs):
-    from kvtrim.cache.paged_kernels import FusedMetric
     from kvtrim.cache.triton_paged import paged_decode
 
-    pool_metric = case.metric.clone().to(DEVICE)
-    fused = None
-    if metric:
-        fused = FusedMetric(pool_metric, case.positions.to(DEVICE), case.qpos.to(DEVICE), case.heads, case.buffer)
+    pool_metric, fused = fused_metric(case, metric)
     tensors = (case.q, case.k_cache, case.v_cache, case.seqlens, case.table)
     out, lse = paged_decode(*(t.to(DEVICE) for t in tensors), 0, case.scale, fused, **kwargs)
     return out.cpu(), lse.cpu(), pool_metric.cpu()
 
 
 def _check(case, got, *, metric: bool):
-    out, lse, pool_metric = got
-    want_out, want_lse, want_metric = _reference(case)
-    dtype = case.q.dtype
-    assert out.dtype == dtype and out.shape == case.q.shape and lse.dtype == torch.float32
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
-    lse_tol = 1e-5 if dtype == torch.float32 else 1e-4  # the logits are exact products of the stored halves
-    torch.testing.assert_close(lse.double(), want_lse, atol=lse_tol, rtol=lse_tol)
-    if metric:
-        torch.testing.assert_close(pool_metric.double(), want_metric, atol=1e-5, rtol=1e-4)
-        assert not torch.equal(pool_metric, case.metric)
-    else:
-        assert torch.equal(pool_metric, case.metric)
+    # lse for half-precision pools: the logits are exact products of the stored halves
+    check(case, got, _reference(case), metric=metric, lse_tol=(1e-5, 1e-4), metric_tol=(1e-5, 1e-4))
 
 
 # (dtype, G, head_dim, block_size, lengths, num_splits, block_n, metric, buffer)
@@ -194,11 +163,7 @@ def test_long_rows(dtype, length, metric):
 
 def test_split_count_does_not_change_the_result():
     """1, 3 and 16 splits: the same output, lse and metric (up to float32 summation order)."""
-    case = _paged_case([700, 200, 64], 16, 64, 4, torch.float32, seed=3)
-    base = _run(case, metric=True, num_splits=1)
-    for splits in (3, 16):
-        for a, b in zip(_run(case, metric=True, num_splits=splits), base, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_split_count_invariant(_run, _paged_case([700, 200, 64], 16, 64, 4, torch.float32, seed=3), (3, 16))
 
 
 def test_split_plan():
@@ -239,21 +204,6 @@ def test_autotune_configs_pruned_per_shape(monkeypatch):
     assert kept(torch.bfloat16, 256, 16) == kept(torch.float32, 128, 16) == kept(torch.float16, 64, 32) == small
 
 
-class _Ops(TorchDispatchMode):
-    """The aten ops dispatched while active, and the sizes of the tensors the ``empty*`` ops made."""
-
-    def __init__(self):
-        super().__init__()
-        self.names, self.numels = [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.names.append(func.overloadpacket.__name__)
-        if self.names[-1].startswith("empty"):
-            self.numels.append(out.numel())
-        return out
-
-
 def test_launch_reads_nothing_on_the_host():
     """Graph capture: no op reads a device value on the host, and the buffers (so the grid) depend on the table's
     shape only, not on the lengths."""
@@ -261,9 +211,9 @@ def test_launch_reads_nothing_on_the_host():
     for lengths in ([500, 20], [3, 511]):
         case = _paged_case(lengths, 16, 64, 4, torch.float32, seed=1)
         case.table = case.table[:, :33]  # the same width for both
-        with _Ops() as seen:
+        with Ops() as seen:
             _run(case, metric=True)
-        assert not {"_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"} & set(seen.names)
+        assert not HOST_READS & set(seen.names)
         made.append(seen.numels)
     assert made[0] == made[1]
 
@@ -273,7 +223,7 @@ def test_metric_off_stores_no_logits():
     case = _paged_case([500, 20], 16, 64, 4, torch.float32, seed=1)
     sizes = {}
     for metric in (False, True):
-        with _Ops() as seen:
+        with Ops() as seen:
             _run(case, metric=metric, num_splits=2)
         sizes[metric] = max(seen.numels)
     rows, group = case.q.shape[:2]
@@ -288,49 +238,9 @@ def test_bad_tile_width_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------------- the backend
-def _config(heads: int, kv_heads: int, head_dim: int, layers: int = 2):
-    return SimpleNamespace(
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        hidden_size=heads * head_dim,
-    )  # fmt: skip
-
-
-def _forward(cfg, cache: PagedBatchCache, rows: int, q_len: int, g: torch.Generator, positions=None):
-    """One 'forward' through every layer with random q/k/v; returns the per-layer outputs."""
-    outs = []
-    for layer in cache.layers:
-        q = torch.randn(rows, cfg.num_attention_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
-        k = torch.randn(rows, cfg.num_key_value_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
-        v = torch.randn(rows, cfg.num_key_value_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
-        cache.update(k, v, layer.layer_idx)
-        outs.append(layer.attend(None, q, positions, None, cfg.head_dim**-0.5))
-    return outs
-
-
-def _decode(kernel: str, cfg, lengths, *, accumulate: bool, buffer: int, pad: int, block_size: int = 16):
-    """Prefilled sequences with random evictions per (layer, head) and a random metric, then one decode step."""
-    g = torch.Generator().manual_seed(7)
-    blocks = sum(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (t // block_size + 2) for t in lengths)
-    pool = BlockPool(blocks, block_size, cfg.head_dim, torch.float32, DEVICE, scratch=True)
-    seqs = []
-    for t in lengths:
-        seq = PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads)
-        _forward(cfg, PagedBatchCache(cfg, pool, [seq]), 1, t, g)
-        plan = schedule_evictions(seq, blocks_to_evict=0, protected_window=0)
-        for r in range(seq.num_rows):
-            n = int(seq.row_lengths()[r])
-            k = int(torch.randint(0, n // 2, (1,), generator=g))
-            plan.evicted[r] = torch.randperm(n - 1, generator=g)[:k].sort().values
-        apply_evictions(seq, plan)
-        seqs.append(seq)
-    pool.metric.copy_(torch.rand(pool.metric.shape, generator=g))
-    lens = torch.stack([s.lengths() for s in seqs])
-    positions = torch.tensor([[s.seen] for s in seqs] + [[0]] * pad, device=DEVICE)
-    cache = PagedBatchCache(
-        cfg, pool, seqs, accumulate_decode_metric=accumulate, buffer=buffer, bucketed=pad > 0, decode_kernel=kernel
-    )
-    outs = _forward(cfg, cache, len(seqs) + pad, 1, g, positions)
-    return cache, [out[: len(seqs)] for out in outs], pool, lens
+def _pool(cfg):
+    """``(blocks, block_size) -> BlockPool`` of float32 entries for ``cfg``, with a scratch block for padding rows."""
+    return lambda blocks, block_size: BlockPool(blocks, block_size, cfg.head_dim, torch.float32, DEVICE, scratch=True)
 
 
 @pytest.mark.parametrize(
@@ -339,33 +249,25 @@ def _decode(kernel: str, cfg, lengths, *, accumulate: bool, buffer: int, pad: in
 )
 def test_triton_decode_equals_gather_path(head_dim, accumulate, buffer, pad):
     """GQA 6/2 (G = 3); ``pad``: padding rows of a bucketed batch (they read and write the scratch block only)."""
-    cfg = _config(heads=6, kv_heads=2, head_dim=head_dim)
+    cfg = config(heads=6, kv_heads=2, head_dim=head_dim)
     lengths = (3 * 16 + 5, 16 + 9, 7)
-    gather_cache, want, gather_pool, lens = _decode("gather", cfg, lengths, accumulate=accumulate, buffer=buffer,
-                                                    pad=pad)  # fmt: skip
-    cache, got, pool, _ = _decode("triton", cfg, lengths, accumulate=accumulate, buffer=buffer, pad=pad)
-    assert gather_cache.decode_kernel_name == "gather" and cache.decode_kernel_name == "triton"
-    assert len(set(lens.flatten().tolist())) > 3  # heads and sequences really hold different counts
-    assert int(lens.max()) > 2 * 16  # some rows span three blocks
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    # Every block but the scratch one, which all padding rows share (their updates may race on a GPU; nothing
-    # reads it).
-    real = slice(0, pool.num_blocks)
-    torch.testing.assert_close(pool.metric[real], gather_pool.metric[real], atol=1e-6, rtol=1e-5)
+    pool, gather_pool = assert_triton_equals_gather(cfg, lengths, _pool(cfg), kernel_name="triton", block_size=16,
+                                                    accumulate=accumulate, buffer=buffer, pad=pad, atol=1e-5,
+                                                    rtol=1e-5)  # fmt: skip
     torch.testing.assert_close(pool.keys, gather_pool.keys, atol=0, rtol=0)
     if accumulate:
-        base = _decode("gather", cfg, lengths, accumulate=False, buffer=0, pad=pad)[2].metric
-        assert not torch.equal(pool.metric[real], base[real])  # the metric did move
+        base = decode("gather", cfg, lengths, _pool(cfg), accumulate=False, buffer=0, pad=pad, block_size=16)[2]
+        real = slice(0, pool.num_blocks)
+        assert not torch.equal(pool.metric[real], base.metric[real])  # the metric did move
 
 
 def test_fused_metric_skips_the_accumulate_from_lse_pass(monkeypatch):
     calls = []
     monkeypatch.setattr("kvtrim.cache.paged.accumulate_metric_from_lse", lambda *a, **k: calls.append(1))
-    cfg = _config(heads=6, kv_heads=2, head_dim=16, layers=1)
-    _decode("triton", cfg, (20, 9), accumulate=True, buffer=0, pad=0)
+    cfg = config(heads=6, kv_heads=2, head_dim=16, layers=1)
+    decode("triton", cfg, (20, 9), _pool(cfg), accumulate=True, buffer=0, pad=0, block_size=16)
     assert not calls
-    _decode("gather", cfg, (20, 9), accumulate=True, buffer=0, pad=0)
+    decode("gather", cfg, (20, 9), _pool(cfg), accumulate=True, buffer=0, pad=0, block_size=16)
     assert not calls  # the gather path computes the metric from its own softmax
 
 
@@ -375,7 +277,7 @@ def test_triton_without_cuda_or_interpreter_is_refused(monkeypatch):
     resolve = paged_kernels.resolve_decode_kernel
     with pytest.raises(InvalidParameterError, match=r"decode_kernel='triton' cannot be used: it needs a CUDA device"):
         resolve("triton", device="cpu", dtype=torch.float32, block_size=16, head_dim=64)
-    cfg = _config(heads=6, kv_heads=2, head_dim=16)
+    cfg = config(heads=6, kv_heads=2, head_dim=16)
     pool = BlockPool(8, 16, 16, torch.float32)
     seq = PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads)
     with pytest.raises(InvalidParameterError, match="TRITON_INTERPRET=1"):

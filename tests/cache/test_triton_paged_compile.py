@@ -11,33 +11,21 @@ no register spills.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
+
+from triton_sm90_build import HAS_TOOLS, run_build
 
 BUILD = pathlib.Path(__file__).with_name("triton_sm90_build.py")
-BUNDLED = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-@pytest.mark.skipif(
-    not (BUNDLED / "ptxas").exists() or not (BUNDLED / "cuobjdump").exists(),
-    reason="this triton build bundles no ptxas/cuobjdump",
-)
+@pytest.mark.skipif(not HAS_TOOLS, reason="this triton build bundles no ptxas/cuobjdump")
 @pytest.mark.parametrize("metric", [False, True])
 def test_llama_8b_decode_builds_for_sm90_without_spills(metric):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BUILD.parents[2] / "src"), env.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, str(BUILD), "1" if metric else "0"], capture_output=True, text=True,
-                         env=env, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = json.loads(run.stdout.strip().splitlines()[-1])
+    built = run_build(BUILD, metric)
     partial, combine = built["partial"], built["combine"]
     assert partial["mma.sync"] >= 2  # q·Kᵀ and P·V on tensor cores
     assert partial["cp.async"] > 0  # K/V tiles pipelined through shared memory

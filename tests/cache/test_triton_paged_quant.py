@@ -13,12 +13,10 @@ The interpreter runs each program in Python, so every case is tiny.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -27,18 +25,24 @@ import triton.language as tl
 
 from kvtrim.cache import paged_kernels
 from kvtrim.cache.paged import PagedBatchCache, PagedSequence
-from kvtrim.cache.paged_kernels import FusedMetric, PackedKV
+from kvtrim.cache.paged_kernels import PackedKV
 from kvtrim.cache.quant import KVQuant, dequantize_values
 from kvtrim.cache.quantized_block_pool import QuantizedBlockPool
 from kvtrim.errors import InvalidParameterError
-from kvtrim.selection.block_eviction import apply_evictions, schedule_evictions
+from triton_paged_cases import (
+    DEVICE,
+    HOST_READS,
+    Ops,
+    assert_split_count_invariant,
+    assert_triton_equals_gather,
+    check,
+    config,
+    fused_metric,
+    reference,
+    row_tables,
+)
 
 torch.set_num_threads(1)
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-DEVICE = "cpu" if INTERPRETED else "cuda"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
 
 
 # ---------------------------------------------------------------------------------------------------- the kernel
@@ -47,23 +51,14 @@ def _case(fmt, lengths, block_size, head_dim, group, dtype, *, seed=0, heads=1, 
     metric, positions and query positions."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lengths]
-    width = max(need) + 1
     blocks = sum(need) + 2
     pool = QuantizedBlockPool(blocks, block_size, head_dim, dtype, fmt, DEVICE)
     slots = torch.arange(blocks * block_size, device=DEVICE)
     keys = (torch.randn(len(slots), head_dim, generator=g) * 2 + torch.randn(head_dim, generator=g)).to(DEVICE)
     pool.write(slots, keys, torch.randn(len(slots), head_dim, generator=g).to(DEVICE))
-    order = torch.randperm(blocks, generator=g)
-    table = torch.randint(0, blocks, (len(lengths), width), generator=g)
-    used = 0
-    for r, k in enumerate(need):
-        table[r, :k] = order[used : used + k]
-        used += k
-    qpos = torch.randint(0, 4 * max(lengths) + 1, (len(lengths) // heads,), generator=g) + 8
-    positions = torch.randint(0, int(qpos.min()) + 1, (blocks, block_size), generator=g)
-    positions[::3] = qpos.max()  # some keys within any buffer of the query
+    table, qpos, positions = row_tables(g, lengths, need, blocks, block_size, heads)
     return SimpleNamespace(
-        pool=pool, q=torch.randn(len(lengths), group, head_dim, generator=g).to(dtype), table=table.to(torch.int32),
+        pool=pool, q=torch.randn(len(lengths), group, head_dim, generator=g).to(dtype), table=table,
         seqlens=torch.tensor(lengths, dtype=torch.int32), lengths=lengths, heads=heads, buffer=buffer,
         metric=torch.rand(blocks, block_size, generator=g), positions=positions, qpos=qpos, scale=head_dim**-0.5,
     )  # fmt: skip
@@ -78,22 +73,12 @@ def _dequantized(pool, slots, side: str) -> torch.Tensor:
 
 def _reference(case):
     """Dequantize each row's entries, then attention in float64: out, lse, metric."""
-    rows, group, d = case.q.shape
-    bs = case.pool.block_size
-    out = torch.zeros(rows, group, d, dtype=torch.float64)
-    lse = torch.full((rows, group), float("-inf"), dtype=torch.float64)
-    metric = case.metric.double().reshape(-1).clone()
-    for r, n in enumerate(case.lengths):
-        slots = (case.table[r].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
-        keys = _dequantized(case.pool, slots.to(DEVICE), "key").cpu().double()
-        values = _dequantized(case.pool, slots.to(DEVICE), "value").cpu().double()
-        logits = case.q[r].double() @ keys.T * case.scale
-        lse[r] = torch.logsumexp(logits, dim=-1)
-        probs = torch.exp(logits - lse[r, :, None])
-        out[r] = probs @ values
-        counted = case.positions.reshape(-1)[slots] <= case.qpos[r // case.heads] - case.buffer
-        metric.index_add_(0, slots, torch.where(counted, probs.square().sum(0), 0.0))
-    return out, lse, metric.reshape(case.metric.shape)
+
+    def entries(slots):
+        slots = slots.to(DEVICE)
+        return tuple(_dequantized(case.pool, slots, side).cpu().double() for side in ("key", "value"))
+
+    return reference(case, case.pool.block_size, entries)
 
 
 def _packed(pool):
@@ -104,10 +89,7 @@ def _packed(pool):
 def _run(case, *, metric: bool, **kwargs):
     from kvtrim.cache.triton_paged_quant import paged_decode_quant
 
-    pool_metric = case.metric.clone().to(DEVICE)
-    fused = None
-    if metric:
-        fused = FusedMetric(pool_metric, case.positions.to(DEVICE), case.qpos.to(DEVICE), case.heads, case.buffer)
+    pool_metric, fused = fused_metric(case, metric)
     keys, values = _packed(case.pool)
     out, lse = paged_decode_quant(
         case.q.to(DEVICE), keys, values, case.seqlens.to(DEVICE), case.table.to(DEVICE), 0, case.scale, fused,
@@ -136,18 +118,8 @@ def test_fused_kernel_equals_dequantize_then_attention(fmt, dtype, group, head_d
                                                        metric, buffer):  # fmt: skip
     heads = 2 if len(lengths) % 2 == 0 else 1
     case = _case(fmt, lengths, block_size, head_dim, group, dtype, seed=head_dim + group, heads=heads, buffer=buffer)
-    out, lse, pool_metric = _run(case, metric=metric, num_splits=num_splits)
-    want_out, want_lse, want_metric = _reference(case)
-    assert out.dtype == dtype and out.shape == case.q.shape and lse.dtype == torch.float32
-    tol = 2e-5 if dtype == torch.float32 else 2e-2  # half precision: P rounded to it for P·V
-    torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol)
-    lse_tol = 2e-5 if dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(lse.double(), want_lse, atol=lse_tol, rtol=lse_tol)
-    if metric:
-        torch.testing.assert_close(pool_metric.double(), want_metric, atol=1e-4, rtol=1e-3)
-        assert not torch.equal(pool_metric, case.metric)
-    else:
-        assert torch.equal(pool_metric, case.metric)
+    got = _run(case, metric=metric, num_splits=num_splits)
+    check(case, got, _reference(case), metric=metric, lse_tol=(2e-5, 1e-3), metric_tol=(1e-4, 1e-3))
 
 
 _fp8_device = None  # the kernel's fp8 decoder, wrapped in the mode in force by the test below
@@ -175,30 +147,14 @@ def test_every_fp8_code_decodes_exactly():
 
 
 def test_split_count_does_not_change_the_result():
-    case = _case("int4", [70, 20, 9], 8, 32, 4, torch.float32, seed=3)
-    base = _run(case, metric=True, num_splits=1)
-    for splits in (2, 5):
-        for a, b in zip(_run(case, metric=True, num_splits=splits), base, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
-
-class _Ops(TorchDispatchMode):
-    """The aten ops dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+    assert_split_count_invariant(_run, _case("int4", [70, 20, 9], 8, 32, 4, torch.float32, seed=3), (2, 5))
 
 
 def test_launch_reads_nothing_on_the_host():
     case = _case("int8", [30, 5], 8, 16, 2, torch.float32, seed=1)
-    with _Ops() as seen:
+    with Ops() as seen:
         _run(case, metric=True)
-    assert not {"_local_scalar_dense", "item", "is_nonzero", "equal", "tolist"} & set(seen.names)
+    assert not HOST_READS & set(seen.names)
 
 
 def test_bad_packed_tensors_are_refused():
@@ -216,72 +172,25 @@ def test_bad_packed_tensors_are_refused():
 
 
 # ---------------------------------------------------------------------------------------------------- the backend
-def _config(heads: int, kv_heads: int, head_dim: int, layers: int = 2):
-    return SimpleNamespace(
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        hidden_size=heads * head_dim,
-    )  # fmt: skip
-
-
-def _forward(cfg, cache: PagedBatchCache, rows: int, q_len: int, g: torch.Generator, positions=None):
-    outs = []
-    for layer in cache.layers:
-        q = torch.randn(rows, cfg.num_attention_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
-        k = torch.randn(rows, cfg.num_key_value_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
-        v = torch.randn(rows, cfg.num_key_value_heads, q_len, cfg.head_dim, generator=g).to(DEVICE)
-        cache.update(k, v, layer.layer_idx)
-        outs.append(layer.attend(None, q, positions, None, cfg.head_dim**-0.5))
-    return outs
-
-
-def _decode(kernel: str, fmt, cfg, lengths, *, accumulate: bool, buffer: int, pad: int, block_size: int = 8):
-    """Prefilled sequences on a quantized pool, random evictions per (layer, head), then one decode step."""
-    g = torch.Generator().manual_seed(7)
-    blocks = sum(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (t // block_size + 2) for t in lengths)
-    pool = QuantizedBlockPool(blocks, block_size, cfg.head_dim, torch.float32, fmt, DEVICE, scratch=True)
-    seqs = []
-    for t in lengths:
-        seq = PagedSequence(pool, cfg.num_hidden_layers, cfg.num_key_value_heads)
-        _forward(cfg, PagedBatchCache(cfg, pool, [seq]), 1, t, g)
-        plan = schedule_evictions(seq, blocks_to_evict=0, protected_window=0)
-        for r in range(seq.num_rows):
-            n = int(seq.row_lengths()[r])
-            plan.evicted[r] = torch.randperm(n - 1, generator=g)[: int(torch.randint(0, n // 2, (1,), generator=g))]
-            plan.evicted[r] = plan.evicted[r].sort().values
-        apply_evictions(seq, plan)
-        seqs.append(seq)
-    pool.metric.copy_(torch.rand(pool.metric.shape, generator=g))
-    lens = torch.stack([s.lengths() for s in seqs])
-    positions = torch.tensor([[s.seen] for s in seqs] + [[0]] * pad, device=DEVICE)
-    cache = PagedBatchCache(
-        cfg, pool, seqs, accumulate_decode_metric=accumulate, buffer=buffer, bucketed=pad > 0, decode_kernel=kernel
-    )
-    outs = _forward(cfg, cache, len(seqs) + pad, 1, g, positions)
-    return cache, [out[: len(seqs)] for out in outs], pool, lens
-
-
 @pytest.mark.parametrize(
     ("fmt", "accumulate", "buffer", "pad"),
     [("int8", True, 0, 0), ("int4", True, 3, 2), ("fp8", False, 0, 0), (KVQuant("int4", value_group=8), True, 0, 0)],
 )
 def test_triton_decode_on_a_quantized_pool_equals_the_gather_path(fmt, accumulate, buffer, pad):
     """GQA 6/2 (G = 3), rows of different lengths after evictions; ``pad``: padding rows of a bucketed batch."""
-    cfg = _config(heads=6, kv_heads=2, head_dim=16)
-    lengths = (3 * 8 + 5, 8 + 3, 6)
-    gather_cache, want, gather_pool, lens = _decode("gather", fmt, cfg, lengths, accumulate=accumulate,
-                                                    buffer=buffer, pad=pad)  # fmt: skip
-    cache, got, pool, _ = _decode("triton", fmt, cfg, lengths, accumulate=accumulate, buffer=buffer, pad=pad)
-    assert gather_cache.decode_kernel_name == "gather" and cache.decode_kernel_name == "triton_quant"
-    assert len(set(lens.flatten().tolist())) > 3 and int(lens.max()) > 2 * 8  # ragged rows over three blocks
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
-    real = slice(0, pool.num_blocks)  # the scratch block is shared by padding rows and never read
-    torch.testing.assert_close(pool.metric[real], gather_pool.metric[real], atol=1e-6, rtol=1e-5)
+    cfg = config(heads=6, kv_heads=2, head_dim=16)
+
+    def make_pool(blocks: int, block_size: int) -> QuantizedBlockPool:
+        return QuantizedBlockPool(blocks, block_size, cfg.head_dim, torch.float32, fmt, DEVICE, scratch=True)
+
+    pool, gather_pool = assert_triton_equals_gather(cfg, (3 * 8 + 5, 8 + 3, 6), make_pool, kernel_name="triton_quant",
+                                                    block_size=8, accumulate=accumulate, buffer=buffer, pad=pad,
+                                                    atol=2e-5, rtol=2e-5)  # fmt: skip
     assert torch.equal(pool.key_codes, gather_pool.key_codes)
 
 
 def test_a_kernel_object_must_read_the_pool_format():
-    cfg = _config(heads=4, kv_heads=2, head_dim=16)
+    cfg = config(heads=4, kv_heads=2, head_dim=16)
     qpool = QuantizedBlockPool(8, 8, 16, torch.float32, "int8", DEVICE)
     plain = paged_kernels.triton_kernel()
     with pytest.raises(InvalidParameterError, match="cannot read a pool with kv_quant='int8'"):

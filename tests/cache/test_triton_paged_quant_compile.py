@@ -9,31 +9,20 @@ with the interpreter off; checked here: both dots on tensor cores, no register s
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
+
+from triton_sm90_build import HAS_TOOLS, run_build
 
 BUILD = pathlib.Path(__file__).with_name("triton_sm90_build_quant.py")
-BUNDLED = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-@pytest.mark.skipif(
-    not (BUNDLED / "ptxas").exists() or not (BUNDLED / "cuobjdump").exists(),
-    reason="this triton build bundles no ptxas/cuobjdump",
-)
+@pytest.mark.skipif(not HAS_TOOLS, reason="this triton build bundles no ptxas/cuobjdump")
 def test_fused_dequantizing_decode_builds_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BUILD.parents[2] / "src"), env.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, str(BUILD), "1"], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = json.loads(run.stdout.strip().splitlines()[-1])
+    built = run_build(BUILD, True)
     assert set(built) == {"int8", "int4", "fp8"}
     for fmt, partial in built.items():
         assert partial["mma.sync"] >= 2, (fmt, partial)  # q·Kᵀ and P·V on tensor cores

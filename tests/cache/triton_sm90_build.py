@@ -6,12 +6,14 @@ cannot compile. Prints one JSON object: per kernel, its registers and stack byte
 the ``cuobjdump`` Triton bundles) and counts of the PTX instructions that matter here.
 
 Usage: ``python tests/cache/triton_sm90_build.py METRIC`` (``0`` or ``1``); llama-8b's decode shape: bf16,
-G = 4, head_dim 128, 16-token blocks, 64-token tiles, 4 warps, 2 stages.
+G = 4, head_dim 128, 16-token blocks, 64-token tiles, 4 warps, 2 stages. The tests run it (and the other build
+scripts) through :func:`run_build`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -25,7 +27,9 @@ from triton.compiler import ASTSource
 from kvtrim.cache import triton_paged as tp
 
 SM90 = GPUTarget("cuda", 90, 32)
-CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+BUNDLED = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+CUOBJDUMP = BUNDLED / "cuobjdump"
+HAS_TOOLS = (BUNDLED / "ptxas").exists() and CUOBJDUMP.exists()  # this triton build bundles ptxas and cuobjdump
 ALIGNED = ("stride_qr", "stride_qg", "chunk", "score_len")  # multiples of 16 at this shape: the launcher says so too
 PARTIAL = {
     "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "len_ptr": "*i32", "m_ptr": "*fp32",
@@ -58,6 +62,19 @@ def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: i
                               text=True, check=True).stdout  # fmt: skip
     used = {key.lower(): int(re.search(rf"{key}:(\d+)", text).group(1)) for key in ("REG", "STACK")}
     return {**used, "shared": kernel.metadata.shared, **{p: kernel.asm["ptx"].count(p) for p in PTX}}
+
+
+def run_build(script: pathlib.Path, metric: bool) -> dict:
+    """What ``script`` (this file or another build script) prints, run in a new process with Triton's interpreter
+    off and ``src`` first on the path; fails with the end of its stderr when it does."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pathlib.Path(__file__).parents[2] / "src"),
+                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, str(script), "1" if metric else "0"], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main(metric: bool) -> dict:

@@ -49,6 +49,10 @@ is how the tests check them on a machine without a GPU. :func:`paged_decode` bui
 force at its call (``triton.jit`` reads ``TRITON_INTERPRET`` when it wraps a function), so setting the variable
 before a call is enough; the module need not be re-imported.
 
+The host side of a launch (the checks, the output and partial buffers, the split plan, the metric's pointers, the
+two launches) is :func:`split_k_decode`, which :mod:`kvtrim.cache.triton_paged_quant` shares with a partial kernel
+of its own.
+
 This module imports ``triton``; :mod:`kvtrim.cache.paged_kernels` imports it only when the Triton kernel is chosen.
 """
 
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -198,29 +203,39 @@ CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8,
 INTERPRETER_CONFIG = (128, 4, 1)
 
 
-def _prune(configs, named_args, **kwargs):
-    """Under the interpreter one configuration (nothing to tune); otherwise drop the 128-token tiles where their
-    temporaries and pipeline buffers grow too large: ``head_dim > 128``, a padded group above 16, or float32 KV
-    (for sm_90, bf16, G = 4: 128 tokens × head_dim 128 take 168 registers with 4 warps, × head_dim 256 take 224
-    and 140 KiB of shared memory; 64 tokens × 128 take 71)."""
+def prune_tiles(configs, wide: bool) -> list:
+    """The configurations a launch tunes over: under the interpreter the one :data:`INTERPRETER_CONFIG` (nothing to
+    tune); otherwise those of :data:`CONFIGS`, without the 128-token tiles where ``wide`` (the kernel's
+    temporaries and pipeline buffers grow too large at the shape)."""
     if triton.knobs.runtime.interpret:
         return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == INTERPRETER_CONFIG]
-    wide = kwargs["D_PAD"] > 128 or kwargs["G_PAD"] > 16 or named_args["k_ptr"].element_size() > 2
     return [
         c for c in configs
         if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in CONFIGS and not (c.kwargs["BLOCK_N"] > 64 and wide)
     ]  # fmt: skip
 
 
+def _prune(configs, named_args, **kwargs):
+    """:func:`prune_tiles`, wide at ``head_dim > 128``, a padded group above 16, or float32 KV (for sm_90, bf16,
+    G = 4: 128 tokens × head_dim 128 take 168 registers with 4 warps, × head_dim 256 take 224 and 140 KiB of
+    shared memory; 64 tokens × 128 take 71)."""
+    wide = kwargs["D_PAD"] > 128 or kwargs["G_PAD"] > 16 or named_args["k_ptr"].element_size() > 2
+    return prune_tiles(configs, wide)
+
+
+def jit_autotuned(kernel, key: list[str], prune) -> tuple:
+    """``(jit, autotuned)``: a partial kernel wrapped in the mode in force, and the same tuned over the tiles of
+    :data:`CONFIGS` (and :data:`INTERPRETER_CONFIG`) that ``prune`` keeps, per value of the arguments ``key``."""
+    plain = triton.jit(kernel)
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in (*CONFIGS, INTERPRETER_CONFIG)]
+    return plain, triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(plain)
+
+
 @functools.cache
 def _kernels(interpret: bool):
     """``(partial jit, partial autotuned, combine jit)`` wrapped in the mode in force (``interpret`` is the cache
     key only)."""
-    partial = triton.jit(_partial_kernel)
-    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in (*CONFIGS, INTERPRETER_CONFIG)]
-    tuned = triton.autotune(
-        configs, key=["D_PAD", "G_PAD", "BS", "METRIC"], prune_configs_by={"early_config_prune": _prune}
-    )(partial)
+    partial, tuned = jit_autotuned(_partial_kernel, ["D_PAD", "G_PAD", "BS", "METRIC"], _prune)
     return partial, tuned, triton.jit(_combine_kernel)
 
 
@@ -297,17 +312,56 @@ def paged_decode(
         ``(out [B, G, d]`` in ``q``'s dtype, ``lse [B, G]`` float32 log-sum-exp of the scaled logits)
     """
     del max_seqlen_k
-    rows, g, d = q.shape
+    _, _, d = q.shape
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     keys = k_cache.reshape(num_blocks, block_size, d)
     values = v_cache.reshape(num_blocks, block_size, d)
     if not (keys.is_contiguous() and values.is_contiguous()):
         raise InvalidParameterError("the KV pool must be contiguous [num_blocks, block_size, head_dim]")
+    return split_k_decode(
+        q, keys.dtype, (keys, values), seqlens, block_table, block_size, scale, metric,
+        lambda interpret: _kernels(interpret)[:2], dict(D=d, D_PAD=max(16, _pow2(d))),
+        num_splits=num_splits, block_n=block_n,
+    )  # fmt: skip
+
+
+def split_k_decode(
+    q: torch.Tensor,
+    dtype: torch.dtype,
+    cache_args: tuple[torch.Tensor, ...],
+    seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    scale: float,
+    metric: FusedMetric | None,
+    partial_kernels: Callable[[bool], tuple],
+    consts: dict,
+    *,
+    num_splits: int | None,
+    block_n: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host side of a split-K paged decode, whatever the pool's entries: the tile check, the output, the split
+    plan and the partial buffers, the metric's pointers, the partial kernel's launch (autotuned unless ``block_n``
+    forces the tile) and the combine kernel's (module docstring).
+
+    Args:
+        q: ``[B, G, d]``, converted to ``dtype`` (the dtype of the dot products and of the output)
+        cache_args: the partial kernel's arguments between ``q`` and the block table (the pool's tensors)
+        seqlens, block_table, scale, metric, num_splits, block_n: as :func:`paged_decode`
+        block_size: tokens per block of the pool
+        partial_kernels: ``interpret -> (partial jit, partial autotuned)``, the partial kernel in the mode in force;
+            its arguments are ``q``, ``cache_args``, then those of :func:`_partial_kernel` from ``table_ptr`` on
+        consts: the partial kernel's own compile-time constants (all but ``G, G_PAD, BS, METRIC, PRECISION,
+            DOT_F32`` and ``BLOCK_N``)
+    Returns:
+        ``(out [B, G, d]`` in ``dtype``, ``lse [B, G]`` float32)
+    """
+    rows, g, d = q.shape
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise InvalidParameterError(f"block_n must be a power of two of at least 16, got {block_n!r}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    q = q.to(keys.dtype)
+    q = q.to(dtype)
     seqlens = seqlens.contiguous()
     block_table = block_table.contiguous()
     device = q.device
@@ -328,20 +382,20 @@ def paged_decode(
         qpos_t, heads, buffer = metric.qpos.reshape(-1).contiguous(), metric.heads, metric.buffer
         if not (metric_t.is_contiguous() and pos_t.is_contiguous()):
             raise InvalidParameterError("the pool's metric and positions must be contiguous")
-    d_pad = max(16, _pow2(d))
     interpret = interpreter_on()
     # Triton's interpreter multiplies bfloat16 operands of tl.dot as their raw 16-bit integers (it holds bfloat16 as
     # uint16 and calls numpy's matmul on those): there the operands are widened to float32 first, which is what a
     # GPU's bf16 MMA computes (exact products, float32 sums).
-    bf16_upcast = interpret and keys.dtype == torch.bfloat16
-    partial, tuned, combine = _kernels(interpret)
+    bf16_upcast = interpret and q.dtype == torch.bfloat16
+    partial, tuned = partial_kernels(interpret)
+    combine = _kernels(interpret)[2]
     args = (
-        q, keys, values, block_table, seqlens, m_part, l_part, acc_part, scores,
+        q, *cache_args, block_table, seqlens, m_part, l_part, acc_part, scores,
         q.stride(0), q.stride(1), block_table.stride(0), chunk, max_tokens, splits, float(scale) * LOG2E,
     )  # fmt: skip
     consts = dict(
-        G=g, G_PAD=max(16, _pow2(g)), BS=block_size, D=d, D_PAD=d_pad, METRIC=metric is not None,
-        PRECISION="ieee" if keys.dtype == torch.float32 or bf16_upcast else "tf32", DOT_F32=bf16_upcast,
+        G=g, G_PAD=max(16, _pow2(g)), BS=block_size, **consts, METRIC=metric is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 or bf16_upcast else "tf32", DOT_F32=bf16_upcast,
     )  # fmt: skip
     if block_n is None:
         tuned[(rows, splits)](*args, **consts)
@@ -350,6 +404,7 @@ def paged_decode(
     combine[(rows, splits if metric is not None else 1)](
         m_part, l_part, acc_part, out, lse, scores, block_table, seqlens, metric_t, pos_t, qpos_t,
         block_table.stride(0), out.stride(0), out.stride(1), chunk, max_tokens, splits, heads, buffer,
-        G=g, G_PAD=_pow2(g), BS=block_size, D=d, D_PAD=d_pad, METRIC=metric is not None, BLOCK_M=METRIC_BLOCK,
+        G=g, G_PAD=_pow2(g), BS=block_size, D=d, D_PAD=max(16, _pow2(d)), METRIC=metric is not None,
+        BLOCK_M=METRIC_BLOCK,
     )  # fmt: skip
     return out, lse

@@ -6,7 +6,8 @@ The same split-K (flash-decoding) plan as :mod:`kvtrim.cache.triton_paged` (KV-C
 Rehg, 2024, arXiv:2410.00161; the per-token packed entries of KIVI, Liu et al., 2024, arXiv:2402.02750, without its
 per-channel keys, see the pool's docstring): a partial kernel per ``(row, split)`` writes the split's online softmax
 ``m, l, acc``, and :mod:`kvtrim.cache.triton_paged`'s combine kernel merges the splits, writes the output and lse,
-and adds the continual metric from the stored logits. Only the partial kernel differs: where the float kernel loads
+and adds the continual metric from the stored logits; the launch is its
+:func:`~kvtrim.cache.triton_paged.split_k_decode`. Only the partial kernel differs: where the float kernel loads
 a ``[BLOCK_N, head_dim]`` tile of keys, this one loads the tile's codes and the entries' float16 scale and zero
 point and computes ``k = zero + scale · code`` in float32 registers (then the pool's dtype, as
 :meth:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool.read_keys` returns them), and the same for values.
@@ -47,16 +48,7 @@ import triton.language as tl
 from ..errors import InvalidParameterError
 from .paged_kernels import FusedMetric, PackedKV
 from .quant import KVQuant, resolve_kv_quant
-from .triton_paged import (
-    CONFIGS,
-    INTERPRETER_CONFIG,
-    LOG2E,
-    METRIC_BLOCK,
-    _kernels,
-    device_sms,
-    interpreter_on,
-    split_plan,
-)
+from .triton_paged import _pow2, interpreter_on, jit_autotuned, prune_tiles, split_k_decode
 
 __all__ = ["QUANT_FORMATS", "interpreter_on", "paged_decode_quant"]
 
@@ -191,15 +183,10 @@ def _quant_partial_kernel(
 
 
 def _prune(configs, named_args, **kwargs):
-    """One configuration under the interpreter; otherwise no 128-token tile where its dequantized float32
-    temporaries grow too large (``head_dim > 128``, a padded group above 16, or a float32 pool)."""
-    if triton.knobs.runtime.interpret:
-        return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == INTERPRETER_CONFIG]
+    """:func:`~kvtrim.cache.triton_paged.prune_tiles`, wide where the dequantized float32 temporaries grow too large
+    (``head_dim > 128``, a padded group above 16, or a float32 pool)."""
     wide = kwargs["HALF_PAD"] > 64 or kwargs["G_PAD"] > 16 or named_args["q_ptr"].element_size() > 2
-    return [
-        c for c in configs
-        if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in CONFIGS and not (c.kwargs["BLOCK_N"] > 64 and wide)
-    ]  # fmt: skip
+    return prune_tiles(configs, wide)
 
 
 @functools.cache
@@ -219,17 +206,13 @@ def _bind_device_functions(interpret: bool) -> None:
 @functools.cache
 def _partial(interpret: bool):
     """``(partial jit, partial autotuned)`` wrapped in the mode in force (``interpret`` is the cache key only)."""
-    plain = triton.jit(_quant_partial_kernel)
-    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in (*CONFIGS, INTERPRETER_CONFIG)]
-    tuned = triton.autotune(
-        configs, key=["HALF_PAD", "G_PAD", "BS", "METRIC", "FMT", "GROUPS"],
-        prune_configs_by={"early_config_prune": _prune},
-    )(plain)  # fmt: skip
-    return plain, tuned
+    return jit_autotuned(_quant_partial_kernel, ["HALF_PAD", "G_PAD", "BS", "METRIC", "FMT", "GROUPS"], _prune)
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _bound_partial(interpret: bool):
+    """:func:`_partial`, with the device functions it calls bound to the same mode."""
+    _bind_device_functions(interpret)
+    return _partial(interpret)
 
 
 def check_format(kv_quant: str | KVQuant) -> KVQuant:
@@ -275,7 +258,7 @@ def paged_decode_quant(
     """
     del max_seqlen_k
     fmt = check_format(kv_quant)
-    rows, g, d = q.shape
+    _, _, d = q.shape
     fmt.check_head_dim(d)
     num_blocks, block_size = keys.codes.shape[:2]
     groups = d // fmt.value_group_for(d)
@@ -293,55 +276,9 @@ def paged_decode_quant(
                 )
         if not all(t.is_contiguous() for t in (side.codes, side.scale, side.zero)):
             raise InvalidParameterError(f"{name}: the pool's codes, scales and zero points must be contiguous")
-    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
-        raise InvalidParameterError(f"block_n must be a power of two of at least 16, got {block_n!r}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    seqlens = seqlens.contiguous()
-    block_table = block_table.contiguous()
-    device = q.device
-    out = torch.empty(rows, g, d, dtype=q.dtype, device=device)
-    lse = torch.empty(rows, g, dtype=torch.float32, device=device)
-    if rows == 0:
-        return out, lse
-    max_tokens = block_table.shape[1] * block_size
-    splits, chunk = split_plan(rows, max_tokens, device_sms(device), num_splits)
-    m_part = torch.empty(rows, splits, g, dtype=torch.float32, device=device)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(rows, splits, g, d, dtype=torch.float32, device=device)
-    if metric is None:
-        scores, metric_t, pos_t, qpos_t, heads, buffer = lse, lse, seqlens, seqlens, 1, 0
-    else:
-        scores = torch.empty(rows, g, max_tokens, dtype=torch.float32, device=device)
-        metric_t, pos_t = metric.metric, metric.positions
-        qpos_t, heads, buffer = metric.qpos.reshape(-1).contiguous(), metric.heads, metric.buffer
-        if not (metric_t.is_contiguous() and pos_t.is_contiguous()):
-            raise InvalidParameterError("the pool's metric and positions must be contiguous")
-    interpret = interpreter_on()
-    # As in triton_paged: the interpreter multiplies bfloat16 dot operands as raw integers, so widen them there.
-    bf16_upcast = interpret and q.dtype == torch.bfloat16
-    _bind_device_functions(interpret)
-    plain, tuned = _partial(interpret)
-    combine = _kernels(interpret)[2]
     half = (d + 1) // 2
-    args = (
-        q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero, block_table, seqlens,
-        m_part, l_part, acc_part, scores, q.stride(0), q.stride(1), block_table.stride(0), chunk, max_tokens, splits,
-        float(scale) * LOG2E,
+    consts = dict(D=d, HALF=half, HALF_PAD=max(16, _pow2(half)), FMT=_FMT_CODE[fmt.name], GROUPS=groups, VG=d // groups)
+    return split_k_decode(
+        q, q.dtype, (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero), seqlens,
+        block_table, block_size, scale, metric, _bound_partial, consts, num_splits=num_splits, block_n=block_n,
     )  # fmt: skip
-    consts = dict(
-        G=g, G_PAD=max(16, _pow2(g)), BS=block_size, D=d, HALF=half, HALF_PAD=max(16, _pow2(half)),
-        FMT=_FMT_CODE[fmt.name], GROUPS=groups, VG=d // groups, METRIC=metric is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 or bf16_upcast else "tf32", DOT_F32=bf16_upcast,
-    )  # fmt: skip
-    if block_n is None:
-        tuned[(rows, splits)](*args, **consts)
-    else:
-        plain[(rows, splits)](*args, **consts, BLOCK_N=block_n, num_warps=4)
-    combine[(rows, splits if metric is not None else 1)](
-        m_part, l_part, acc_part, out, lse, scores, block_table, seqlens, metric_t, pos_t, qpos_t,
-        block_table.stride(0), out.stride(0), out.stride(1), chunk, max_tokens, splits, heads, buffer,
-        G=g, G_PAD=_pow2(g), BS=block_size, D=d, D_PAD=max(16, _pow2(d)), METRIC=metric is not None,
-        BLOCK_M=METRIC_BLOCK,
-    )  # fmt: skip
-    return out, lse

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..budgets.artifact_head_scores import ArtifactHeadScoreBudget
+from ..budgets.base import BudgetAllocator
 from ..budgets.error_aware import ArtifactErrorAwareBudget, LayerThenHeadBudget
 from ..budgets.head_adaptive import HeadAdaptiveBudget
 from ..budgets.uniform import UniformBudget
@@ -32,11 +33,21 @@ PRESET = (
 )
 
 
-def _srh_scorer(
-    ranking: str, heads_per_layer: int, window: int, kernel: int, pooling: str, artifact: str | None, per_kv: bool
-) -> ArtifactHeadSubsetScorer:
-    return ArtifactHeadSubsetScorer(
-        ranking=ranking,
+def _srh_parts(
+    heads: str,
+    heads_per_layer: int,
+    window: int,
+    kernel: int,
+    pooling: str,
+    artifact: str | None,
+    budget: BudgetAllocator,
+    *,
+    per_kv: bool = False,
+) -> Pipeline:
+    """The top ``heads_per_layer`` retrieval heads' (``heads``: ``"srh"`` or ``"trh"``) window attention, pooled,
+    chooses the top entries plus the window under ``budget``; ``per_kv``: each KV head scored by its own group's."""
+    scorer = ArtifactHeadSubsetScorer(
+        ranking=heads,
         heads_per_layer=heads_per_layer,
         window=window,
         kernel=kernel,
@@ -44,6 +55,12 @@ def _srh_scorer(
         per_kv_head=per_kv,
         path=artifact,
     )
+    return parts(scorer, budget, TopKSelector(recent=window))
+
+
+def _error_aware(min_budget: int, max_factor: float, artifact: str | None) -> ArtifactErrorAwareBudget:
+    """CompressKV's Algorithm 1 layer budgets from the artifact's profiled layer errors."""
+    return ArtifactErrorAwareBudget(min_budget=min_budget, max_factor=max_factor, path=artifact)
 
 
 @register(
@@ -72,11 +89,8 @@ def compresskv(
     (mean ``B`` = the requested budget per layer). Both come from the ``compresskv`` artifact
     (``kvtrim calibrate compresskv``; ``artifact=PATH`` for another file).
     """
-    return parts(
-        _srh_scorer(heads, heads_per_layer, window, kernel, pooling, artifact, False),
-        ArtifactErrorAwareBudget(min_budget=min_budget, max_factor=max_factor, path=artifact),
-        TopKSelector(recent=window),
-    )
+    budget = _error_aware(min_budget, max_factor, artifact)
+    return _srh_parts(heads, heads_per_layer, window, kernel, pooling, artifact, budget)
 
 
 @register(
@@ -95,11 +109,7 @@ def compresskv_srh_only(
     artifact: str | None = None,
 ) -> Pipeline:
     """CompressKV's selection alone (arXiv 2508.02401): top SRH heads' window attention, uniform budgets."""
-    return parts(
-        _srh_scorer(heads, heads_per_layer, window, kernel, pooling, artifact, False),
-        UniformBudget(),
-        TopKSelector(recent=window),
-    )
+    return _srh_parts(heads, heads_per_layer, window, kernel, pooling, artifact, UniformBudget())
 
 
 @register(
@@ -143,11 +153,8 @@ def head_compresskv(
     headkv_artifact: str | None = None,
 ) -> Pipeline:
     """CompressKV's SRH selection (arXiv 2508.02401) inside HeadKV budgets (arXiv 2410.19258)."""
-    return parts(
-        _srh_scorer("srh", heads_per_layer, window, kernel, pooling, artifact, False),
-        ArtifactHeadScoreBudget(beta=beta, temperature=temperature, window=window, path=headkv_artifact),
-        TopKSelector(recent=window),
-    )
+    budget = ArtifactHeadScoreBudget(beta=beta, temperature=temperature, window=window, path=headkv_artifact)
+    return _srh_parts("srh", heads_per_layer, window, kernel, pooling, artifact, budget)
 
 
 @register(
@@ -175,11 +182,7 @@ def ada_compresskv(
     AdaKV needs scores that differ between KV heads, so each KV head is scored by the chosen SRH heads of its
     own GQA group (the layer's mean over all chosen heads when none of them is in the group).
     """
-    return parts(
-        _srh_scorer("srh", heads_per_layer, window, kernel, pooling, artifact, True),
-        LayerThenHeadBudget(
-            ArtifactErrorAwareBudget(min_budget=min_budget, max_factor=max_factor, path=artifact),
-            HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule),
-        ),
-        TopKSelector(recent=window),
+    budget = LayerThenHeadBudget(
+        _error_aware(min_budget, max_factor, artifact), HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule)
     )
+    return _srh_parts("srh", heads_per_layer, window, kernel, pooling, artifact, budget, per_kv=True)

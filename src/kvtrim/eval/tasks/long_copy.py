@@ -45,11 +45,11 @@ and the primary metric is recall-oriented:
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
-from kvtrim.errors import InvalidParameterError
-from kvtrim.eval.haystacks import NOISE_BLOCK
-from kvtrim.eval.tasks.base import Sample, TokenCounter, check_common_args, fit_units, sample_rng
+from kvtrim.eval.tasks.base import Sample, TokenCounter, check_common_args
+from kvtrim.eval.tasks.filler import Hidden, filler_samples
 
 __all__ = [
     "LONG_COPY_ANSWER_PREFIX",
@@ -99,11 +99,6 @@ LONG_COPY_WORDS: tuple[str, ...] = (
 """Common concrete nouns the items are drawn from (none occurs in the noise filler)."""
 
 
-def _garbage(chars: int) -> str:
-    repeats = chars // (len(NOISE_BLOCK) + 1) + 2
-    return " ".join([NOISE_BLOCK] * repeats)[:chars]
-
-
 def _items(rng: Any) -> list[str]:
     words = rng.sample(LONG_COPY_WORDS, LONG_COPY_ITEMS)
     codes = rng.sample(range(1000, 10000), LONG_COPY_ITEMS)
@@ -128,70 +123,22 @@ def generate_long_copy(
     ``haystack`` is ignored: the filler is always the noise block (``meta["haystack"] = "noise"``).
     """
     check_common_args(task, length, num_samples, seed)
-    if depth is not None and not 0 <= depth <= 100:
-        raise InvalidParameterError(f"depth={depth!r}: expected a percentage in [0, 100] or None (random).")
-    counter = TokenCounter(tokenizer)
-    tail = LONG_COPY_QUESTION + LONG_COPY_ANSWER_PREFIX
-    samples: list[Sample] = []
-    hint: int | None = None
-    for index in range(num_samples):
-        rng = sample_rng(task, seed, index)
+
+    def draw(rng: random.Random, counter: TokenCounter) -> Hidden:
         items = _items(rng)
         fraction = rng.random()  # drawn once so the list does not move while fitting n
         reference = _reference(items)
-        block = "\n".join([LONG_COPY_HEADING, reference, LONG_COPY_END])
         reference_tokens = counter.count(reference)
-        max_new_tokens = math.ceil(LONG_COPY_BUDGET_FACTOR * reference_tokens)
-
-        def build(n: int, block: str = block, fraction: float = fraction) -> tuple[str, int]:
-            n_pre = int(n * depth / 100) if depth is not None else min(n, int(fraction * (n + 1)))
-            lines = [LONG_COPY_INTRO, _garbage(n_pre), block, _garbage(n - n_pre)]
-            return "\n".join(lines) + "\n", n_pre
-
-        result = fit_units(
-            build,
-            lambda built: counter.count(built[0] + tail),
-            length - max_new_tokens,
-            0,
-            max(64 * length, 64),
-            hint,
-            what=f"{task} prompt",
-        )
-        hint = result.units
-        context, n_pre = result.value
-        list_offset = context.find(block)
-        token_offsets = counter.char_to_token(context, [list_offset])
-        meta: dict[str, Any] = {
-            "benchmark": "long_copy",
-            "target_length": length,
-            "length": result.tokens + max_new_tokens,
-            "prompt_tokens": result.tokens,
-            "haystack": "noise",
-            "garbage_chars": result.units,
-            "garbage_prefix_chars": n_pre,
-            "depth_percent": round(100 * n_pre / result.units, 2) if result.units else 0.0,
-            "requested_depth": depth,
-            "list_char_offset": list_offset,
+        meta = {
             "num_items": len(items),
             "reference": reference,
             "reference_tokens": reference_tokens,
             "chat_template": True,
             "secondary_metrics": ["copy_item_recall"],
         }
-        if token_offsets is not None:
-            meta["list_token_offset"] = token_offsets[0]
-        samples.append(
-            Sample(
-                task=task,
-                context=context,
-                question=LONG_COPY_QUESTION,
-                answer_prefix=LONG_COPY_ANSWER_PREFIX,
-                answers=items,
-                metric="copy_rouge_l",
-                max_new_tokens=max_new_tokens,
-                index=index,
-                seed=seed,
-                meta=meta,
-            )
-        )
-    return samples
+        block = "\n".join([LONG_COPY_HEADING, reference, LONG_COPY_END])
+        return Hidden(block, items, fraction, math.ceil(LONG_COPY_BUDGET_FACTOR * reference_tokens), meta)
+
+    return filler_samples(task, tokenizer, length, num_samples, seed, depth, draw, intro=LONG_COPY_INTRO,
+                          question=LONG_COPY_QUESTION, answer_prefix=LONG_COPY_ANSWER_PREFIX, metric="copy_rouge_l",
+                          head_meta={"benchmark": "long_copy"}, offset_name="list")  # fmt: skip

@@ -25,12 +25,13 @@ format, ``meta["chat_template"] = False``).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
 from kvtrim.errors import InvalidParameterError
-from kvtrim.eval.haystacks import NOISE_BLOCK
-from kvtrim.eval.tasks.base import Sample, TokenCounter, fit_units, sample_rng
+from kvtrim.eval.tasks.base import Sample, TokenCounter
+from kvtrim.eval.tasks.filler import Hidden, filler_samples
 
 __all__ = ["PASSKEY_ANSWER_PREFIX", "PASSKEY_INFO", "PASSKEY_INTRO", "PASSKEY_QUESTION", "generate_passkey"]
 
@@ -58,11 +59,6 @@ _VARIANTS = {
 }
 
 
-def _garbage(chars: int) -> str:
-    repeats = chars // (len(NOISE_BLOCK) + 1) + 2
-    return " ".join([NOISE_BLOCK] * repeats)[:chars]
-
-
 def generate_passkey(
     task: str,
     tokenizer: Any,
@@ -79,70 +75,18 @@ def generate_passkey(
         raise InvalidParameterError(f"length={length!r}: expected a positive number of tokens.")
     if not isinstance(num_samples, int) or num_samples < 0:
         raise InvalidParameterError(f"num_samples={num_samples!r}: expected an integer >= 0.")
-    if depth is not None and not 0 <= depth <= 100:
-        raise InvalidParameterError(f"depth={depth!r}: expected a percentage in [0, 100] or None (random).")
     variant = _VARIANTS[task]
-    max_new_tokens = variant.max_new_tokens
     digits = variant.digits
-    counter = TokenCounter(tokenizer)
-    budget = length - max_new_tokens
-    samples: list[Sample] = []
-    hint: int | None = None
-    for index in range(num_samples):
-        rng = sample_rng(task, seed, index)
+
+    def draw(rng: random.Random, counter: TokenCounter) -> Hidden:
         if digits is None:
             key = str(rng.randint(1, 50000))
         else:
             key = str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
         fraction = rng.random()  # drawn once so the key position does not move while fitting n
+        meta = {"chat_template": False, "secondary_metrics": list(variant.secondary_metrics)}
+        return Hidden(PASSKEY_INFO.format(key=key), [key], fraction, variant.max_new_tokens, meta)
 
-        def build(n: int, key: str = key, fraction: float = fraction) -> tuple[str, int]:
-            n_pre = int(n * depth / 100) if depth is not None else min(n, int(fraction * (n + 1)))
-            lines = [PASSKEY_INTRO, _garbage(n_pre), PASSKEY_INFO.format(key=key), _garbage(n - n_pre)]
-            return "\n".join(lines) + "\n", n_pre
-
-        result = fit_units(
-            build,
-            lambda built: counter.count(built[0] + PASSKEY_QUESTION + PASSKEY_ANSWER_PREFIX),
-            budget,
-            0,
-            max(64 * length, 64),
-            hint,
-            what=f"{task} prompt",
-        )
-        hint = result.units
-        context, n_pre = result.value
-        info_offset = context.find(PASSKEY_INFO.format(key=key))
-        token_offsets = counter.char_to_token(context, [info_offset])
-        meta: dict[str, Any] = {
-            "benchmark": "passkey",
-            "format": "landmark",
-            "target_length": length,
-            "length": result.tokens + max_new_tokens,
-            "prompt_tokens": result.tokens,
-            "haystack": "noise",
-            "garbage_chars": result.units,
-            "garbage_prefix_chars": n_pre,
-            "depth_percent": round(100 * n_pre / result.units, 2) if result.units else 0.0,
-            "requested_depth": depth,
-            "key_char_offset": info_offset,
-            "chat_template": False,
-            "secondary_metrics": list(variant.secondary_metrics),
-        }
-        if token_offsets is not None:
-            meta["key_token_offset"] = token_offsets[0]
-        samples.append(
-            Sample(
-                task=task,
-                context=context,
-                question=PASSKEY_QUESTION,
-                answer_prefix=PASSKEY_ANSWER_PREFIX,
-                answers=[key],
-                metric="passkey_match",
-                max_new_tokens=max_new_tokens,
-                index=index,
-                seed=seed,
-                meta=meta,
-            )
-        )
-    return samples
+    return filler_samples(task, tokenizer, length, num_samples, seed, depth, draw, intro=PASSKEY_INTRO,
+                          question=PASSKEY_QUESTION, answer_prefix=PASSKEY_ANSWER_PREFIX, metric="passkey_match",
+                          head_meta={"benchmark": "passkey", "format": "landmark"}, offset_name="key")  # fmt: skip

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtrim.errors import InvalidParameterError
-from kvtrim.eval.tasks.base import BuiltPrompt, Sample, check_common_args, fitted_samples, sample_rng, split_at_last
-from kvtrim.eval.tasks.ruler import QUESTION_PATTERNS, RULER_MAX_NEW_TOKENS
+from kvtrim.eval.tasks.base import BuiltPrompt, Sample, check_common_args, sample_rng, split_at_last
+from kvtrim.eval.tasks.ruler import QUESTION_PATTERNS, ruler_samples
 
 __all__ = ["QA_ANSWER_PREFIX", "QA_TEMPLATE", "generate_qa", "read_hotpotqa", "read_squad"]
 
@@ -165,17 +165,5 @@ def generate_qa(
         }
         return BuiltPrompt(context, question, QA_ANSWER_PREFIX, list(qa.answers), meta)
 
-    return fitted_samples(
-        task=task,
-        tokenizer=tokenizer,
-        length=length,
-        num_samples=num_samples,
-        seed=seed,
-        metric="string_match_part",
-        max_new_tokens=RULER_MAX_NEW_TOKENS["qa"],
-        build=build,
-        low=1,
-        high=max(len(docs) * 64, 1),
-        unit="documents",
-        haystack=source,
-    )
+    return ruler_samples("qa", task, tokenizer, length, num_samples, seed, build, metric="string_match_part", low=1,
+                         high=max(len(docs) * 64, 1), unit="documents", haystack=source)  # fmt: skip

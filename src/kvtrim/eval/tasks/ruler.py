@@ -28,6 +28,7 @@ import random
 import re
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,33 @@ QUESTION_PATTERNS: dict[str, re.Pattern[str]] = {
 RULER_MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
 
 NIAH_DEPTHS = [round(100 * i / 39) for i in range(40)]  # round(linspace(0, 100, 40))
+
+
+def ruler_samples(
+    kind: str,
+    task: str,
+    tokenizer: Any,
+    length: int,
+    num_samples: int,
+    seed: int,
+    build: Callable[[int, int], BuiltPrompt],
+    *,
+    metric: str = "string_match_all",
+    **fit: Any,
+) -> list[Sample]:
+    """:func:`~kvtrim.eval.tasks.base.fitted_samples` with RULER's generation length for ``kind`` (a key of
+    :data:`RULER_MAX_NEW_TOKENS`); ``fit``: its ``low``, ``high``, ``unit``, ``haystack`` and ``extra_meta``."""
+    return fitted_samples(
+        task=task,
+        tokenizer=tokenizer,
+        length=length,
+        num_samples=num_samples,
+        seed=seed,
+        metric=metric,
+        max_new_tokens=RULER_MAX_NEW_TOKENS[kind],
+        build=build,
+        **fit,
+    )
 
 
 @dataclass(frozen=True)
@@ -320,21 +348,8 @@ def generate_niah(
         return BuiltPrompt(context, question, answer_prefix, answers, meta, needles)
 
     extra = {"sentence_splitter": SENTENCE_SPLITTER} if cfg.haystack == "essay" else {}
-    return fitted_samples(
-        task=task,
-        tokenizer=tokenizer,
-        length=length,
-        num_samples=num_samples,
-        seed=seed,
-        metric="string_match_all",
-        max_new_tokens=RULER_MAX_NEW_TOKENS["niah"],
-        build=build,
-        low=low,
-        high=high,
-        unit=unit,
-        haystack=haystack_name,
-        extra_meta=extra,
-    )
+    return ruler_samples("niah", task, tokenizer, length, num_samples, seed, build, low=low, high=high, unit=unit,
+                         haystack=haystack_name, extra_meta=extra)  # fmt: skip
 
 
 # ---- vt ---------------------------------------------------------------------------------------------
@@ -418,21 +433,9 @@ def generate_vt(
             needles=[statement.strip() for statement in chain],
         )
 
-    return fitted_samples(
-        task=task,
-        tokenizer=tokenizer,
-        length=length,
-        num_samples=num_samples,
-        seed=seed,
-        metric="string_match_all",
-        max_new_tokens=RULER_MAX_NEW_TOKENS["vt"],
-        build=build,
-        low=_VT_NUM_HOPS + 1,
-        high=10**7,
-        unit="noise lines",
-        haystack="noise",
-        extra_meta={"demo_tokens": demo_tokens, "num_chains": _VT_NUM_CHAINS, "num_hops": _VT_NUM_HOPS},
-    )
+    extra = {"demo_tokens": demo_tokens, "num_chains": _VT_NUM_CHAINS, "num_hops": _VT_NUM_HOPS}
+    return ruler_samples("vt", task, tokenizer, length, num_samples, seed, build, low=_VT_NUM_HOPS + 1, high=10**7,
+                         unit="noise lines", haystack="noise", extra_meta=extra)  # fmt: skip
 
 
 # ---- cwe --------------------------------------------------------------------------------------------
@@ -478,21 +481,10 @@ def generate_cwe(
         context, question = split_at_last(prompt, QUESTION_PATTERNS["cwe"])
         return BuiltPrompt(context, question, CWE_ANSWER_PREFIX, answers, {"num_words": n})
 
-    return fitted_samples(
-        task=task,
-        tokenizer=tokenizer,
-        length=length,
-        num_samples=num_samples,
-        seed=seed,
-        metric="string_match_all",
-        max_new_tokens=RULER_MAX_NEW_TOKENS["cwe"],
-        build=build,
-        low=_CWE_NUM_CW + 1,
-        high=len(_cwe_words(seed)),
-        unit="distinct words",
-        haystack="wonderwords",
-        extra_meta={"freq_cw": real_reps[0], "freq_ucw": real_reps[1], "num_cw": _CWE_NUM_CW},
-    )
+    extra = {"freq_cw": real_reps[0], "freq_ucw": real_reps[1], "num_cw": _CWE_NUM_CW}
+    return ruler_samples("cwe", task, tokenizer, length, num_samples, seed, build, low=_CWE_NUM_CW + 1,
+                         high=len(_cwe_words(seed)), unit="distinct words", haystack="wonderwords",
+                         extra_meta=extra)  # fmt: skip
 
 
 # ---- fwe --------------------------------------------------------------------------------------------
@@ -539,18 +531,6 @@ def generate_fwe(
         context, question = split_at_last(prompt, QUESTION_PATTERNS["fwe"])
         return BuiltPrompt(context, question, FWE_ANSWER_PREFIX, vocab[1:4], {"num_words": n})
 
-    return fitted_samples(
-        task=task,
-        tokenizer=tokenizer,
-        length=length,
-        num_samples=num_samples,
-        seed=seed,
-        metric="string_match_all",
-        max_new_tokens=RULER_MAX_NEW_TOKENS["fwe"],
-        build=build,
-        low=_FWE_MIN_WORDS,
-        high=max(64 * length, _FWE_MIN_WORDS),
-        unit="sampled words",
-        haystack="coded words",
-        extra_meta={"alpha": _FWE_ALPHA, "vocab_size": vocab_size},
-    )
+    return ruler_samples("fwe", task, tokenizer, length, num_samples, seed, build, low=_FWE_MIN_WORDS,
+                         high=max(64 * length, _FWE_MIN_WORDS), unit="sampled words", haystack="coded words",
+                         extra_meta={"alpha": _FWE_ALPHA, "vocab_size": vocab_size})  # fmt: skip
