@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvtrim
+import kvtrim.calibration
 from conftest import install_compresskv_scores, install_head_scores, random_text, tiny_model
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.errors import MissingArtifactError
