@@ -44,11 +44,14 @@ QUESTION = "\nQuestion: According to the text, what is /dev/null used as?\nAnswe
 MAX_NEW_TOKENS = 24
 
 
+SIMLAYERKV_RECENT = 128
 # the same press against kvtrim's own defaults where the mapping follows a kvpress choice (extra rows)
 VARIANTS = {
     "NonCausalAttnPress": [("kvtrim's default, logits scaled by 1/√d", {"scaled": True})],
     "AdaKVPress": [("kvtrim's default rule", {"rule": "official"})],
     "CriticalAdaKVPress": [("kvtrim's default rule", {"rule": "official"})],
+    # kvpress's lazy layer keeps n_recent − n_last recent tokens, kvtrim's n_recent: the same count
+    "SimLayerKVPress": [("n_recent=127, kvpress's kept count", {"n_recent": SIMLAYERKV_RECENT - 1})],
 }
 
 # Presses run with settings of their own (docs/kvpress-parity.md). DuoAttention: both sides stream the heads of one
@@ -57,7 +60,7 @@ VARIANTS = {
 # threshold that makes some layers lazy and a shorter recent window. DMS: a threshold on Knorm's score (−‖k‖)
 # near the median key norm of this context outside the window (16.7), so about half of those entries leave.
 DUO_SINK, DUO_RECENT = 16, 48
-SIMLAYERKV = {"lazy_threshold": 0.8, "n_recent": 128, "n_initial": 4, "n_last": 1}
+SIMLAYERKV = {"lazy_threshold": 0.8, "n_recent": SIMLAYERKV_RECENT, "n_initial": 4, "n_last": 1}
 DMS = {"threshold": -16.5, "sliding_window_size": 128}
 # the kvtrim side of those settings: (ratio, method parameters over the mapping's) per press
 KVTRIM_SETTINGS = {
@@ -366,6 +369,39 @@ def _greedy(model, cache, n: int, question_ids: torch.Tensor, max_new_tokens: in
     return greedy_decode(model, cache, fed.mask, fed.logits, max_new_tokens, eos=eos).tokens[0]
 
 
+def _zeroed_prefill_answer(model, ids: torch.Tensor, pruned: list[list[list[int]]], question_ids: torch.Tensor,
+                           max_new_tokens: int) -> list[int]:
+    """The greedy answer from a plain cache of ``ids`` whose prefill keys have the ``pruned`` channels
+    (``[layer][head]``) zeroed and whose later keys (question, answer) stay whole: ThinKPress's cache, with kvtrim's
+    choice of channels."""
+    from transformers import DynamicCache
+
+    from kvtrim.runtime import feed, greedy_decode
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+        for layer, heads in zip(cache.layers, pruned, strict=True):
+            for h, channels in enumerate(heads):
+                layer.keys[0, h, :, channels] = 0.0
+        return _greedy(model, cache, ids.shape[1], question_ids, max_new_tokens, feed, greedy_decode)
+
+
+def lazy_layers(kept: list[list[list[int]]], context: int) -> list[int]:
+    """The layers whose every head keeps fewer than ``context`` positions (SimLayerKV's lazy layers)."""
+    return [i for i, layer in enumerate(kept) if all(len(h) < context for h in layer)]
+
+
+def count_between(kept: list[list[list[int]]], start: int, stop: int) -> int:
+    """How many kept positions fall in ``[start, stop)``, over every (layer, head)."""
+    return sum(start <= p < stop for layer in kept for h in layer for p in h)
+
+
+def positions_from(kept: list[list[list[int]]], start: int) -> list[list[list[int]]]:
+    """``kept`` without the positions before ``start``."""
+    return [[[p for p in h if p >= start] for h in layer] for layer in kept]
+
+
 def _kvtrim_full_answer(model, ids: torch.Tensor, question_ids: torch.Tensor, max_new_tokens: int) -> list[int]:
     """The uncompressed cache's greedy answer (a plain transformers cache, the same decoding loop)."""
     from transformers import DynamicCache
@@ -473,12 +509,33 @@ def kvtrim_half(args: argparse.Namespace) -> int:
             mine, answer = _kvtrim_run(model, prompt, method, params, ratio, question, max_new,
                                        bool(result.get("question_token_by_token")), row["press"] == "ThinKPress")
             row.update(compare(result["kept"], mine), status="ok")
-            row.update(compare_answers(result.get("answer"), said(answer)))
+            row.update(compare_answers(result.get("answer"), said(answer)), answer_kvtrim_tokens=answer)
+            row.update(_diagnostics(row["press"], result, mine, prompt.shape[1]))
         except Exception as exc:
+            mine = None
             row["status"] = f"kvtrim error: {type(exc).__name__}: {exc}"[:300]
         rows.append(row)
         print(f"  {row['press']:>24} -> {row['method']}: {row.get('identical_heads', '-')} "
               f"answer {row.get('answer_identical', '-')} {row['status']}", flush=True)  # fmt: skip
+        return mine
+
+    def _diagnostics(press: str, result: dict, mine: list, context: int) -> dict:
+        """What explains a difference: SimLayerKV's lazy layers on each side; for KVzip, the entries each side
+        keeps in the chat template's opening (kvpress leaves its first tokens unscored, past the sinks) and the
+        agreement on the positions after it."""
+        if press == "SimLayerKVPress":
+            return {"lazy_layers_kvpress": lazy_layers(result["kept"], context),
+                    "lazy_layers_kvtrim": lazy_layers(mine, context)}  # fmt: skip
+        if press == "KVzipPress":
+            from kvtrim.prompts import prompt_template
+
+            opening = len(tok(prompt_template(tok).prefix, add_special_tokens=False).input_ids)
+            sinks = mapping[press].params["n_sink"]
+            return {"template_opening": opening,
+                    "opening_kept_kvpress": count_between(result["kept"], sinks, opening),
+                    "opening_kept_kvtrim": count_between(mine, sinks, opening),
+                    "after_opening": compare(positions_from(result["kept"], opening), positions_from(mine, opening))}
+        return {}
 
     for press, result in theirs["presses"].items():
         if chosen is not None and press not in chosen:
@@ -507,7 +564,12 @@ def kvtrim_half(args: argparse.Namespace) -> int:
                 gates, _ = load_duo_gates(model)
                 row["same_head_pattern"] = gates.tolist() == result["gates"]
                 row["streaming_heads_kvpress"] = result["streaming_heads"]
-            run(row, result, m.method, prompt, question, theirs["ratio"] if ratio is None else ratio)
+            mine = run(row, result, m.method, prompt, question, theirs["ratio"] if ratio is None else ratio)
+            if press == "ThinKPress" and mine is not None:  # kvtrim's channels, the later keys left whole
+                said_zeroed = said(_zeroed_prefill_answer(model, ids, mine, question_ids, max_new))
+                rows.append({**{k: v for k, v in row.items() if not k.startswith("answer")},
+                             "variant": "its channels zeroed in the prefill's keys only, as kvpress",
+                             **compare_answers(result["answer"], said_zeroed)})  # fmt: skip
             for label, override in VARIANTS.get(press, ()):
                 run({"press": press, "method": m.method, "params": {**row["params"], **override}, "variant": label},
                     result, m.method, prompt, question, theirs["ratio"] if ratio is None else ratio)  # fmt: skip

@@ -155,3 +155,30 @@ def test_report_names_the_unit_of_a_channel_row():
                         "identical_heads": 1.0, "mean_jaccard": 1.0, "max_head_difference": 0, "kept_kvpress": 6,
                         "kept_kvtrim": 6}]}  # fmt: skip
     assert "| ThinKPress | `think` (pruned key channels) | 100.0 % |" in kvpress_parity.markdown(report)
+
+
+def test_lazy_layers_and_positions_in_a_span():
+    kept = [[[0, 1, 2, 3], [0, 1, 2, 3]], [[0, 3], [0, 2]], [[0, 1, 2, 3], [1, 3]]]  # [layer][head], context 4
+    assert kvpress_parity.lazy_layers(kept, 4) == [1]
+    assert kvpress_parity.count_between(kept, 1, 3) == 2 + 2 + 0 + 1 + 2 + 1
+    assert kvpress_parity.positions_from(kept, 2)[1] == [[3], [2]]
+
+
+def test_zeroed_prefill_channels_change_only_what_they_touch():
+    from transformers import DynamicCache
+
+    from conftest import tiny_model
+    from kvtrim.runtime import feed, greedy_decode
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(5)
+    ids, question = torch.randint(3, 200, (1, 10), generator=g), torch.randint(3, 200, (1, 3), generator=g)
+    none = [[[], []], [[], []]]
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+        plain = kvpress_parity._greedy(model, cache, 10, question, 5, feed, greedy_decode)
+    assert kvpress_parity._zeroed_prefill_answer(model, ids, none, question, 5) == plain
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    every = [[list(range(head_dim))] * 2] * 2  # every prefill key zeroed: another cache, still an answer
+    assert len(kvpress_parity._zeroed_prefill_answer(model, ids, every, question, 5)) <= 5
