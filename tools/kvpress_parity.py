@@ -616,9 +616,8 @@ def markdown(report: dict) -> str:
              "|---|---|---:|---:|---:|---|---|---|\n")  # fmt: skip
     lines = []
     for r in report["rows"]:
-        method = f"`{r['method']}`" + (f" ({r['variant']})" if r.get("variant") else "") if r["method"] else "-"
-        if r.get("unit"):
-            method += f" ({r['unit']})"
+        notes = "; ".join(r[k] for k in ("unit", "variant") if r.get(k))
+        method = f"`{r['method']}`" + (f" ({notes})" if notes else "") if r["method"] else "-"
         if r["status"] == "ok":
             lines.append(f"| {r['press']} | {method} | {100 * r['identical_heads']:.1f} % | "
                          f"{r['mean_jaccard']:.3f} | {r['max_head_difference']} | {r['kept_kvpress']} / "

@@ -182,3 +182,11 @@ def test_zeroed_prefill_channels_change_only_what_they_touch():
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     every = [[list(range(head_dim))] * 2] * 2  # every prefill key zeroed: another cache, still an answer
     assert len(kvpress_parity._zeroed_prefill_answer(model, ids, every, question, 5)) <= 5
+
+
+def test_report_names_the_unit_and_the_variant_together():
+    row = {"press": "ThinKPress", "method": "think", "unit": "pruned key channels", "variant": "v", "status": "ok",
+           "identical_heads": 1.0, "mean_jaccard": 1.0, "max_head_difference": 0, "kept_kvpress": 6,
+           "kept_kvtrim": 6}  # fmt: skip
+    report = {"ratio": 0.5, "tokens": 8, "kvpress_side": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "rows": [row]}
+    assert "| ThinKPress | `think` (pruned key channels; v) |" in kvpress_parity.markdown(report)
