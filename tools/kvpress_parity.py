@@ -22,8 +22,12 @@ half decodes with its pipeline's own ``generate_answer``; the kvtrim half with `
 ``greedy_decode``. Both also answer from the uncompressed cache, which checks that the two decoding loops agree.
 
 Reported per press: the share of (layer, head) whose kept sets are identical, the mean Jaccard overlap, the kept
-counts, and whether the two greedy answers are identical (both answers in ``parity.json``). Presses that draw random
-numbers or need weights from the Hub are not in the list.
+counts, and whether the two greedy answers are identical (both answers in ``parity.json``). Presses that need weights
+from the Hub are not in the list. ThinKPress is compared by the key channels it prunes (read as the columns it
+zeroes); DuoAttentionPress streams by kvtrim's shipped ``duo`` gates (``--duo-gates``), handed to the press instead of
+the authors' downloaded pattern; FinchPress gets kvpress's delimiter token between the context and the question;
+SimLayerKVPress and DMSPress run with the settings below on both sides. ``--presses`` runs a subset on either half
+and keeps the other presses' results already in ``--out``.
 """
 
 from __future__ import annotations
