@@ -48,7 +48,7 @@ QUESTION = "\nQuestion: According to the text, what is /dev/null used as?\nAnswe
 MAX_NEW_TOKENS = 24
 
 
-SIMLAYERKV_RECENT = 128
+SIMLAYERKV_RECENT = 128  # SimLayerKV's recent window on both sides (the settings below)
 # the same press against kvtrim's own defaults where the mapping follows a kvpress choice (extra rows)
 VARIANTS = {
     "NonCausalAttnPress": [("kvtrim's default, logits scaled by 1/√d", {"scaled": True})],
@@ -245,7 +245,10 @@ def kvpress_half(args: argparse.Namespace) -> int:
         said = pipes[key].generate_answer(question[:, last:], cache, start + last, args.max_new_tokens)
         return said, True
 
-    for name, make in _presses(args.ratio, n, args.duo_gates).items():
+    presses = _presses(args.ratio, n, args.duo_gates)
+    if chosen is not None and chosen - set(presses):
+        raise SystemExit(f"--presses: unknown {sorted(chosen - set(presses))}; known: {', '.join(presses)}")
+    for name, make in presses.items():
         if chosen is not None and name not in chosen:
             continue
         key = {"ObservedAttentionPress": "eager", "FinchPress": "finch"}.get(name, "sdpa")
@@ -486,6 +489,9 @@ def kvtrim_half(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with gzip.open(out / "kvpress.json.gz", "rt") as fh:
         theirs = json.load(fh)
+    chosen = set(args.presses.split(",")) if args.presses else None
+    if chosen is not None and chosen - set(theirs["presses"]):
+        raise SystemExit(f"--presses: {sorted(chosen - set(theirs['presses']))} not in the kvpress half's results")
     model, tok = kvtrim.load_model(args.model, dtype="float32")
     model.eval()
     text = Path(args.context_file).read_text(encoding="utf-8") if args.context_file else None
@@ -496,7 +502,6 @@ def kvtrim_half(args: argparse.Namespace) -> int:
     if tok(theirs["question"], add_special_tokens=False).input_ids != theirs["question_ids"]:
         raise SystemExit("the two halves tokenized the question differently")
     max_new = theirs["max_new_tokens"]
-    chosen = set(args.presses.split(",")) if args.presses else None
 
     def said(tokens: list[int]) -> str:
         return tok.decode(tokens, skip_special_tokens=True)

@@ -190,3 +190,13 @@ def test_report_names_the_unit_and_the_variant_together():
            "kept_kvtrim": 6}  # fmt: skip
     report = {"ratio": 0.5, "tokens": 8, "kvpress_side": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "rows": [row]}
     assert "| ThinKPress | `think` (pruned key channels; v) |" in kvpress_parity.markdown(report)
+
+
+def test_a_subset_must_name_presses_the_kvpress_half_ran(tmp_path):
+    import gzip
+    import json
+
+    with gzip.open(tmp_path / "kvpress.json.gz", "wt") as fh:
+        json.dump({"presses": {"KnormPress": {}}}, fh)
+    with pytest.raises(SystemExit, match="ThinKPress"):
+        kvpress_parity.main(["kvtrim", "--out", str(tmp_path), "--presses", "KnormPress,ThinKPress"])
