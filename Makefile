@@ -104,6 +104,8 @@ KVP_VENV := .venv-kvpress
 KVP_PY := $(KVP_VENV)/bin/python
 KVP_STAMP := $(KVP_VENV)/.kvpress-installed
 KVP_OUT ?= benchmarks/results/kvpress_parity
+# a comma-separated subset of the presses (both halves; the other presses' results in $(KVP_OUT) stay)
+KVP_PRESSES ?=
 
 .PHONY: peer-kvpress kvpress-parity
 
@@ -120,5 +122,6 @@ peer-kvpress: $(KVP_STAMP)
 kvpress-parity: model $(KVP_STAMP)
 	HOME_DIR=$$($(PY) -c "import kvtrim.models as m; print(m.kvtrim_home())") && \
 	$(KVP_PY) tools/kvpress_parity.py kvpress --model-dir $$HOME_DIR/models/smollm2-135m \
-		--context-file $$HOME_DIR/haystacks/jargon.txt --out $(KVP_OUT) && \
-	$(PY) tools/kvpress_parity.py kvtrim --context-file $$HOME_DIR/haystacks/jargon.txt --out $(KVP_OUT)
+		--context-file $$HOME_DIR/haystacks/jargon.txt --out $(KVP_OUT) $(if $(KVP_PRESSES),--presses $(KVP_PRESSES)) && \
+	$(PY) tools/kvpress_parity.py kvtrim --context-file $$HOME_DIR/haystacks/jargon.txt --out $(KVP_OUT) \
+		$(if $(KVP_PRESSES),--presses $(KVP_PRESSES))

@@ -22,8 +22,12 @@ half decodes with its pipeline's own ``generate_answer``; the kvtrim half with `
 ``greedy_decode``. Both also answer from the uncompressed cache, which checks that the two decoding loops agree.
 
 Reported per press: the share of (layer, head) whose kept sets are identical, the mean Jaccard overlap, the kept
-counts, and whether the two greedy answers are identical (both answers in ``parity.json``). Presses that draw random
-numbers or need weights from the Hub are not in the list.
+counts, and whether the two greedy answers are identical (both answers in ``parity.json``). Presses that need weights
+from the Hub are not in the list. ThinKPress is compared by the key channels it prunes (read as the columns it
+zeroes); DuoAttentionPress streams by kvtrim's shipped ``duo`` gates (``--duo-gates``), handed to the press instead of
+the authors' downloaded pattern; FinchPress gets kvpress's delimiter token between the context and the question;
+SimLayerKVPress and DMSPress run with the settings below on both sides. ``--presses`` runs a subset on either half
+and keeps the other presses' results already in ``--out``.
 """
 
 from __future__ import annotations
@@ -44,17 +48,39 @@ QUESTION = "\nQuestion: According to the text, what is /dev/null used as?\nAnswe
 MAX_NEW_TOKENS = 24
 
 
+SIMLAYERKV_RECENT = 128  # SimLayerKV's recent window on both sides (the settings below)
 # the same press against kvtrim's own defaults where the mapping follows a kvpress choice (extra rows)
 VARIANTS = {
     "NonCausalAttnPress": [("kvtrim's default, logits scaled by 1/√d", {"scaled": True})],
     "AdaKVPress": [("kvtrim's default rule", {"rule": "official"})],
     "CriticalAdaKVPress": [("kvtrim's default rule", {"rule": "official"})],
+    # kvpress's lazy layer keeps n_recent − n_last recent tokens, kvtrim's n_recent: the same count
+    "SimLayerKVPress": [("n_recent=127, kvpress's kept count", {"n_recent": SIMLAYERKV_RECENT - 1})],
 }
+
+# Presses run with settings of their own (docs/kvpress-parity.md). DuoAttention: both sides stream the heads of one
+# pattern, kvtrim's shipped ``duo`` gates (kvpress can only download the authors' patterns), with kvtrim's sink and
+# recent window. SimLayerKV: kvpress's defaults (threshold 1.0, 1024 recent) compress nothing at 512 tokens, so a
+# threshold that makes some layers lazy and a shorter recent window. DMS: a threshold on Knorm's score (−‖k‖)
+# near the median key norm of this context outside the window (16.7), so about half of those entries leave.
+DUO_SINK, DUO_RECENT = 16, 48
+SIMLAYERKV = {"lazy_threshold": 0.8, "n_recent": SIMLAYERKV_RECENT, "n_initial": 4, "n_last": 1}
+DMS = {"threshold": -16.5, "sliding_window_size": 128}
+# the kvtrim side of those settings: (ratio, method parameters over the mapping's) per press
+KVTRIM_SETTINGS = {
+    "SimLayerKVPress": (0.0, {"threshold": SIMLAYERKV["lazy_threshold"], "n_recent": SIMLAYERKV["n_recent"],
+                              "n_initial": SIMLAYERKV["n_initial"], "n_last": SIMLAYERKV["n_last"]}),
+    "DMSPress": (0.0, {"threshold": DMS["threshold"], "recent": DMS["sliding_window_size"]}),
+    "DuoAttentionPress": (None, {"sink": DUO_SINK, "recent": DUO_RECENT}),
+}
+# the artifact whose gates both sides stream by (the embedded model's, shipped with kvtrim)
+DUO_GATES = "src/kvtrim/data/artifacts/llama-30L-9H-3KV-89866c606db2/duo.safetensors"
 
 
 # --------------------------------------------------------------------------------------------------- kvpress half
-def _presses(ratio: float) -> dict:
-    """The deterministic presses that run without weights from the Hub, built with their defaults."""
+def _presses(ratio: float, context: int = CONTEXT_TOKENS, duo_gates: str | None = None) -> dict:
+    """The presses that run without weights from the Hub, built with their defaults (or the settings above);
+    DuoAttentionPress only with ``duo_gates`` (the pattern both sides stream by)."""
     import kvpress as kp
 
     snap = lambda: kp.SnapKVPress(compression_ratio=ratio)  # noqa: E731 - the inner scorer of the wrapping presses
@@ -87,7 +113,39 @@ def _presses(ratio: float) -> dict:
             low_entropy_chunk_length=4,
         ),
         "MergingPress": lambda: kp.MergingPress(press=kp.KnormPress(compression_ratio=ratio)),
+        # key channels, not tokens: the ratio is the fraction of channels pruned (kvtrim's think takes it so too)
+        "ThinKPress": lambda: kp.ThinKPress(key_channel_compression_ratio=ratio, window_size=32),
+        "KVzipPress": lambda: kp.KVzipPress(compression_ratio=ratio),
+        **({"DuoAttentionPress": lambda: _duo_press(ratio, context, duo_gates)} if duo_gates else {}),
+        "SimLayerKVPress": lambda: kp.SimLayerKVPress(**SIMLAYERKV),
+        # no re-rotation: the kept keys stay the prefill's rows (kvtrim keeps true positions)
+        "FinchPress": lambda: kp.FinchPress(compression_ratio=ratio, rerotate_keys=False),
+        "DMSPress": lambda: kp.DMSPress(press=kp.KnormPress(), **DMS),
     }
+
+
+def duo_streaming_heads(heads: int, context: int, ratio: float, window: int) -> int:
+    """How many of ``heads`` (layer, KV head) pairs kvtrim's ``duo_attention`` streams at ``ratio``
+    (:mod:`kvtrim.budgets.duo_heads`): ``⌈N (T − B) / (T − W)⌉`` with ``B`` the keep per head, at most ``N``."""
+    keep = max(1, min(context, int(round(context * (1.0 - ratio), 6))))
+    span = max(context - min(window, context), 1)
+    return min(heads, max(0, -(-heads * (context - keep) // span)))
+
+
+def _duo_press(ratio: float, context: int, gates_file: str):
+    """DuoAttentionPress streaming the heads of the gates in ``gates_file`` (a ``[layers, kv_heads]`` ``gates``
+    tensor), as many as kvtrim's rule streams at ``ratio``. kvpress loads a pattern through the press's
+    ``load_attention_pattern(model) -> (sink, recent, head scores)``, which downloads the authors' files; the
+    press instance is given one that returns these gates instead."""
+    import kvpress as kp
+    from safetensors.torch import load_file
+
+    gates = load_file(gates_file)["gates"].float()
+    streaming = duo_streaming_heads(gates.numel(), context, ratio, DUO_SINK + DUO_RECENT)
+    press = kp.DuoAttentionPress(head_compression_ratio=streaming / gates.numel())
+    press.load_attention_pattern = lambda model: (DUO_SINK, DUO_RECENT, gates.numpy())
+    press.parity_gates = gates.tolist()  # recorded with the results: the kvtrim half checks it streams by the same
+    return press
 
 
 def kept_by_matching(full: torch.Tensor, kept: torch.Tensor) -> list[list[int]]:
@@ -99,6 +157,19 @@ def kept_by_matching(full: torch.Tensor, kept: torch.Tensor) -> list[list[int]]:
         if not bool(eq.any(-1).all()):
             raise RuntimeError("a kept key row matches no prefill key row")
         out.append(sorted(int(i) for i in found))
+    return out
+
+
+def pruned_channels(full: torch.Tensor, pruned: torch.Tensor) -> list[list[int]]:
+    """Per head, the key channels ThinKPress pruned: zeroed in ``pruned`` ``[heads, n, d]`` where the prefill's
+    keys ``full`` ``[heads, n, d]`` are not (the press zeroes the pruned channels of every key, the others stay
+    bitwise the prefill's)."""
+    out = []
+    for f, p in zip(full, pruned, strict=True):
+        zeroed = (p == 0).all(0) & (f != 0).any(0)  # [d]
+        if not bool((zeroed | (p == f).all(0)).all()):
+            raise RuntimeError("a key channel is neither the prefill's nor zeroed")
+        out.append(sorted(int(c) for c in zeroed.nonzero().flatten()))
     return out
 
 
@@ -135,73 +206,117 @@ def kvpress_half(args: argparse.Namespace) -> int:
                "transformers": transformers.__version__, "torch": torch.__version__, "ratio": args.ratio,
                "input_ids": ids[0].tolist(), "question": args.question, "question_ids": question_ids[0].tolist(),
                "max_new_tokens": args.max_new_tokens, "presses": {}}  # fmt: skip
+    out = Path(args.out)
+    chosen = set(args.presses.split(",")) if args.presses else None
+    earlier = out / "kvpress.json.gz"
+    if chosen is not None and earlier.exists():  # a subset: the other presses' results stay
+        with gzip.open(earlier, "rt") as fh:
+            before = json.load(fh)
+        same = ("ratio", "input_ids", "question_ids", "max_new_tokens")
+        if any(before.get(k) != results[k] for k in same):
+            raise SystemExit(f"{earlier} was run on another context, question or ratio: rerun every press")
+        results["presses"] = {k: v for k, v in before["presses"].items() if k not in chosen}
     n = ids.shape[1]
     models, pipes = {}, {}
 
-    def answer(attn: str, cache) -> tuple[str, bool]:
-        """kvpress's own greedy decoding (its pipeline's ``generate_answer``): the question after the cache, at
-        positions n, n+1, ..., then argmax tokens until EOS or ``max_new_tokens``. Where the layers hold different
-        counts (PyramidKV, KVCompose) transformers cannot build one mask for a many-token question, so the question
-        is fed one token at a time (the flag returned)."""
+    def load(key: str):
+        """The model (and pipeline) of ``key``: the attention implementation, or ``finch`` (its own copy, whose
+        tokenizer and embeddings take kvpress's delimiter token)."""
+        if key not in models:
+            attn = "eager" if key == "eager" else "sdpa"
+            models[key] = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
+                                                               attn_implementation=attn).eval()  # fmt: skip
+            tokenizer = AutoTokenizer.from_pretrained(args.model_dir) if key == "finch" else tok
+            pipes[key] = pipeline("kv-press-text-generation", model=models[key], tokenizer=tokenizer, device="cpu")
+        return models[key]
+
+    def answer(key: str, cache, question: torch.Tensor = question_ids, start: int = n) -> tuple[str, bool]:
+        """kvpress's own greedy decoding (its pipeline's ``generate_answer``): ``question`` after the cache, at
+        positions start, start+1, ..., then argmax tokens until EOS or ``max_new_tokens``. Where the layers hold
+        different counts (PyramidKV, KVCompose, SimLayerKV) transformers cannot build one mask for a many-token
+        question, so the question is fed one token at a time (the flag returned)."""
         lengths = {layer.keys.shape[-2] for layer in cache.layers}
         if len(lengths) == 1:
-            return pipes[attn].generate_answer(question_ids, cache, n, args.max_new_tokens), False
-        model = models[attn]
-        for i in range(question_ids.shape[1] - 1):
-            model(input_ids=question_ids[:, i : i + 1], past_key_values=cache, position_ids=torch.tensor([[n + i]]))
-        last = question_ids.shape[1] - 1
-        said = pipes[attn].generate_answer(question_ids[:, last:], cache, n + last, args.max_new_tokens)
+            return pipes[key].generate_answer(question, cache, start, args.max_new_tokens), False
+        model = models[key]
+        for i in range(question.shape[1] - 1):
+            model(input_ids=question[:, i : i + 1], past_key_values=cache, position_ids=torch.tensor([[start + i]]))
+        last = question.shape[1] - 1
+        said = pipes[key].generate_answer(question[:, last:], cache, start + last, args.max_new_tokens)
         return said, True
 
-    chosen = set(args.presses.split(",")) if args.presses else None
-    for name, make in _presses(args.ratio).items():
+    presses = _presses(args.ratio, n, args.duo_gates)
+    if chosen is not None and chosen - set(presses):
+        raise SystemExit(f"--presses: unknown {sorted(chosen - set(presses))}; known: {', '.join(presses)}")
+    for name, make in presses.items():
         if chosen is not None and name not in chosen:
             continue
-        attn = "eager" if name == "ObservedAttentionPress" else "sdpa"
-        if attn not in models:
-            models[attn] = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
-                                                                attn_implementation=attn).eval()  # fmt: skip
-            pipes[attn] = pipeline("kv-press-text-generation", model=models[attn], tokenizer=tok, device="cpu")
-        model = models[attn]
+        key = {"ObservedAttentionPress": "eager", "FinchPress": "finch"}.get(name, "sdpa")
+        model = load(key)
         if "answer_full" not in results:  # the uncompressed cache's answer: both decoding loops agree on it
             with torch.inference_mode():
                 cache = DynamicCache()
                 model(ids, past_key_values=cache, use_cache=True)
-                results["answer_full"] = answer(attn, cache)[0]
+                results["answer_full"] = answer(key, cache)[0]
             print(f"  full cache: {results['answer_full']!r}", flush=True)
         try:
+            for layer in model.model.layers:
+                layer.self_attn.masked_key_indices = None
             press = make()
             captured = _capture_kvcompose(press) if name == "KVComposePress" else None
+            prompt, question, start, extra = ids, question_ids, n, {}
+            fed = ids
+            if name == "FinchPress":
+                # kvpress's FINCH finds its window by a delimiter token between context and question: the tokenizer
+                # and the embeddings take the token (update_model_and_tokenizer), the press removes it after the
+                # embedding. The question but its last token is the window; the last token is fed after
+                # compression and starts the answer.
+                press.update_model_and_tokenizer(model, pipes[key].tokenizer)
+                prompt = torch.cat([ids, question_ids[:, :-1]], dim=1)
+                delimiter = torch.tensor([[press.delimiter_token_id]])
+                fed = torch.cat([ids, delimiter, question_ids[:, :-1]], dim=1)
+                question, start = question_ids[:, -1:], prompt.shape[1]
+                extra = {"window": question_ids.shape[1] - 1}
             with torch.inference_mode():
                 full = DynamicCache()
-                model(ids, past_key_values=full, use_cache=True)
+                model(prompt, past_key_values=full, use_cache=True)
                 cache = DynamicCache()
                 with press(model):
-                    model(ids, past_key_values=cache, use_cache=True, output_attentions=attn == "eager")
+                    model(fed, past_key_values=cache, use_cache=True, output_attentions=key == "eager")
+            if name == "FinchPress":
+                extra["window_found"] = press.window_size
+            if name == "DuoAttentionPress":
+                extra.update(gates=press.parity_gates, streaming_heads=int(press.streaming_mask.sum()))
             kept = []
             for layer, (fl, cl) in enumerate(zip(full.layers, cache.layers, strict=True)):
                 module = model.model.layers[layer].self_attn
                 masked = getattr(module, "masked_key_indices", None)
-                if captured is not None:
+                if name == "ThinKPress":  # channels, not tokens
+                    kept.append(pruned_channels(fl.keys[0], cl.keys[0]))
+                elif captured is not None:
                     kept.append(captured["kept"][layer])
                 elif masked is not None:  # a masking press: every key stays in the cache, the masked are never seen
-                    heads = fl.keys.shape[1]
+                    heads, length = fl.keys.shape[1], fl.keys.shape[2]
                     gone = [set() for _ in range(heads)]
                     for _, h, s in zip(*(t.tolist() for t in masked), strict=True):
                         gone[h].add(s)
-                    kept.append([sorted(set(range(n)) - g) for g in gone])
+                    kept.append([sorted(set(range(length)) - g) for g in gone])
+                elif name in ("DMSPress", "DuoAttentionPress", "KVzipPress"):  # masks nothing in this layer
+                    kept.append([list(range(fl.keys.shape[2]))] * fl.keys.shape[1])
                 else:
                     kept.append(kept_by_matching(fl.keys[0], cl.keys[0]))
             with torch.inference_mode():  # the masks stay set while decoding: kvpress's attention patch reads them
-                said, stepwise = answer(attn, cache)
+                said, stepwise = answer(key, cache, question, start)
             for layer in model.model.layers:
                 layer.self_attn.masked_key_indices = None
-            results["presses"][name] = {"kept": kept, "answer": said, "question_token_by_token": stepwise}
-            print(f"  {name}: {sum(len(h) for layer in kept for h in layer)} entries kept; {said!r}", flush=True)
+            unit = {"unit": "pruned key channels"} if name == "ThinKPress" else {}
+            results["presses"][name] = {"kept": kept, "answer": said, "question_token_by_token": stepwise, **unit,
+                                        **extra}  # fmt: skip
+            print(f"  {name}: {sum(len(h) for layer in kept for h in layer)} {unit.get('unit', 'entries kept')}; "
+                  f"{said!r}", flush=True)  # fmt: skip
         except Exception as exc:  # recorded; the other presses still run
             results["presses"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             print(f"  {name}: error {results['presses'][name]['error']}", flush=True)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with gzip.open(out / "kvpress.json.gz", "wt") as fh:
         json.dump(results, fh)
@@ -210,12 +325,13 @@ def kvpress_half(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- kvtrim half
 def _kvtrim_run(model, ids: torch.Tensor, method, params: dict | None, ratio: float, question_ids: torch.Tensor,
-                max_new_tokens: int, token_by_token: bool = False) -> tuple[list[list[list[int]]], list[int]]:
+                max_new_tokens: int, token_by_token: bool = False,
+                channels: bool = False) -> tuple[list[list[list[int]]], list[int]]:
     """Compress ``ids`` ``[1, n]`` with ``method`` (a registry name or a built pipeline), read each (layer, head)'s
-    kept positions from the stores, then answer ``question_ids`` ``[1, q]`` from the compressed cache: the question
-    fed after it at positions n, n+1, ... and greedy tokens until EOS or ``max_new_tokens`` (kvtrim's
-    ``questions=`` path: :func:`kvtrim.runtime.feed` and :func:`kvtrim.runtime.greedy_decode`). Returns the kept
-    positions and the answer's token ids (EOS left out)."""
+    kept positions from the stores (``channels``: the key channels it pruned, for ``think``), then answer
+    ``question_ids`` ``[1, q]`` from the compressed cache: the question fed after it at positions n, n+1, ... and
+    greedy tokens until EOS or ``max_new_tokens`` (kvtrim's ``questions=`` path: :func:`kvtrim.runtime.feed` and
+    :func:`kvtrim.runtime.greedy_decode`). Returns the kept positions and the answer's token ids (EOS left out)."""
     from kvtrim.integration.attention import kvtrim_attention_enabled
     from kvtrim.integration.cache import KVTrimCache
     from kvtrim.runtime import feed, greedy_decode, resolve_method
@@ -229,6 +345,9 @@ def _kvtrim_run(model, ids: torch.Tensor, method, params: dict | None, ratio: fl
         for layer in cache.kv_layers:
             store = layer.store
             heads = []
+            if channels:
+                kept.append([pruned_of(store.channels[0, h].tolist(), store.head_dim) for h in range(store.kv_heads)])
+                continue
             for h in range(store.kv_heads):
                 pos = store.row(0, h)[2] if hasattr(store, "row") else store.positions[0, h]
                 heads.append(sorted(int(p) for p in pos.tolist() if p >= 0))
@@ -236,6 +355,11 @@ def _kvtrim_run(model, ids: torch.Tensor, method, params: dict | None, ratio: fl
         answer = _greedy(model, cache, ids.shape[1], question_ids, max_new_tokens, feed, greedy_decode,
                          token_by_token)
     return kept, answer
+
+
+def pruned_of(kept: list[int], head_dim: int) -> list[int]:
+    """The channels of ``range(head_dim)`` not in ``kept``."""
+    return sorted(set(range(head_dim)) - set(kept))
 
 
 def _greedy(model, cache, n: int, question_ids: torch.Tensor, max_new_tokens: int, feed, greedy_decode,
@@ -250,6 +374,39 @@ def _greedy(model, cache, n: int, question_ids: torch.Tensor, max_new_tokens: in
         fed = feed(model, cache, mask, question_ids[:, i : i + step])
         mask = fed.mask
     return greedy_decode(model, cache, fed.mask, fed.logits, max_new_tokens, eos=eos).tokens[0]
+
+
+def _zeroed_prefill_answer(model, ids: torch.Tensor, pruned: list[list[list[int]]], question_ids: torch.Tensor,
+                           max_new_tokens: int) -> list[int]:
+    """The greedy answer from a plain cache of ``ids`` whose prefill keys have the ``pruned`` channels
+    (``[layer][head]``) zeroed and whose later keys (question, answer) stay whole: ThinKPress's cache, with kvtrim's
+    choice of channels."""
+    from transformers import DynamicCache
+
+    from kvtrim.runtime import feed, greedy_decode
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+        for layer, heads in zip(cache.layers, pruned, strict=True):
+            for h, channels in enumerate(heads):
+                layer.keys[0, h, :, channels] = 0.0
+        return _greedy(model, cache, ids.shape[1], question_ids, max_new_tokens, feed, greedy_decode)
+
+
+def lazy_layers(kept: list[list[list[int]]], context: int) -> list[int]:
+    """The layers whose every head keeps fewer than ``context`` positions (SimLayerKV's lazy layers)."""
+    return [i for i, layer in enumerate(kept) if all(len(h) < context for h in layer)]
+
+
+def count_between(kept: list[list[list[int]]], start: int, stop: int) -> int:
+    """How many kept positions fall in ``[start, stop)``, over every (layer, head)."""
+    return sum(start <= p < stop for layer in kept for h in layer for p in h)
+
+
+def positions_from(kept: list[list[list[int]]], start: int) -> list[list[list[int]]]:
+    """``kept`` without the positions before ``start``."""
+    return [[[p for p in h if p >= start] for h in layer] for layer in kept]
 
 
 def _kvtrim_full_answer(model, ids: torch.Tensor, question_ids: torch.Tensor, max_new_tokens: int) -> list[int]:
@@ -308,6 +465,22 @@ def compare(a: list, b: list) -> dict:
             "kept_kvtrim": sum(map(len, (h for layer in b for h in layer)))}  # fmt: skip
 
 
+def merge_rows(before: list[dict], after: list[dict]) -> list[dict]:
+    """``before``'s rows, those of every press ``after`` has rows for replaced by ``after``'s (where the press's
+    first row was), the presses new to ``before`` appended."""
+    fresh: dict[str, list[dict]] = {}
+    for row in after:
+        fresh.setdefault(row["press"], []).append(row)
+    rows = []
+    for row in before:
+        if row["press"] not in fresh:
+            rows.append(row)
+        elif row is next(r for r in before if r["press"] == row["press"]):
+            rows.extend(fresh[row["press"]])
+    placed = {r["press"] for r in before}
+    return rows + [r for r in after if r["press"] not in placed]
+
+
 def kvtrim_half(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     import kvtrim
@@ -316,6 +489,9 @@ def kvtrim_half(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with gzip.open(out / "kvpress.json.gz", "rt") as fh:
         theirs = json.load(fh)
+    chosen = set(args.presses.split(",")) if args.presses else None
+    if chosen is not None and chosen - set(theirs["presses"]):
+        raise SystemExit(f"--presses: {sorted(chosen - set(theirs['presses']))} not in the kvpress half's results")
     model, tok = kvtrim.load_model(args.model, dtype="float32")
     model.eval()
     text = Path(args.context_file).read_text(encoding="utf-8") if args.context_file else None
@@ -335,31 +511,77 @@ def kvtrim_half(args: argparse.Namespace) -> int:
     mapping = {m.press: m for m in MAPPINGS}
     rows = []
 
-    def run(row: dict, result: dict, method) -> None:
+    def run(row: dict, result: dict, method, prompt: torch.Tensor = ids, question: torch.Tensor = question_ids,
+            ratio: float = theirs["ratio"]) -> None:  # fmt: skip
         try:
             params = row["params"] if isinstance(method, str) else None
-            mine, answer = _kvtrim_run(model, ids, method, params, theirs["ratio"], question_ids, max_new,
-                                       bool(result.get("question_token_by_token")))
+            mine, answer = _kvtrim_run(model, prompt, method, params, ratio, question, max_new,
+                                       bool(result.get("question_token_by_token")), row["press"] == "ThinKPress")
             row.update(compare(result["kept"], mine), status="ok")
-            row.update(compare_answers(result.get("answer"), said(answer)))
+            row.update(compare_answers(result.get("answer"), said(answer)), answer_kvtrim_tokens=answer)
+            row.update(_diagnostics(row["press"], result, mine, prompt.shape[1]))
         except Exception as exc:
+            mine = None
             row["status"] = f"kvtrim error: {type(exc).__name__}: {exc}"[:300]
         rows.append(row)
         print(f"  {row['press']:>24} -> {row['method']}: {row.get('identical_heads', '-')} "
               f"answer {row.get('answer_identical', '-')} {row['status']}", flush=True)  # fmt: skip
+        return mine
+
+    def _diagnostics(press: str, result: dict, mine: list, context: int) -> dict:
+        """What explains a difference: SimLayerKV's lazy layers on each side; for KVzip, the entries each side
+        keeps in the chat template's opening (kvpress leaves its first tokens unscored, past the sinks) and the
+        agreement on the positions after it."""
+        if press == "SimLayerKVPress":
+            return {"lazy_layers_kvpress": lazy_layers(result["kept"], context),
+                    "lazy_layers_kvtrim": lazy_layers(mine, context)}  # fmt: skip
+        if press == "KVzipPress":
+            from kvtrim.prompts import prompt_template
+
+            opening = len(tok(prompt_template(tok).prefix, add_special_tokens=False).input_ids)
+            sinks = mapping[press].params["n_sink"]
+            return {"template_opening": opening,
+                    "opening_kept_kvpress": count_between(result["kept"], sinks, opening),
+                    "opening_kept_kvtrim": count_between(mine, sinks, opening),
+                    "after_opening": compare(positions_from(result["kept"], opening), positions_from(mine, opening))}
+        return {}
 
     for press, result in theirs["presses"].items():
+        if chosen is not None and press not in chosen:
+            continue
         m = mapping.get(press)
         row = {"press": press, "method": m.method if m else None, "params": m.params if m else {}}
+        if "unit" in result:
+            row["unit"] = result["unit"]
         if "error" in result:
             row["status"] = f"kvpress error: {result['error']}"
         elif m is None or m.method is None:
             row["status"] = "no kvtrim method"
         else:
-            run(row, result, m.method)
+            ratio, settings = KVTRIM_SETTINGS.get(press, (None, {}))
+            row["params"] = {**m.params, **settings}
+            if ratio is not None:
+                row["ratio"] = ratio
+            prompt, question = ids, question_ids
+            if press == "FinchPress":  # the window kvpress found by its delimiter: the question but its last token
+                prompt = torch.cat([ids, question_ids[:, :-1]], dim=1)
+                question = question_ids[:, -1:]
+                row["params"] = {**row["params"], "window": result["window"]}
+            if press == "DuoAttentionPress":  # both sides stream by the same gates
+                from kvtrim.artifacts.duo import load_duo_gates
+
+                gates, _ = load_duo_gates(model)
+                row["same_head_pattern"] = gates.tolist() == result["gates"]
+                row["streaming_heads_kvpress"] = result["streaming_heads"]
+            mine = run(row, result, m.method, prompt, question, theirs["ratio"] if ratio is None else ratio)
+            if press == "ThinKPress" and mine is not None:  # kvtrim's channels, the later keys left whole
+                said_zeroed = said(_zeroed_prefill_answer(model, ids, mine, question_ids, max_new))
+                rows.append({**{k: v for k, v in row.items() if not k.startswith("answer")},
+                             "variant": "its channels zeroed in the prefill's keys only, as kvpress",
+                             **compare_answers(result["answer"], said_zeroed)})  # fmt: skip
             for label, override in VARIANTS.get(press, ()):
-                run({"press": press, "method": m.method, "params": {**m.params, **override}, "variant": label},
-                    result, m.method)  # fmt: skip
+                run({"press": press, "method": m.method, "params": {**row["params"], **override}, "variant": label},
+                    result, m.method, prompt, question, theirs["ratio"] if ratio is None else ratio)  # fmt: skip
             if press == "PyramidKVPress":  # the same again at kvpress's own per-layer counts
                 counts = [len(layer[0]) for layer in result["kept"]]
                 pipe = pyramid_counts_pipeline(model, m.params, theirs["ratio"], counts, ids.shape[1])
@@ -368,6 +590,8 @@ def kvtrim_half(args: argparse.Namespace) -> int:
             continue
         rows.append(row)
         print(f"  {press:>24} -> {row['method']}: {row['status']}", flush=True)
+    if chosen is not None and (out / "parity.json").exists():  # a subset: the other presses' rows stay
+        rows = merge_rows(json.loads((out / "parity.json").read_text())["rows"], rows)
     report = {"ratio": theirs["ratio"], "tokens": ids.shape[1], "question": theirs["question"],
               "max_new_tokens": max_new, "full_cache": full,
               "kvpress_side": {k: theirs[k] for k in ("kvpress", "transformers", "torch")}, "rows": rows}  # fmt: skip
@@ -401,7 +625,8 @@ def markdown(report: dict) -> str:
              "|---|---|---:|---:|---:|---|---|---|\n")  # fmt: skip
     lines = []
     for r in report["rows"]:
-        method = f"`{r['method']}`" + (f" ({r['variant']})" if r.get("variant") else "") if r["method"] else "-"
+        notes = "; ".join(r[k] for k in ("unit", "variant") if r.get(k))
+        method = f"`{r['method']}`" + (f" ({notes})" if notes else "") if r["method"] else "-"
         if r["status"] == "ok":
             lines.append(f"| {r['press']} | {method} | {100 * r['identical_heads']:.1f} % | "
                          f"{r['mean_jaccard']:.3f} | {r['max_head_difference']} | {r['kept_kvpress']} / "
@@ -426,7 +651,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratio", type=float, default=RATIO)
     ap.add_argument("--question", default=QUESTION, help="kvpress half: asked after compression")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    ap.add_argument("--presses", help="kvpress half: a comma-separated subset of the presses (default: all)")
+    ap.add_argument("--presses", help="a comma-separated subset of the presses (default: all); the other presses' "
+                    "results already in --out stay")
+    ap.add_argument("--duo-gates", default=str(ROOT / DUO_GATES),
+                    help="kvpress half: the duo artifact whose gates DuoAttentionPress streams by ('' skips the press)")
     args = ap.parse_args(argv)
     if not 0 <= args.ratio < 1:
         ap.error(f"--ratio must be in [0, 1), got {args.ratio}")

@@ -102,3 +102,101 @@ def test_a_question_fed_token_by_token_gives_the_same_answer():
 def test_ratio_outside_its_range_is_refused():
     with pytest.raises(SystemExit):
         kvpress_parity.main(["kvtrim", "--out", "x", "--ratio", "1.0"])
+
+
+def test_pruned_key_channels_are_read_back_from_zeroed_columns():
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(2, 5, 6, generator=g)  # [heads, n, d]
+    pruned = full.clone()
+    pruned[0][:, [1, 4]] = 0  # head 0 prunes channels 1 and 4, head 1 channels 0, 2 and 5
+    pruned[1][:, [5, 0, 2]] = 0
+    assert kvpress_parity.pruned_channels(full, pruned) == [[1, 4], [0, 2, 5]]
+    # a channel that is zero in the prefill too was not pruned by the press
+    full[1][:, 3] = 0
+    pruned[1][:, 3] = 0
+    assert kvpress_parity.pruned_channels(full, pruned)[1] == [0, 2, 5]
+
+
+def test_a_channel_neither_kept_nor_zeroed_is_an_error():
+    full = torch.ones(1, 3, 2)
+    changed = full.clone()
+    changed[0, 0, 1] = 2.0
+    with pytest.raises(RuntimeError, match="neither the prefill's nor zeroed"):
+        kvpress_parity.pruned_channels(full, changed)
+
+
+def test_pruned_channels_of_the_kept_ones_and_their_agreement():
+    assert kvpress_parity.pruned_of([0, 2, 3], 6) == [1, 4, 5]
+    theirs = [[[1, 4, 5], [0, 1, 2]]]  # [layer][head] -> pruned channels
+    mine = [[kvpress_parity.pruned_of([0, 2, 3], 6), kvpress_parity.pruned_of([3, 4, 5], 6)]]
+    got = kvpress_parity.compare(theirs, mine)
+    assert got["identical_heads"] == 1.0 and got["kept_kvpress"] == got["kept_kvtrim"] == 6
+
+
+def test_streaming_heads_follow_kvtrims_duo_rule():
+    # 90 heads, 512 tokens, ratio 0.5 (keep 256), window 64: ceil(90 * 256 / 448) = 52
+    assert kvpress_parity.duo_streaming_heads(90, 512, 0.5, 64) == 52
+    assert kvpress_parity.duo_streaming_heads(90, 512, 0.0, 64) == 0
+    assert kvpress_parity.duo_streaming_heads(90, 512, 0.95, 64) == 90  # capped at every head
+    assert kvpress_parity.duo_streaming_heads(4, 8, 0.5, 16) == 4  # the window covers the context
+
+
+def test_a_subset_replaces_its_rows_and_keeps_the_others():
+    before = [{"press": "A", "v": 0}, {"press": "B", "v": 0}, {"press": "B", "v": 0, "variant": "x"},
+              {"press": "C", "v": 0}]  # fmt: skip
+    after = [{"press": "B", "v": 1}, {"press": "D", "v": 1}]
+    assert kvpress_parity.merge_rows(before, after) == [
+        {"press": "A", "v": 0}, {"press": "B", "v": 1}, {"press": "C", "v": 0}, {"press": "D", "v": 1}]  # fmt: skip
+
+
+def test_report_names_the_unit_of_a_channel_row():
+    report = {"ratio": 0.5, "tokens": 8, "kvpress_side": {"kvpress": "0.5.5", "transformers": "5.2.0"},
+              "rows": [{"press": "ThinKPress", "method": "think", "unit": "pruned key channels", "status": "ok",
+                        "identical_heads": 1.0, "mean_jaccard": 1.0, "max_head_difference": 0, "kept_kvpress": 6,
+                        "kept_kvtrim": 6}]}  # fmt: skip
+    assert "| ThinKPress | `think` (pruned key channels) | 100.0 % |" in kvpress_parity.markdown(report)
+
+
+def test_lazy_layers_and_positions_in_a_span():
+    kept = [[[0, 1, 2, 3], [0, 1, 2, 3]], [[0, 3], [0, 2]], [[0, 1, 2, 3], [1, 3]]]  # [layer][head], context 4
+    assert kvpress_parity.lazy_layers(kept, 4) == [1]
+    assert kvpress_parity.count_between(kept, 1, 3) == 2 + 2 + 0 + 1 + 2 + 1
+    assert kvpress_parity.positions_from(kept, 2)[1] == [[3], [2]]
+
+
+def test_zeroed_prefill_channels_change_only_what_they_touch():
+    from transformers import DynamicCache
+
+    from conftest import tiny_model
+    from kvtrim.runtime import feed, greedy_decode
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(5)
+    ids, question = torch.randint(3, 200, (1, 10), generator=g), torch.randint(3, 200, (1, 3), generator=g)
+    none = [[[], []], [[], []]]
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+        plain = kvpress_parity._greedy(model, cache, 10, question, 5, feed, greedy_decode)
+    assert kvpress_parity._zeroed_prefill_answer(model, ids, none, question, 5) == plain
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    every = [[list(range(head_dim))] * 2] * 2  # every prefill key zeroed: another cache, still an answer
+    assert len(kvpress_parity._zeroed_prefill_answer(model, ids, every, question, 5)) <= 5
+
+
+def test_report_names_the_unit_and_the_variant_together():
+    row = {"press": "ThinKPress", "method": "think", "unit": "pruned key channels", "variant": "v", "status": "ok",
+           "identical_heads": 1.0, "mean_jaccard": 1.0, "max_head_difference": 0, "kept_kvpress": 6,
+           "kept_kvtrim": 6}  # fmt: skip
+    report = {"ratio": 0.5, "tokens": 8, "kvpress_side": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "rows": [row]}
+    assert "| ThinKPress | `think` (pruned key channels; v) |" in kvpress_parity.markdown(report)
+
+
+def test_a_subset_must_name_presses_the_kvpress_half_ran(tmp_path):
+    import gzip
+    import json
+
+    with gzip.open(tmp_path / "kvpress.json.gz", "wt") as fh:
+        json.dump({"presses": {"KnormPress": {}}}, fh)
+    with pytest.raises(SystemExit, match="ThinKPress"):
+        kvpress_parity.main(["kvtrim", "--out", str(tmp_path), "--presses", "KnormPress,ThinKPress"])

@@ -231,7 +231,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "`model_type`; `compression_ratio` → `ratio`",
     ),
     PressMapping(
-        "KVzipPress", "kvzip", "one reconstruction pass over the whole cache instead of 2K-token chunks",
+        "KVzipPress", "kvzip",
+        "one reconstruction pass over the whole cache instead of 2K-token chunks; every cached entry is scored by the "
+        "re-read's attention, the chat template's opening included (kvpress leaves the opening's tokens past the "
+        "sinks at score 0, evicted first, and out of the scoring softmax)",
         {"n_sink": 4, "layerwise": False}, "`chunk_size` → `chunk` (attention recomputation, not re-read chunks)",
     ),
     PressMapping(
@@ -355,7 +358,9 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "TOVAPress", "tova", "same rule (last query, head-averaged)",
     ),
     PressMapping(
-        "ThinKPress", "think", "prunes key channels, not tokens",
+        "ThinKPress", "think",
+        "prunes key channels, not tokens; keys stored later (question, answer) are pruned to the same channels "
+        "(kvpress zeroes the channels of the prefill's keys only)",
         {"window": 32}, "`key_channel_compression_ratio` → `ratio`; `window_size` → `window`",
     ),
 )
