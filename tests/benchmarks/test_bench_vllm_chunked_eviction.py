@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from kvtrim.scoring.rope import rope_frequencies
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_chunked_eviction.py"
 
 
@@ -51,7 +53,7 @@ def test_overrides_refuse_lengths_past_the_scaled_context(bench, tmp_path, facto
         bench.rope_overrides(model, factor, max_model_len)
 
 
-def test_transformers_reads_the_same_overrides_as_interpolated_positions(bench, tmp_path):
+def test_transformers_and_kvtrim_read_the_same_overrides_as_interpolated_positions(bench, tmp_path):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -65,6 +67,11 @@ def test_transformers_reads_the_same_overrides_as_interpolated_positions(bench, 
     cos_plain, sin_plain = plain(x, torch.tensor([[0.0, 1.0, 25.0, 63.75]]))
     torch.testing.assert_close(cos_scaled, cos_plain)
     torch.testing.assert_close(sin_scaled, sin_plain)
+    # kvtrim's scorers that move queries in position rebuild the same frequencies from the config
+    plain_freq, _ = rope_frequencies(plain.config, 16, torch.device("cpu"))
+    scaled_freq, scale = rope_frequencies(scaled.config, 16, torch.device("cpu"))
+    torch.testing.assert_close(scaled_freq, plain_freq / 4)
+    assert scale == 1.0
 
 
 def test_chunks_bound_rounds_up_to_blocks(bench):
