@@ -193,3 +193,12 @@ def test_left_padded_batch_with_int8_matches_each_row_alone(llama, tokenizer):
     # the padded row's key groups start at its first padding slot, not at its first token: other tokens share a
     # scale than when it runs alone, so only the first answer tokens are compared
     assert batch.answers[1][0][:2] == alone[1].answers[0][:2]
+
+
+def test_a_cache_resolves_kv_quant_and_a_clone_names_both_settings():
+    cache = KVTrimCache(2, kv_quant="int4")
+    assert cache.kv_quant == KVQuant("int4", group_size=32, residual=32)
+    assert cache.clone(kv_quant="int4:group_size=32,residual=32").kv_quant == cache.kv_quant  # the same setting
+    with pytest.raises(InvalidParameterError, match=r"kv_quant='int4:group_size=32,residual=0': this cache already "
+                                                    r"holds int4:group_size=32,residual=32 entries"):  # fmt: skip
+        cache.clone(kv_quant="int4:residual=0")
