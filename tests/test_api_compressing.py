@@ -90,6 +90,14 @@ def test_a_real_transformers_quantized_cache_is_refused_with_its_nearest_kv_quan
                 cache_config={"backend": "quanto", "nbits": 4, "residual_length": 64},
                 max_new_tokens=2,
             )
+        for residual, spec in ((0, "int4:residual=0"), (32, "int4")):  # int4's own default window is 32
+            with pytest.raises(InvalidParameterError, match=rf"nearest to this cache is kv_quant='{spec}'"):
+                llama.generate(
+                    **inputs,
+                    cache_implementation="quantized",
+                    cache_config={"backend": "quanto", "nbits": 4, "residual_length": residual},
+                    max_new_tokens=2,
+                )
         with pytest.raises(InvalidParameterError, match=r"no 2-bit entries"):
             llama.generate(**inputs, cache_implementation="quantized", cache_config={"nbits": 2}, max_new_tokens=2)
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .cache.quant import KVQuant, resolve_kv_quant
+from .cache.quant import DEFAULT_RESIDUAL, KVQuant, resolve_kv_quant
 from .compression.pipeline import Pipeline
 from .errors import InvalidParameterError
 from .integration.attention import check_supported, enable, kvtrim_attention_enabled
@@ -375,7 +375,9 @@ def generate(
         seed: seed of the sampler (same seed, same answers)
         stop: string(s) ending an answer; the answer is cut before the stop string
         kv_quant: hold the kept entries quantized: ``"int8"``, ``"int4"`` or ``"fp8"`` (KIVI's layout, see
-            docs/quantization.md); None holds them in the model's dtype
+            docs/quantization.md), a spec string (``"int4:group_size=64,residual=0"``) or a ``KVQuant``; ``"int4"``
+            keeps its newest 32 to 63 entries per head in the model's dtype (``DEFAULT_RESIDUAL``); None holds
+            them all in the model's dtype
     Returns:
         :class:`Result` with ``answers`` and ``stats``. In question-aware mode with several questions, sizes
         are those of the first question's prompt and timings are summed.
@@ -526,7 +528,8 @@ def _nearest_kv_quant(settings: dict) -> str:
     else:
         return ""
     residual = settings.get("residual_length")
-    spec = f"{name}:residual={residual}" if isinstance(residual, int) and residual > 0 else name
+    known = isinstance(residual, int) and not isinstance(residual, bool) and residual >= 0
+    spec = f"{name}:residual={residual}" if known and residual != DEFAULT_RESIDUAL[name] else name
     return f"; the nearest to this cache is kv_quant={spec!r}"
 
 

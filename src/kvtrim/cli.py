@@ -149,7 +149,8 @@ def generate(
         str | None,
         typer.Option(
             "--kv-quant",
-            help="hold the kept entries as int8, int4 or fp8, optionally with settings, e.g. int4:group_size=64 "
+            help="hold the kept entries as int8, int4 or fp8, optionally with settings, e.g. int4:group_size=64; "
+            "int4 keeps a 32-entry full-precision window by default (int4:residual=0 packs every full group) "
             "(docs/quantization.md)",
         ),
     ] = None,
@@ -167,7 +168,8 @@ def generate(
             spec = BudgetSpec(ratio=ratio, budget=budget)  # validate before loading anything
             get_method(method).check(spec.ratio, spec.budget)
         check_prompt_format(prompt_format)
-        resolve_kv_quant(kv_quant)
+        quant = resolve_kv_quant(kv_quant)
+        kv_quant = None if quant is None else quant.spec  # named with every setting resolved in the output
         resolve_dtype(dtype), resolve_device(device)
         if not context_file.is_file():
             raise KVTrimError(f"--context-file {str(context_file)!r} does not exist")
@@ -311,7 +313,8 @@ def eval_command(
         typer.Option(
             "--kv-quant",
             help="hold every config's entries as int8, int4 or fp8, optionally with settings, e.g. "
-            "int4:group_size=64 (one format per --out)",
+            "int4:group_size=64; int4 keeps a 32-entry full-precision window by default (int4:residual=0 packs "
+            "every full group); recorded with every setting resolved (one format per --out)",
         ),
     ] = None,
 ) -> None:
@@ -416,8 +419,9 @@ def serve(
         str | None,
         typer.Option(
             "--kv-quant",
-            help="hold the pool's K/V blocks packed as int8, int4 or fp8 with their scales; --kv-memory counts packed "
-            "bytes (docs/quantization.md)",
+            help="hold the pool's K/V blocks packed as int8, int4 or fp8 with their scales, every entry packed when "
+            "written (no full-precision window, whatever the format); --kv-memory counts packed bytes "
+            "(docs/quantization.md)",
         ),
     ] = None,
     cuda_graphs: Annotated[
@@ -467,7 +471,8 @@ def serve(
         kv_bytes = _parse_bytes(kv_memory or "256MiB") if kv_blocks is None else None
         from .cache.quantized_block_pool import pool_kv_quant
 
-        pool_kv_quant(kv_quant)  # a bad --kv-quant fails before the model loads
+        quant = pool_kv_quant(kv_quant)  # a bad --kv-quant fails before the model loads
+        kv_quant = None if quant is None else quant.spec  # the pool's settings, named in full in the banner
         if threads is not None:
             if threads <= 0:
                 raise KVTrimError(f"--threads must be positive, got {threads}")

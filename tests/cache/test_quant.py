@@ -4,6 +4,9 @@ import pytest
 import torch
 
 from kvtrim.cache.quant import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_RESIDUAL,
+    KV_QUANT_CHOICES,
     KVQuant,
     dequantize_keys,
     dequantize_values,
@@ -101,7 +104,7 @@ def test_bad_parameters_raise(kwargs, match):
 
 def test_resolve_kv_quant():
     assert resolve_kv_quant(None) is None
-    assert resolve_kv_quant("int4") == KVQuant("int4")
+    assert resolve_kv_quant("int4") == KVQuant("int4") == KVQuant("int4", group_size=32, residual=32)
     assert resolve_kv_quant("fp8") == KVQuant("fp8")
     with pytest.raises(InvalidParameterError, match=r"kv_quant must be one of \('int8', 'int4', 'fp8'\)"):
         resolve_kv_quant("fp4")
@@ -114,6 +117,40 @@ def test_resolve_kv_quant():
 def test_default_group_sizes():
     assert KVQuant("int4").group_size == 32 and KVQuant("int8").group_size == 64 and KVQuant("fp8").group_size == 64
     assert KVQuant("int4", group_size=64).group_size == 64
+
+
+def test_default_residual_windows_come_from_one_table():
+    """int4 keeps a 32-entry full-precision window by default (KIVI's R), 8-bit formats none; an explicit
+    ``residual=0`` stays 0 and a given window is kept as given."""
+    assert DEFAULT_RESIDUAL == {"int8": 0, "int4": 32, "fp8": 0}
+    assert set(DEFAULT_RESIDUAL) == set(DEFAULT_GROUP_SIZE) == set(KV_QUANT_CHOICES)
+    for name in KV_QUANT_CHOICES:
+        assert KVQuant(name).residual == DEFAULT_RESIDUAL[name]
+        assert KVQuant(name).group_size == DEFAULT_GROUP_SIZE[name]
+    assert KVQuant("int4", residual=0).residual == 0
+    assert KVQuant("int4", group_size=64).residual == 32
+    assert KVQuant("int8", residual=16).residual == 16
+    assert resolve_kv_quant("int4:residual=0") == KVQuant("int4", residual=0) != KVQuant("int4")
+    assert resolve_kv_quant("int4:group_size=64").residual == 32
+    assert repr(KVQuant("int4")) == "KVQuant(name='int4', group_size=32, residual=32, value_group=None)"
+
+
+def test_spec_names_every_resolved_setting_and_reads_back():
+    assert KVQuant("int4").spec == "int4:group_size=32,residual=32"
+    assert KVQuant("int8").spec == "int8:group_size=64,residual=0"
+    assert KVQuant("int4", residual=0, value_group=32).spec == "int4:group_size=32,residual=0,value_group=32"
+    for fmt in (KVQuant("int4"), KVQuant("fp8", group_size=16, residual=8), KVQuant("int8", value_group=16)):
+        assert resolve_kv_quant(fmt.spec) == fmt
+
+
+def test_default_residual_replaces_only_the_window_a_string_leaves_out():
+    """What a store without a window (the paged block pool) reads: a name means no window, a given one is kept
+    (the pool then refuses it), and a KVQuant is returned as it is."""
+    assert resolve_kv_quant("int4", default_residual=0) == KVQuant("int4", residual=0)
+    assert resolve_kv_quant("int4:group_size=64", default_residual=0) == KVQuant("int4", group_size=64, residual=0)
+    assert resolve_kv_quant("int4:residual=16", default_residual=0).residual == 16
+    assert resolve_kv_quant(KVQuant("int4"), default_residual=0).residual == 32
+    assert resolve_kv_quant(None, default_residual=0) is None
 
 
 def test_resolve_kv_quant_spec_strings():

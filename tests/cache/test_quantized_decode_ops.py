@@ -30,7 +30,7 @@ def decode_ops(batch: int, kv_heads: int, steps: int, case: str = "dense") -> tu
     ids = torch.randint(3, 200, (batch, 48), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :pad] = 0
-    fmt = KVQuant("int4", group_size=8)
+    fmt = KVQuant("int4", group_size=8, residual=0)
     cache = KVTrimCache(2, get_method(method), BudgetSpec(ratio=0.5), kv_quant=fmt)
     counts = []
     with torch.inference_mode(), kvtrim_attention_enabled(model):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtrim.cache.dense import INVALID, DenseStore
-from kvtrim.cache.quant import KVQuant, dequantize_keys, quantize_keys
+from kvtrim.cache.quant import KVQuant, dequantize_keys, quantize_keys, resolve_kv_quant
 from kvtrim.cache.quantized_dense import QuantizedDenseStore
 from kvtrim.cache.store import KVStore
 
@@ -52,6 +52,29 @@ def test_window_flushes_whole_groups_and_bytes_are_exact(name, residual):
     assert (k[:, :, :nq] - keys[:, :, :nq]).abs().max() > 0  # really quantized
 
 
+@pytest.mark.parametrize(("spec", "residual"), [("int4", 32), ("int4:residual=0", 0)])
+def test_int4_default_keeps_its_newest_32_to_63_entries_in_full_precision(spec, residual):
+    """int4's default window (``DEFAULT_RESIDUAL``, KIVI's R = 32 with groups of 32): after a prefill and after
+    every decoding step, the newest 32 to 63 entries are held exactly as appended and everything older in whole
+    quantized groups; ``int4:residual=0`` quantizes every full group (the window holds ``length % 32``)."""
+    fmt = resolve_kv_quant(spec)
+    assert (fmt.group_size, fmt.residual) == (32, residual)
+    b, h, d, prefill, steps = 1, 2, 16, 100, 70
+    keys, values = _kv(b, h, prefill + steps, d, seed=4)
+    store = QuantizedDenseStore.empty(b, h, d, torch.float32, "cpu", fmt)
+    store.append(keys[:, :, :prefill], values[:, :, :prefill], torch.arange(prefill)[None], padded=False)
+    for n in range(prefill, prefill + steps + 1):
+        if n > prefill:  # one decoding step
+            store.append(keys[:, :, n - 1 : n], values[:, :, n - 1 : n], torch.tensor([[n - 1]]), padded=False)
+        nq, w = store.quantized_length, store.window_length
+        assert (nq + w, nq % 32) == (n, 0)
+        assert 32 <= w <= 63 if residual else w == n % 32
+        k, v = store.dequantized()
+        assert torch.equal(k[:, :, nq:], keys[:, :, nq:n]) and torch.equal(v[:, :, nq:], values[:, :, nq:n])
+        assert (k[:, :, :nq] != keys[:, :, :nq]).any() and (v[:, :, :nq] != values[:, :, :nq]).any()
+        assert store.nbytes() == _expected_bytes(fmt, b, h, nq, w, d)
+
+
 def test_key_scales_are_per_channel_per_group_of_tokens():
     fmt = KVQuant("int8", group_size=8)
     store, keys, _ = _filled(fmt, n=16)
@@ -62,7 +85,7 @@ def test_key_scales_are_per_channel_per_group_of_tokens():
 
 
 def test_attention_reads_the_dequantized_entries():
-    fmt = KVQuant("int4", group_size=8)
+    fmt = KVQuant("int4", group_size=8, residual=0)
     store, _, _ = _filled(fmt, n=30)
     ref = DenseStore(store.keys.clone(), store.values.clone(), store.positions.clone(), store.length)
     q = torch.randn(2, 4, 1, 16)
@@ -74,7 +97,7 @@ def test_attention_reads_the_dequantized_entries():
 
 
 def test_prefill_into_an_empty_store_attends_over_full_precision_entries():
-    fmt = KVQuant("int4", group_size=8)
+    fmt = KVQuant("int4", group_size=8, residual=0)
     keys, values = _kv(1, 2, 16, 16)
     store = QuantizedDenseStore.empty(1, 2, 16, torch.float32, "cpu", fmt)
     store.append(keys, values, torch.arange(16)[None], padded=False)
@@ -88,7 +111,7 @@ def test_prefill_into_an_empty_store_attends_over_full_precision_entries():
 
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_keep_moves_value_codes_and_regroups_keys(name):
-    fmt = KVQuant(name, group_size=8)
+    fmt = KVQuant(name, group_size=8, residual=0)
     store, _, _ = _filled(fmt, n=43)  # 40 quantized + 3 in the window
     before_k, before_v = store.dequantized()
     old_vc, old_vs = store._vc.clone(), store._vs.clone()
@@ -149,7 +172,7 @@ def test_truncate_returns_straddling_groups_to_the_window(to):
 
 
 def test_copy_select_batch_and_from_dense():
-    fmt = KVQuant("int4", group_size=8)
+    fmt = KVQuant("int4", group_size=8, residual=0)
     store, keys, values = _filled(fmt, n=20)
     twin = store.copy()
     store.append(keys[:, :, :1], values[:, :, :1], torch.full((2, 1), 20), padded=False)
@@ -162,7 +185,7 @@ def test_copy_select_batch_and_from_dense():
 
 
 def test_padding_slots_do_not_change_the_quantized_keys_of_real_tokens():
-    fmt = KVQuant("int4", group_size=8)
+    fmt = KVQuant("int4", group_size=8, residual=0)
     keys, values = _kv(1, 1, 16, 16)
     wild = keys.clone()
     wild[:, :, :3] = 1e4  # left padding with wild keys
@@ -174,3 +197,38 @@ def test_padding_slots_do_not_change_the_quantized_keys_of_real_tokens():
         stores.append(store)
     assert stores[0].quantized_length == 16
     assert torch.equal(stores[0].keys[:, :, 3:], stores[1].keys[:, :, 3:])
+
+
+# SnapKV-like 1/8 of a 32,768-token context in one KV head of Llama-3.1-8B's shape (head_dim 128, float16): every
+# head of every layer holds the same, so the fraction of the float16 full cache is the model's.
+LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM = 32768, 4096, 128
+
+
+@pytest.mark.parametrize(
+    ("spec", "nq", "window"),
+    [
+        ("int4", 4064, 32),  # the default: groups of 32, a 32-entry window
+        ("int4:group_size=64", 4032, 64),
+        ("int4:group_size=64,residual=0", 4096, 0),
+        ("int4:residual=0", 4096, 0),
+    ],
+)
+def test_bytes_after_keeping_an_eighth_of_a_long_context_against_1_28(spec, nq, window):
+    """Bytes held after a compaction to 1/8 of 32,768 float16 entries (head_dim 128), from the tensors: int4's
+    default (key groups of 32 at 148 B per quantized entry, plus a 32-entry float16 window) holds 1/27.15 of the
+    float16 full cache, above 1/28; key groups of 64 reach 1/28 (1/28.09 with the default window, 1/29.26
+    without). docs/quantization.md states these fractions."""
+    fmt = resolve_kv_quant(spec)
+    n, kept, d = LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM
+    keys, values = (x.half() for x in _kv(1, 1, n, d, seed=7))
+    store = QuantizedDenseStore.empty(1, 1, d, torch.float16, "cpu", fmt)
+    store.append(keys, values, torch.arange(n)[None], padded=False)
+    g = torch.Generator().manual_seed(8)
+    store.keep(torch.randperm(n, generator=g)[:kept].sort().values.view(1, 1, kept))
+    assert (store.quantized_length, store.window_length) == (nq, window)
+    held = store.nbytes()
+    assert held == _expected_bytes(fmt, 1, 1, nq, window, d, dtype_bytes=2)
+    assert held == nq * fmt.entry_bytes(d) + window * 2 * d * 2
+    full_fp16 = n * 2 * d * 2
+    meets = fmt.group_size == 64
+    assert (held * 28 <= full_fp16) == meets, full_fp16 / held

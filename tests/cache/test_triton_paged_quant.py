@@ -106,7 +106,8 @@ CASES = [
     ("int4", torch.float16, 4, 24, 12, [25, 11], 3, False, 0),  # head_dim 24: halves of 12 (padded to 16)
     ("fp8", torch.float32, 3, 24, 12, [30, 7, 12], 2, True, 0),  # one-byte codes split into padded halves
     ("int8", torch.bfloat16, 4, 64, 16, [40, 9], None, True, 1),  # the split heuristic
-    (KVQuant("int4", value_group=8), torch.float32, 3, 32, 8, [19, 4, 33], 3, True, 0),  # 4 scales per entry
+    # 4 scales per entry; a pool's KVQuant has no window (residual=0, not int4's default)
+    (KVQuant("int4", residual=0, value_group=8), torch.float32, 3, 32, 8, [19, 4, 33], 3, True, 0),
     (KVQuant("int8", value_group=16), torch.float16, 2, 32, 16, [21, 16], 2, False, 0),
 ]
 
@@ -174,7 +175,12 @@ def test_bad_packed_tensors_are_refused():
 # ---------------------------------------------------------------------------------------------------- the backend
 @pytest.mark.parametrize(
     ("fmt", "accumulate", "buffer", "pad"),
-    [("int8", True, 0, 0), ("int4", True, 3, 2), ("fp8", False, 0, 0), (KVQuant("int4", value_group=8), True, 0, 0)],
+    [
+        ("int8", True, 0, 0),
+        ("int4", True, 3, 2),
+        ("fp8", False, 0, 0),
+        (KVQuant("int4", residual=0, value_group=8), True, 0, 0),
+    ],
 )
 def test_triton_decode_on_a_quantized_pool_equals_the_gather_path(fmt, accumulate, buffer, pad):
     """GQA 6/2 (G = 3), rows of different lengths after evictions; ``pad``: padding rows of a bucketed batch."""

@@ -185,6 +185,13 @@ def test_header_threads_and_layout_come_from_run_json(tmp_path):
     text = build_report(out, plots=False)
     assert "torch threads: 2;" in text
     assert "prompt layout: kvpress" in text
+    assert "entries (`kv_quant`): none (the model's dtype)" in text
+
+
+def test_header_names_the_resolved_kv_quant_of_the_records(tmp_path):
+    records = [_rec("passkey", 0, "full", None, 1.0, kv_quant="int4:group_size=32,residual=32")]
+    text = build_report(_write(tmp_path / "run", records), plots=False)
+    assert "entries (`kv_quant`): int4:group_size=32,residual=32" in text
 
 
 def test_report_reads_gzipped_records_and_records_appended_after_them(tmp_path):

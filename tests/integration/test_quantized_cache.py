@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvtrim
 from conftest import VOCAB, random_text
 from kvtrim.cache.dense import DenseStore
-from kvtrim.cache.quant import KVQuant
+from kvtrim.cache.quant import KVQuant, resolve_kv_quant
 from kvtrim.cache.quantized_dense import QuantizedDenseStore
 from kvtrim.errors import InvalidParameterError
 from kvtrim.integration.attention import kvtrim_attention_enabled
@@ -47,8 +47,9 @@ def test_quantized_cache_logits_stay_close(llama, tokenizer, name, bound):
     ref, _ = _decode_logits(llama, ids, None)
     got, cache = _decode_logits(llama, ids, name)
     store = cache.layers[0].store
-    g = KVQuant(name).group_size
-    assert isinstance(store, QuantizedDenseStore) and store.quantized_length == ids.shape[1] // g * g  # whole groups
+    fmt = KVQuant(name)
+    nq = (ids.shape[1] - fmt.residual) // fmt.group_size * fmt.group_size  # whole groups before the window
+    assert isinstance(store, QuantizedDenseStore) and store.quantized_length == nq
     err = (got - ref).abs().max()
     assert 0 < err <= bound * ref.abs().max()
 
@@ -59,7 +60,8 @@ def test_bytes_held_are_entries_times_packed_size(llama, tokenizer, name):
     _, cache = _decode_logits(llama, ids, name)
     fmt = KVQuant(name)
     layers, heads, d, n = 2, 2, 16, ids.shape[1]
-    nq = n // fmt.group_size * fmt.group_size
+    nq = (n - fmt.residual) // fmt.group_size * fmt.group_size  # int4's default window: 32..63 entries
+    assert 32 <= n - nq <= 63 if name == "int4" else n - nq < fmt.group_size
     per_entry = fmt.entry_bytes(d)  # codes + the entry's share of key and value scales
     window = (n - nq) * 2 * d * 4  # float32 model
     assert cache.stats().entries == layers * heads * n
@@ -75,14 +77,17 @@ def _head_dim_64_model(seed=0):
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize(("group_size", "fraction"), [(64, 1 / 28), (None, 1 / 26.9)])
-def test_snapkv_ratio_0875_with_int4_holds_at_most_1_28_of_the_fp16_cache(tokenizer, group_size, fraction):
-    """The target of docs/quantization.md, at 4,096 context tokens and head_dim 64 (where the scales and the
-    window amortise): 1/8 of the entries, each at 64 + 8 bytes (key groups of 64) instead of 256; with the
-    default int4 key groups of 32, 64 + 12 bytes: 1/26.9."""
+@pytest.mark.parametrize(
+    ("spec", "fraction"), [("int4:group_size=64,residual=0", 1 / 28), ("int4:residual=0", 1 / 26.9)]
+)
+def test_snapkv_ratio_0875_with_int4_holds_at_most_1_28_of_the_fp16_cache(tokenizer, spec, fraction):
+    """The target of docs/quantization.md, at 4,096 context tokens and head_dim 64 without a full-precision window
+    (int4's default window of 32 entries is measured at 32k tokens in tests/cache/test_quantized_dense.py): 1/8 of
+    the entries, each at 64 + 8 bytes (key groups of 64) instead of 256; with int4's key groups of 32, 64 + 12
+    bytes: 1/26.9."""
     model = _head_dim_64_model()
     context = random_text(4096, seed=2)
-    fmt = KVQuant("int4", group_size=group_size)
+    fmt = resolve_kv_quant(spec)
     result = kvtrim.generate(
         model, tokenizer, context, "q?", method="snapkv", ratio=0.875, kv_quant=fmt, max_new_tokens=1
     )
@@ -188,3 +193,12 @@ def test_left_padded_batch_with_int8_matches_each_row_alone(llama, tokenizer):
     # the padded row's key groups start at its first padding slot, not at its first token: other tokens share a
     # scale than when it runs alone, so only the first answer tokens are compared
     assert batch.answers[1][0][:2] == alone[1].answers[0][:2]
+
+
+def test_a_cache_resolves_kv_quant_and_a_clone_names_both_settings():
+    cache = KVTrimCache(2, kv_quant="int4")
+    assert cache.kv_quant == KVQuant("int4", group_size=32, residual=32)
+    assert cache.clone(kv_quant="int4:group_size=32,residual=32").kv_quant == cache.kv_quant  # the same setting
+    with pytest.raises(InvalidParameterError, match=r"kv_quant='int4:group_size=32,residual=0': this cache already "
+                                                    r"holds int4:group_size=32,residual=32 entries"):  # fmt: skip
+        cache.clone(kv_quant="int4:residual=0")

@@ -19,9 +19,10 @@ LAYERS, KV_HEADS, D, ELEM = 2, 2, 16, 4  # the tiny Llama: head_dim 16, float32
 
 def _expected_bytes(entries_per_head: int, kept: int, fmt: KVQuant) -> int:
     """Bytes of a quantized dense layer set holding ``entries_per_head`` entries per head, keys on ``kept``
-    channels: packed codes + float16 scales and zero points + the float32 window."""
+    channels: packed codes + float16 scales and zero points + the float32 window (``fmt.residual`` entries at
+    least: int4's default window of 32)."""
     group = fmt.group_size
-    nq = entries_per_head // group * group
+    nq = max(entries_per_head - fmt.residual, 0) // group * group
     w = entries_per_head - nq
     per_head = (
         nq * (packed_width(kept, fmt.bits) + D * fmt.bits // 8 + 4) + nq // group * kept * 4 + w * (kept + D) * ELEM
@@ -55,7 +56,9 @@ def test_think_cache_holds_pruned_packed_keys_and_decodes(llama, name):
         assert isinstance(store, ChannelPrunedStore) and isinstance(store.inner, QuantizedDenseStore)
         assert store.kv_quant == KVQuant(name) and store.kept_channels == 12
         assert store.keys.shape == (2, 2, 144, 12) and store.values.shape == (2, 2, 144, 16)
-        assert store.inner.quantized_length == 128  # decoding steps flushed into whole groups of 12 channels
+        # decoding steps flushed into whole groups of 12 channels: 128 (int8), 96 (int4, its 32-entry window)
+        fmt = KVQuant(name)
+        assert store.inner.quantized_length == (144 - fmt.residual) // fmt.group_size * fmt.group_size
         assert store.inner._kc.shape[-1] == packed_width(12, KVQuant(name).bits)
     with pytest.raises(kvtrim.InvalidParameterError, match="channel-pruned"):
         cache.compress()
@@ -66,12 +69,13 @@ def test_a_padded_batch_prunes_the_quantized_ragged_store(llama, tokenizer, meth
     contexts = [random_text(300, seed=1), random_text(200, seed=2)]
     args = {"method": method, "ratio": 0.5, "max_new_tokens": 3}
     plain = kvtrim.generate(llama, tokenizer, contexts, ["q?", "r?"], **args)
-    with kvtrim.compressing(llama, method, ratio=0.5, kv_quant="int4") as cache:
+    spec = "int4:residual=0"  # every kept entry packed: the bytes below are the packing's
+    with kvtrim.compressing(llama, method, ratio=0.5, kv_quant=spec) as cache:
         ids = tokenizer(contexts, return_tensors="pt", padding=True)
         llama.generate(**ids, max_new_tokens=3, do_sample=False)
     store = cache.layers[0].store
     assert isinstance(store, ChannelPrunedStore) and isinstance(store.inner, QuantizedRaggedStore)
-    res = kvtrim.generate(llama, tokenizer, contexts, ["q?", "r?"], kv_quant="int4", **args)
+    res = kvtrim.generate(llama, tokenizer, contexts, ["q?", "r?"], kv_quant=spec, **args)
     assert res.stats.kv_entries_after == plain.stats.kv_entries_after
     assert res.stats.kv_bytes_after < plain.stats.kv_bytes_after / 3
     assert len(res.answers) == 2

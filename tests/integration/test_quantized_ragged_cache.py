@@ -11,7 +11,7 @@ import torch
 
 import kvtrim
 from conftest import random_text
-from kvtrim.cache.quant import KVQuant
+from kvtrim.cache.quant import KVQuant, resolve_kv_quant
 from kvtrim.cache.quantized_dense import QuantizedDenseStore
 from kvtrim.cache.quantized_ragged import QuantizedRaggedStore
 from kvtrim.cache.ragged import RaggedStore
@@ -92,28 +92,50 @@ def test_nothing_evicted_int8_matches_the_unquantized_cache(llama, tokenizer):
 
 
 def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tokenizer):
-    """The bytes of the entries AdaKV keeps, int4 in the ragged store, against the same entries held padded in the
-    quantized dense store (every head padded to the longest, a full-precision window up to a group)."""
+    """The bytes of the entries AdaKV keeps, int4 packed (no window) in the ragged store, against the same entries
+    held padded in the quantized dense store (every head padded to the longest, a full-precision window up to a
+    group)."""
     ids = tokenizer(CTX, return_tensors="pt").input_ids
-    fmt, d = KVQuant("int4"), 16
-    cache = _prefill(llama, ids, "int4", "adakv", 0.875)
+    spec, d = "int4:residual=0", 16
+    fmt = resolve_kv_quant(spec)
+    cache = _prefill(llama, ids, spec, "adakv", 0.875)
     stores = [layer.store for layer in cache.layers]
     assert all(isinstance(s, QuantizedRaggedStore) and s.tail.length == 0 for s in stores)
     ragged = cache.kv_nbytes()
     assert ragged == sum(_ragged_bytes(s, fmt, d) for s in stores)  # exact: codes + scales of the kept entries
-    padded = _prefill(llama, ids, "int4", "adakv", 0.875, layout="dense")  # how the entries were held before
+    padded = _prefill(llama, ids, spec, "adakv", 0.875, layout="dense")  # how the entries were held before
     assert isinstance(padded.layers[0].store, QuantizedDenseStore)
     assert padded.stats().entries == cache.stats().entries
     unquantized = _prefill(llama, ids, None, "adakv", 0.875).kv_nbytes()
-    # measured: 3,136 bytes ragged, 27,392 padded, 18,432 unquantized ragged (float32)
+    # measured: 3,264 bytes ragged, 13,824 padded, 18,432 unquantized ragged (float32)
     assert ragged * 4 < padded.kv_nbytes() and ragged * 4 < unquantized, (ragged, padded.kv_nbytes(), unquantized)
+
+
+def test_int4_default_window_holds_each_rows_newest_kept_entries_in_full_precision(llama, tokenizer):
+    """int4's default window in the ragged store: each row's newest 32 kept entries start the tail in the model's
+    dtype (a row with fewer is padded there), the rest is packed; ``int4:residual=0`` packs every kept entry.
+    Bytes: the ragged part's formula plus the tail's float32 columns (measured 17,372 B against 3,264 B)."""
+    ids = tokenizer(CTX, return_tensors="pt").input_ids
+    fmt, d = KVQuant("int4"), 16
+    cache = _prefill(llama, ids, "int4", "adakv", 0.875)
+    packed = _prefill(llama, ids, "int4:residual=0", "adakv", 0.875)
+    assert cache.stats().entries == packed.stats().entries  # the same count of kept entries per row
+    for layer, other in zip(cache.layers, packed.layers, strict=True):
+        store = layer.store
+        assert isinstance(store, QuantizedRaggedStore) and store.tail.kv_quant == fmt
+        longest = int(other.store.length.max())
+        assert (store.tail.length, store.tail.quantized_length) == (min(32, longest), 0)  # all in full precision
+        assert torch.equal(store.length, (other.store.length - store.tail.length).clamp(min=0))
+        tail_bytes = 2 * store.batch_size * store.kv_heads * store.tail.length * d * 4
+        assert store.nbytes() == _ragged_bytes(store, fmt, d) + tail_bytes
+    assert cache.kv_nbytes() > packed.kv_nbytes()
 
 
 @pytest.mark.parametrize("method", ["adakv", "kvzip", "kvc_w8"])
 def test_per_head_methods_hold_the_quantized_ragged_store_through_generate(llama, tokenizer, method):
     plain = kvtrim.generate(llama, tokenizer, CTX, ["q?", "r?"], method=method, ratio=0.875, max_new_tokens=4)
-    quant = kvtrim.generate(
-        llama, tokenizer, CTX, ["q?", "r?"], method=method, ratio=0.875, max_new_tokens=4, kv_quant="int4"
+    quant = kvtrim.generate(  # every kept entry packed (no window): the bytes below are the packing's
+        llama, tokenizer, CTX, ["q?", "r?"], method=method, ratio=0.875, max_new_tokens=4, kv_quant="int4:residual=0"
     )
     assert quant.stats.kv_entries_after == plain.stats.kv_entries_after
     assert quant.stats.kv_bytes_after * 3 < plain.stats.kv_bytes_after

@@ -19,6 +19,7 @@
 
 Packed bytes of one entry (key + value, per head): ``2 * head_dim * bits / 8``, plus its share of the scales:
 ``4 * head_dim / group_size`` (keys) and ``4 * head_dim / value_group`` (values), 4 = float16 scale + zero.
+A store's full-precision window (``residual``, KIVI's ``R``) holds its newest entries in the model's dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..errors import InvalidParameterError
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
+    "DEFAULT_RESIDUAL",
     "KV_QUANT_CHOICES",
     "SCALE_DTYPE",
     "KVQuant",
@@ -54,6 +56,11 @@ _BITS = {"int8": 8, "int4": 4, "fp8": 8}
 # Tokens per key group when none is given. int4 at 64 lost a passkey sample the float cache and int4 at 32 both
 # answer (docs/quantization.md, "Choosing the group size"); 8-bit formats lose nothing at 64.
 DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 32, "fp8": 64}
+# Full-precision entries kept after the last full key group when none is given (KIVI's R). int4 without a window
+# lost 4.7 points on the full cache against float32 and 0.4 gained with 32 (docs/quantization.md, "Choosing the
+# group size and the window"); 8-bit formats lose nothing measurable without one. A paged block pool has no window
+# (resolve_kv_quant(..., default_residual=0)).
+DEFAULT_RESIDUAL = {"int8": 0, "int4": 32, "fp8": 0}
 _MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
 
 
@@ -67,13 +74,15 @@ class KVQuant:
             quantized a whole group at a time. Default (None): 32 for ``int4`` (KIVI's group), 64 for ``int8``
             and ``fp8`` (see ``DEFAULT_GROUP_SIZE``)
         residual: full-precision entries always kept after the last full group (KIVI's ``R``); the window holds
-            between ``residual`` and ``residual + group_size - 1`` entries once that many exist
+            between ``residual`` and ``residual + group_size - 1`` entries once that many exist. Default (None): 32
+            for ``int4``, 0 for ``int8`` and ``fp8`` (see ``DEFAULT_RESIDUAL``); ``residual=0`` quantizes every
+            full group
         value_group: channels per value group (None: the whole ``head_dim``, one scale per token)
     """
 
     name: str
     group_size: int | None = None
-    residual: int = 0
+    residual: int | None = None
     value_group: int | None = None
 
     def __post_init__(self):
@@ -81,6 +90,8 @@ class KVQuant:
             raise InvalidParameterError(f"kv_quant must be one of {KV_QUANT_CHOICES} or None, got {self.name!r}")
         if self.group_size is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE[self.name])
+        if self.residual is None:
+            object.__setattr__(self, "residual", DEFAULT_RESIDUAL[self.name])
         for field, value, low in (("group_size", self.group_size, 1), ("residual", self.residual, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidParameterError(f"{field} must be an integer >= {low}, got {value!r}")
@@ -96,6 +107,16 @@ class KVQuant:
     @property
     def bits(self) -> int:
         return _BITS[self.name]
+
+    @property
+    def spec(self) -> str:
+        """The format with every resolved setting, as :func:`resolve_kv_quant` reads it back: ``"int4:group_size=32,
+        residual=32"`` (``value_group`` only when set). What run records and command output name, so that a change
+        of a default never makes two records with the same name hold differently quantized entries."""
+        settings = [f"group_size={self.group_size}", f"residual={self.residual}"]
+        if self.value_group is not None:
+            settings.append(f"value_group={self.value_group}")
+        return f"{self.name}:{','.join(settings)}"
 
     @property
     def is_float(self) -> bool:
@@ -130,12 +151,15 @@ class KVQuant:
 _SPEC_FIELDS = ("group_size", "residual", "value_group")
 
 
-def resolve_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
+def resolve_kv_quant(kv_quant: str | KVQuant | None, *, default_residual: int | None = None) -> KVQuant | None:
     """``None``, a format name, a spec string or a :class:`KVQuant` -> a :class:`KVQuant` (or None).
 
     A spec string is a format name, optionally followed by ``:`` and comma-separated ``field=integer`` settings of
-    :class:`KVQuant`: ``"int4"``, ``"int4:group_size=64"``, ``"int8:group_size=32,residual=32,value_group=32"``
-    (what ``--kv-quant`` takes on the command line).
+    :class:`KVQuant`: ``"int4"``, ``"int4:group_size=64"``, ``"int8:group_size=32,residual=32,value_group=32"``,
+    ``"int4:residual=0"`` (what ``--kv-quant`` takes on the command line). A setting left out takes the format's
+    default (``DEFAULT_GROUP_SIZE``, ``DEFAULT_RESIDUAL``), except that ``default_residual`` (not None) replaces
+    the default window of a name or spec string that sets no ``residual``: a store without a window (the paged
+    block pool) reads ``"int4"`` as ``residual=0``. A :class:`KVQuant` is returned as it is.
     """
     if kv_quant is None or isinstance(kv_quant, KVQuant):
         return kv_quant
@@ -157,6 +181,8 @@ def resolve_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
             raise InvalidParameterError(f"kv_quant {kv_quant!r}: {key} must be an integer, got {value!r}") from None
     if sep and not fields:
         raise InvalidParameterError(f"kv_quant {kv_quant!r}: nothing after ':'; give field=integer settings")
+    if default_residual is not None:
+        fields.setdefault("residual", default_residual)
     return KVQuant(name, **fields)
 
 

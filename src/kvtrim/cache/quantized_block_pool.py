@@ -39,12 +39,17 @@ __all__ = ["QuantizedBlockPool", "pool_kv_quant"]
 
 
 def pool_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
-    """``kv_quant`` as a block pool holds it: ``None``, ``"int8"``, ``"int4"`` or a :class:`KVQuant` without a
-    full-precision window (``residual`` 0: every entry of a pool is packed when written)."""
-    fmt = resolve_kv_quant(kv_quant)
+    """``kv_quant`` as a block pool holds it: ``None``, a format name or spec string, or a :class:`KVQuant` without
+    a full-precision window (``residual`` 0: every entry of a pool is packed when written).
+
+    A name or spec string that sets no ``residual`` means ``residual=0`` here, whatever the format's default for
+    the dense and ragged stores (``"int4"`` keeps a 32-entry window there, ``DEFAULT_RESIDUAL``); a window asked
+    for (``"int4:residual=32"``, ``KVQuant("int4")`` whose residual is that default) is refused."""
+    fmt = resolve_kv_quant(kv_quant, default_residual=0)
     if fmt is not None and fmt.residual:
         raise InvalidParameterError(
-            f"a paged block pool packs every entry when it is written: KVQuant.residual must be 0, got {fmt.residual}"
+            f"a paged block pool packs every entry when it is written: KVQuant.residual must be 0, got {fmt.residual} "
+            f"(pass {fmt.name!r} or KVQuant({fmt.name!r}, residual=0))"
         )
     return fmt
 
@@ -55,8 +60,9 @@ class QuantizedBlockPool(BlockPool):
     Args:
         num_blocks, block_size, head_dim, device, scratch: as :class:`BlockPool`
         dtype: the dtype entries are written from and read back in (the model's)
-        kv_quant: ``"int8"``, ``"int4"`` or a :class:`~kvtrim.cache.quant.KVQuant` (``residual`` 0; ``group_size``
-            is not used: keys have per-token scales, module docstring)
+        kv_quant: ``"int8"``, ``"int4"``, ``"fp8"`` (a name means no window here, :func:`pool_kv_quant`) or a
+            :class:`~kvtrim.cache.quant.KVQuant` with ``residual=0`` (``group_size`` is not used: keys have
+            per-token scales, module docstring)
 
     Attributes:
         key_codes, value_codes: ``[blocks, block_size, head_dim * bits / 8]`` uint8

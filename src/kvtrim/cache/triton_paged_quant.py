@@ -217,7 +217,7 @@ def _bound_partial(interpret: bool):
 
 def check_format(kv_quant: str | KVQuant) -> KVQuant:
     """``kv_quant`` as a :class:`KVQuant` the kernel reads, or :class:`InvalidParameterError` naming the formats."""
-    fmt = resolve_kv_quant(kv_quant)
+    fmt = resolve_kv_quant(kv_quant, default_residual=0)  # a pool's format: a name means no window
     if fmt is None or fmt.name not in QUANT_FORMATS:
         raise InvalidParameterError(
             f"the fused dequantizing Triton kernel reads kv_quant {', '.join(QUANT_FORMATS)}; got "

@@ -306,6 +306,9 @@ def _header(out: Path, records: list[dict[str, Any]]) -> list[str]:
         f"- haystacks: {', '.join(hay) or '-'} (the Paul Graham essays are not used; see `haystack_info` in records)",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "- prompt layout: " + ", ".join(sorted({str(r.get("prompt_format", "kvtrim")) for r in records})),
+        # as recorded: every resolved setting since KVQuant.spec, the name as given in older records
+        "- entries (`kv_quant`): "
+        + ", ".join(sorted({str(r.get("kv_quant") or "none (the model's dtype)") for r in records})),
     ]
     if runs:
         timed = [r for r in runs if r.get("wall_s") is not None]

@@ -385,8 +385,10 @@ def run_sweep(
         device, dtype: where and in which precision a model given by name is loaded (default cpu, float32)
         prefill_chunk: prefill every prompt this many tokens at a time, compressing between chunks (each method
             then prefills on its own); one output directory holds one setting
-        kv_quant: hold every config's kept entries (the full cache's too) as ``"int8"`` or ``"int4"``
-            (docs/quantization.md); one output directory holds one format
+        kv_quant: hold every config's kept entries (the full cache's too) as ``"int8"``, ``"int4"`` or ``"fp8"``,
+            or a spec string such as ``"int4:group_size=64"`` (docs/quantization.md); run.json and every record
+            name it with every setting resolved (:attr:`~kvtrim.cache.quant.KVQuant.spec`, e.g. ``"int4:
+            group_size=32,residual=32"``); one output directory holds one format
     """
     import torch
 
@@ -411,7 +413,10 @@ def run_sweep(
         raise InvalidParameterError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
 
     check_prompt_format(prompt_format)
-    resolve_kv_quant(kv_quant)
+    quant = resolve_kv_quant(kv_quant)
+    # recorded with every setting resolved: a later change of a format's defaults cannot mix two quantizations
+    # under one name in a directory (the consistency check below compares this spec)
+    kv_quant = None if quant is None else quant.spec
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records_path, run_path = out / RECORDS_FILE, out / RUN_FILE

@@ -163,7 +163,7 @@ class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
         quant = resolve_kv_quant(kv_quant)
         if quant is not None and self.kv_quant is not None and quant != self.kv_quant:
             raise InvalidParameterError(
-                f"kv_quant={quant.name!r}: this cache already holds {self.kv_quant.name} entries; clone an "
+                f"kv_quant={quant.spec!r}: this cache already holds {self.kv_quant.spec} entries; clone an "
                 "unquantized cache instead"
             )
         other = KVTrimCache(
