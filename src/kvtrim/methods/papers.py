@@ -62,6 +62,10 @@ FASTKVZIP = (
     "Kim, Han & Yun, Fast KVzip: Efficient and Accurate LLM Inference with Gated KV Eviction (arXiv 2601.17668); "
     "kvpress FastKVzipPress"
 )
+RESTOREKV = (
+    "RestoreKV: learned restore tokens on top of KVzip's eviction (arXiv 2608.01247), with KVzip (Kim et al., "
+    "arXiv 2505.23416); kvpress RestoreKVPress"
+)
 THINK = "Xu et al., ThinK: Thinner Key Cache by Query-Driven Pruning, ICLR 2025 (arXiv 2407.21018)"
 DUO_ATTENTION = (
     "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, "
