@@ -15,6 +15,7 @@ from kvtrim.integration.attention import kvtrim_attention_enabled
 from kvtrim.integration.cache import KVTrimCache
 from kvtrim.methods import get_method
 from kvtrim.methods.registry import capabilities_of
+from kvtrim.runtime import Prefill
 from kvtrim.selection.restore_tokens import RestoreTokens
 
 
@@ -158,6 +159,9 @@ def test_missing_artifact_and_bad_use_are_named(tmp_path, monkeypatch):
         get_method("restorekv@every:8").check(0.5, None)
     with pytest.raises(InvalidParameterError, match="artifact"):
         get_method("restorekv", artifact=3)
+    ids = _ids(16)
+    with pytest.raises(InvalidParameterError, match="prefill_chunk"):
+        Prefill.chunked(model, ids, torch.ones_like(ids), 8, get_method("restorekv"), BudgetSpec(ratio=0.5))
     caps = capabilities_of(get_method("restorekv"))
     assert caps.artifacts == ("restorekv",) and not caps.vllm and caps.schedules == ()
 

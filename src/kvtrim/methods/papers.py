@@ -63,8 +63,8 @@ FASTKVZIP = (
     "kvpress FastKVzipPress"
 )
 RESTOREKV = (
-    "RestoreKV: learned restore tokens on top of KVzip's eviction (arXiv 2608.01247), with KVzip (Kim et al., "
-    "arXiv 2505.23416); kvpress RestoreKVPress"
+    "RestoreKV, learned restoration on top of KVzip (arXiv 2608.01247); Kim et al., KVzip: Query-Agnostic KV Cache "
+    "Compression with Context Reconstruction (arXiv 2505.23416); kvpress RestoreKVPress"
 )
 THINK = "Xu et al., ThinK: Thinner Key Cache by Query-Driven Pruning, ICLR 2025 (arXiv 2407.21018)"
 DUO_ATTENTION = (
