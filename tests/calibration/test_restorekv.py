@@ -23,7 +23,8 @@ def test_distillation_kl_is_zero_for_the_teacher_and_positive_otherwise():
 def test_calibration_trains_and_saves_an_artifact_the_method_loads(tokenizer, tmp_path):
     model = tiny_model("llama")
     settings = RestoreKVCalibration(
-        prompts=2, heldout=1, length=64, continuation=8, tokens=2, rank=2, steps=3, tasks=(), ratios=(0.5,)
+        prompts=2, heldout=1, length=288, continuation=8, tokens=2, rank=2, steps=3, tasks=("passkey",), pydoc=False,
+        ratios=(0.5,),
     )
     path = calibrate_restorekv(model, tokenizer, settings, out_dir=tmp_path)
     artifact = load_artifact("restorekv", model, path)
