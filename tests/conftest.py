@@ -136,6 +136,7 @@ ARTIFACT_METHODS = {
     "expected_attention_stats",
     "qfilter",
     "lukv",
+    "restorekv",
 }
 # Keep at most the budget (only the candidates above a threshold): fewer entries than the budget is allowed.
 ELASTIC_METHODS = {"compilerkv_elastic", "compilerkv_static_threshold", "compilerkv_neutral_elastic"}
@@ -175,6 +176,7 @@ def install_head_scores(model, monkeypatch, tmp_path, seed: int = 0) -> None:
     install_kvzap_weights(model, seed=seed)
     install_qfilters(model, seed=seed)
     install_lukv_curves(model, seed=seed)
+    install_restore_weights(model, seed=seed)
 
 
 def gate_tensors(model, seed: int = 0, width: int = 4, sinks: int = 3) -> dict:
@@ -228,6 +230,28 @@ def install_kvzap_weights(model, directory=None, seed: int = 0):
     save_artifact("fastkvzip", model, gate_tensors(model, seed), meta, directory)
     save_artifact("expected_attention_stats", model, query_stat_tensors(model, seed), meta, directory)
     return save_artifact("kvzap", model, kvzap_tensors(model, seed), meta, directory)
+
+
+def restore_tensors(model, tokens: int = 3, rank: int = 2, seed: int = 0, lora: float = 0.1) -> dict:
+    """Random RestoreKV weights (:mod:`kvtrim.artifacts.restorekv` layout): ``tokens`` restore embeddings and a
+    rank-``rank`` adapter on q/k/v/o whose B matrices are scaled by ``lora`` (0: the adapter changes nothing)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed + 5)
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (hidden // cfg.num_attention_heads)
+    out = {"restore_embeddings": torch.randn(tokens, hidden, generator=g)}
+    for target, width in (("q", hidden), ("k", kv), ("v", kv), ("o", hidden)):
+        out[f"lora_{target}_a"] = torch.randn(layers, rank, hidden, generator=g)
+        out[f"lora_{target}_b"] = lora * torch.randn(layers, width, rank, generator=g)
+    return out
+
+
+def install_restore_weights(model, directory=None, seed: int = 0):
+    """Save random RestoreKV weights for ``model`` (default: in the kvtrim home)."""
+    from kvtrim.artifacts.store import save_artifact
+
+    meta = {"settings": {"test": True}, "seconds": 0.0}
+    return save_artifact("restorekv", model, restore_tensors(model, seed=seed), meta, directory)
 
 
 def install_duo_gates(model, directory=None, seed: int = 0):

@@ -264,6 +264,11 @@ class Prefill:
         never holds much more than the budget plus one chunk. The final compression is :meth:`compressed`'s.
         ``kv_quant`` holds the entries quantized from the first chunk on; ``question_start`` as in :meth:`plain`.
         Call under kvtrim attention."""
+        if pipeline is not None and pipeline.append is not None:
+            raise InvalidParameterError(
+                f"method {pipeline.name!r} appends its entries once, after the whole prompt: a chunked prefill would "
+                "append them after every chunk; prefill in one pass (no prefill_chunk)"
+            )
         cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=False, kv_quant=kv_quant)
         cache.question_start = question_start
         cache.observing = pipeline is not None

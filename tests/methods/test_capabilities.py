@@ -76,6 +76,7 @@ def test_artifacts_come_from_the_parts():
         "headkv", "critical_headkv", "compresskv", "compresskv_srh_only", "compresskv_trh", "ada_compresskv",
         "head_compresskv", "duo_attention", "compilerkv", "compilerkv_elastic", "compilerkv_raw_attention",
         "compilerkv_static_threshold", "kvzap", "fastkvzip", "expected_attention_stats", "qfilter", "lukv",
+    "restorekv",
     }  # fmt: skip
 
 
@@ -87,6 +88,7 @@ def test_budget_kinds():
     assert per_head == {
         "adakv", "critical_adakv", "headkv", "critical_headkv", "head_compresskv", "ada_compresskv",
         "duo_attention", "kvcompress", "kvc_w8", "kvc_full", "kvzip", "kvgrad", "dms", "fastkvzip", "lukv",
+        "restorekv",
     }  # fmt: skip
     assert method_info("kvzip").capabilities.budgets == "per head"  # global threshold; layerwise=True is uniform
     from kvtrim.methods import get_method

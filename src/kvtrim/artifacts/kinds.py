@@ -17,6 +17,7 @@ __all__ = [
     "KVZAP_KIND",
     "LUKV_KIND",
     "QFILTER_KIND",
+    "RESTOREKV_KIND",
 ]
 
 HEADKV_KIND = "headkv"
@@ -28,6 +29,7 @@ FASTKVZIP_KIND = "fastkvzip"
 EXPECTED_ATTENTION_STATS_KIND = "expected_attention_stats"
 QFILTER_KIND = "qfilter"
 LUKV_KIND = "lukv"
+RESTOREKV_KIND = "restorekv"
 
 ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     HEADKV_KIND: ("headkv head scores", "kvtrim calibrate headkv --model {model}"),
@@ -45,5 +47,9 @@ ARTIFACT_KINDS: dict[str, tuple[str, str]] = {
     ),
     QFILTER_KIND: ("Q-Filters key-space directions", "kvtrim calibrate qfilter --model {model}"),
     LUKV_KIND: ("LU-KV per-head budget curves", "kvtrim calibrate lukv --model {model}"),
+    RESTOREKV_KIND: (
+        "RestoreKV restore-token embeddings and attention LoRA",
+        "kvtrim calibrate restorekv --model {model}",
+    ),
 }
 """``kind -> (description, command template)``; the template's ``{model}`` is the model's display name."""

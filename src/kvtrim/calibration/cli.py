@@ -361,6 +361,68 @@ def fastkvzip(
     typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
 
 
+@calibrate_app.command("restorekv")
+def restorekv(
+    model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",
+    prompts: Annotated[int, typer.Option(help="training prompts (pydoc prose and synthetic tasks, alternating)")] = 24,
+    heldout: Annotated[int, typer.Option(help="held-out prompts the KL is measured on")] = 4,
+    length: Annotated[int, typer.Option(help="context tokens of a prompt")] = 320,
+    continuation: Annotated[int, typer.Option(help="tokens after the context the KL is measured on")] = 32,
+    tokens: Annotated[int, typer.Option(help="restore tokens")] = 8,
+    rank: Annotated[int, typer.Option(help="rank of the attention adapter")] = 8,
+    targets: Annotated[str, typer.Option(help="adapted projections, comma-separated (of q,k,v,o)")] = "q,k,v,o",
+    ratios: Annotated[str, typer.Option(help="compression ratios the steps cycle through")] = "0.75,0.875",
+    steps: Annotated[int, typer.Option(help="training steps (one prompt each)")] = 120,
+    lr: Annotated[float, typer.Option(help="Adam learning rate (cosine decay)")] = 5e-3,
+    tasks: Annotated[str, typer.Option(help="synthetic task families, comma-separated ('' for prose only)")] = (
+        SURROGATE_TASKS
+    ),
+    pydoc: Annotated[bool, typer.Option(help="every other prompt a window of CPython's bundled prose")] = True,
+    seed: Annotated[int, typer.Option(help="prompt choice, task samples, initialisation (evaluation: 42)")] = 1234,
+    out: Annotated[Path | None, typer.Option(help="artifact root (default $KVTRIM_HOME/artifacts)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    progress: Annotated[bool, typer.Option(help="print progress")] = True,
+) -> None:
+    """RestoreKV: train restore-token embeddings and an attention LoRA by self-distillation from the full-cache
+    model (KVzip evicting, weights frozen); saves the `restorekv` artifact."""
+    from kvtrim.artifacts.store import load_artifact
+    from kvtrim.calibration.restorekv import RestoreKVCalibration, calibrate_restorekv
+
+    start = time.perf_counter()
+    try:
+        ratio_values = tuple(float(x) for x in ratios.replace(" ", "").split(",") if x)
+    except ValueError:
+        _fail(f"ratios={ratios!r}: expected comma-separated numbers in (0, 1), e.g. 0.75,0.875")
+    try:
+        settings = RestoreKVCalibration(
+            prompts=prompts,
+            heldout=heldout,
+            length=length,
+            continuation=continuation,
+            tokens=tokens,
+            rank=rank,
+            targets=tuple(t for t in targets.replace(" ", "").split(",") if t),
+            ratios=ratio_values,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            tasks=tuple(t for t in tasks.replace(" ", "").split(",") if t),
+            pydoc=pydoc,
+        )
+        mdl, tok = _load(model, threads, device, dtype)
+        path = calibrate_restorekv(mdl, tok, settings, out_dir=out, progress=progress)
+        summary = load_artifact("restorekv", mdl, path).meta.get("summary", {})
+    except KVTrimError as exc:
+        _fail(exc)
+    typer.echo(f"restorekv artifact: {path}")
+    typer.echo(f"training KL: first steps {summary.get('first_steps_kl')}, last steps {summary.get('last_steps_kl')}")
+    for ratio, fit in summary.get("heldout_kl", {}).items():
+        typer.echo(f"held-out KL at ratio {ratio}: restorekv {fit['restorekv_kl']}, kvzip {fit['kvzip_kl']}")
+    typer.echo(f"wall time: {time.perf_counter() - start:.1f} s")
+
+
 @calibrate_app.command("expected_attention_stats")
 def expected_attention_stats(
     model: Annotated[str, typer.Option(help="embedded name, local path or HF name")] = "smollm2-135m",

@@ -150,6 +150,9 @@ def compress_cache(
     shared: dict = {"keep": keep}
     views = layer_views(cache, context, pipeline.observation.slot_stats, logits, shared)
     pipeline.scorer.prepare(views)
+    # Entries appended after eviction (RestoreKV's restore tokens) are computed over the whole cache now and take
+    # their share of every (layer, KV head)'s budget.
+    reserved = pipeline.append.reserve(views) if pipeline.append is not None else 0
     # Accumulated per-slot statistics live in dense stores only: a schedule that keeps accumulating after this
     # compression needs the padded dense layout.
     keep_dense = bool(pipeline.observation.slot_stats) and pipeline.schedule.continuous
@@ -161,7 +164,7 @@ def compress_cache(
         # the layer's K/V) go before the next layer is scored; a selector that needs them again recomputes them.
         view.release_intermediates()
     request = BudgetRequest(
-        keep=keep,
+        keep=(keep - reserved).clamp(min=1) if reserved else keep,
         context_lengths=context,
         num_layers=len(views),
         kv_heads=views[0].kv_heads,
@@ -178,6 +181,8 @@ def compress_cache(
         view, s = views[i], scores[i]
         views[i] = scores[i] = None
         sel = pipeline.selector.select(view, s, budgets[:, view.layer_idx])
+        if reserved:  # appended to the uncompacted store and kept, so the compacted one holds no append slack
+            sel = pipeline.append.append_to(view, layer.store, sel)
         if pipeline.merge is not None:  # the kept entries take their merged values before the evicted ones go
             layer.store.replace_values(pipeline.merge.merge(view, sel))
         if pipeline.rerotate is not None:  # the kept keys move to contiguous positions before the others go
@@ -196,12 +201,12 @@ def compress_cache(
             kept = pipeline.channels.select(view, sel, spec.ratio)
             layer.store = ChannelPrunedStore.prune(layer.store, kept)
         del view, s, sel
-    report.budgets = budgets
+    report.budgets = budgets + reserved if reserved else budgets  # what each (layer, KV head) holds now
     if pipeline.channels is not None:
         store = layers[0].store
         report.metadata["key_channels_kept"] = store.kept_channels
         report.metadata["key_head_dim"] = store.head_dim
-    for part in (pipeline.scorer, pipeline.budget, pipeline.selector):
+    for part in pipeline.parts:
         report.metadata.update(part.describe_compression(shared))
     report.entries_after = sum(layer.store.entries() for layer in layers)
     report.seconds = time.perf_counter() - start

@@ -12,6 +12,7 @@ from ..selection.base import Selector
 from ..selection.key_channels import QueryDrivenChannels
 from ..selection.merge import ValueMerge
 from ..selection.rerotation import KeyRerotation
+from ..selection.restore_tokens import AppendedEntries
 from .schedule import AfterPrefill, Schedule
 
 
@@ -34,6 +35,8 @@ class Pipeline:
             layer's values with the evicted ones folded into kept entries; the store keeps those values)
         rerotate: optional key re-rotation between selection and compaction: the kept keys are rotated to, and
             recorded at, contiguous positions ending where the context ends (``rerotate(view, selection)``)
+        append: optional entries added to every layer after eviction that take part of the budget (RestoreKV's
+            restore tokens, :class:`~kvtrim.selection.restore_tokens.AppendedEntries`)
     """
 
     name: str
@@ -46,6 +49,7 @@ class Pipeline:
     channels: QueryDrivenChannels | None = None
     merge: ValueMerge | None = None
     rerotate: KeyRerotation | None = None
+    append: AppendedEntries | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("auto", "dense", "ragged"):
@@ -67,14 +71,25 @@ class Pipeline:
 
     def bind(self, model) -> Pipeline:
         """Let parts that depend on the model (offline artifacts) load what they need; returns self."""
-        for part in (self.scorer, self.budget, self.selector):
+        for part in self.parts:
             part.bind(model)
         return self
 
+    @property
+    def parts(self) -> tuple:
+        """The scorer, the budget allocator, the selector and the appended entries when there are some."""
+        extra = () if self.append is None else (self.append,)
+        return (self.scorer, self.budget, self.selector, *extra)
+
     def check(self, ratio: float | None, budget: int | None) -> None:
         """Raise :class:`~kvtrim.errors.InvalidParameterError` if a part cannot work with this ratio/budget."""
-        for part in (self.scorer, self.budget, self.selector):
+        for part in self.parts:
             part.check(ratio, budget)
+        if self.append is not None and self.schedule.continuous:
+            raise InvalidParameterError(
+                f"method {self.name!r} appends its entries once after prefill; a decoding-time schedule would append "
+                "them again at every compression: use it without '@schedule'"
+            )
         if self.channels is not None:
             self.channels.check(ratio, budget)
             if self.schedule.continuous:

@@ -224,6 +224,7 @@ class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
         *,
         grad: bool = False,
         observations: dict | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> dict[int, DenseStore]:
         """Feed ``input_ids`` ``[batch, w]`` through ``model`` (kvtrim attention) over a scratch cache that starts
         with the entries of ``views`` (:class:`~kvtrim.scoring.base.LayerView`), recording ``observation``.
@@ -231,10 +232,12 @@ class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
         ``attention_mask`` ``[batch, seen + w]`` covers the stored columns and the new ones. Returns each view's
         layer store after the pass (its first slots are the views' entries); the views' tensors are not written.
         ``grad``: the pass records an autograd graph (outside inference mode; the caller differentiates through
-        hooks of its own); ``observations``: filled with each view's layer observation (recorded queries).
+        hooks of its own); ``observations``: filled with each view's layer observation (recorded queries);
+        ``inputs_embeds`` ``[batch, w, hidden]``: fed instead of ``input_ids`` (then None).
         """
         work = KVTrimCache(views[0].num_layers, auto_compress=False)
-        seen = attention_mask.shape[1] - input_ids.shape[1]
+        fed = inputs_embeds if input_ids is None else input_ids
+        seen = attention_mask.shape[1] - fed.shape[1]
         for view in views:
             layer = work.layers[view.layer_idx]
             layer.store = DenseStore(view.keys, view.values, view.positions, view.keys.shape[2])  # grows on append
@@ -245,6 +248,7 @@ class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
         with torch.enable_grad() if grad else torch.no_grad(), kvtrim_attention_enabled(model):
             model(
                 input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 past_key_values=work,

@@ -33,6 +33,7 @@ from ..selection.entropy_chunk import EntropyGatedChunkSelector
 from ..selection.merge import NearestKeyMerge
 from ..selection.neighbour_merge import NeighbourMerge
 from ..selection.rerotation import KeyRerotation
+from ..selection.restore_tokens import RestoreTokens
 from ..selection.topk import TopKSelector
 from . import papers
 from .presets import SINKS, SNAPKV
@@ -196,6 +197,41 @@ def fastkvzip(
         raise InvalidParameterError(f"layerwise must be True or False, got {layerwise!r}")
     scorer = GateScorer(artifact=artifact, n_sink=n_sink, window_ratio=window_ratio, window=window)
     return parts(scorer, UniformBudget() if layerwise else GlobalThresholdBudget(), TopKSelector())
+
+
+@register(
+    "restorekv",
+    family=FAMILY,
+    summary="KVzip's eviction plus K learned restore tokens: before eviction their embeddings run once over the "
+    "whole cache with a low-rank adapter on the attention projections, and the keys and values they leave are "
+    "appended to every KV head, in place of K context entries of the budget. Needs the `restorekv` artifact.",
+    paper=papers.RESTOREKV,
+    preset="kvpress RestoreKVPress: kvzip's defaults (4 sinks, global budgets), the artifact's restore tokens (8 "
+    "by default, as the authors') entered at the last context position; embeddings and a rank-8 adapter on q/k/v/o "
+    "trained by `kvtrim calibrate restorekv` (self-distillation from the full cache, docs/calibration.md)",
+)
+def restorekv(
+    prompt: str = "Repeat the previous context exactly.",
+    n_sink: int = SINKS,
+    layerwise: bool = False,
+    chunk: int = 256,
+    tokenizer: str | None = None,
+    artifact: str | None = None,
+) -> Pipeline:
+    """RestoreKV (arXiv 2608.01247): KVzip (Kim et al., arXiv 2505.23416) plus learned restore tokens.
+
+    1. KVzip scores every context entry by re-reading the context (:class:`ReconstructionScorer`).
+    2. Before anything is evicted, the ``K`` restore embeddings are fed through the model in one pass over the
+       full cache, with a LoRA (``x·Aᵀ·Bᵀ`` added to q/k/v/o projections) active for that pass only
+       (:class:`RestoreTokens`); every layer gets ``K`` restore keys and values per KV head.
+    3. KVzip evicts with ``K`` fewer entries per (layer, KV head) than the budget, and the restore entries are
+       appended: the cache holds what was asked for.
+    The embeddings and the adapter are trained by self-distillation (KL of the compressed-cache model's next-token
+    distribution against the full-cache model's on continuation tokens), ``kvtrim calibrate restorekv``.
+    """
+    pipe = kvzip(prompt=prompt, n_sink=n_sink, layerwise=layerwise, chunk=chunk, tokenizer=tokenizer)
+    pipe.append = RestoreTokens(artifact=artifact)
+    return pipe
 
 
 @register(

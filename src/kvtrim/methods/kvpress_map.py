@@ -328,13 +328,16 @@ MAPPINGS: tuple[PressMapping, ...] = (
         "RandomPress", "random", "kvtrim seeds by default (`seed=0`); kvpress draws unseeded by default",
     ),
     PressMapping(
-        "RestoreKVPress", None,
-        f"{_NOT_YET}: KVzip plus 8 learned restore tokens that fill part of the budget, encoded by one "
-        "LoRA-adapted pass over the full cache; the restore embeddings and the LoRA weights are trained by "
-        "self-distillation from the full-cache model (backward passes through the whole model over long "
-        "contexts, with KVzip's eviction in the loop), which a `kvtrim calibrate` on the CPU cannot do in minutes; "
-        "kvtrim has no LoRA (PEFT is not a dependency) and its caches cannot yet append tokens encoded by a "
-        "different set of weights; the authors publish adapters only for Llama-3.1-8B-Instruct and Qwen3-8B",
+        "RestoreKVPress", "restorekv",
+        "the restore embeddings and the attention LoRA come from `kvtrim calibrate restorekv` (the `restorekv` "
+        "artifact) instead of the authors' PEFT adapters on the Hub (published for Llama-3.1-8B-Instruct and "
+        "Qwen3-8B only): a rank-8 adapter on q/k/v/o, written by hand (no PEFT), trained for minutes on the CPU by "
+        "self-distillation on short prompts (docs/calibration.md lists every departure from the paper's recipe); "
+        "the restore tokens enter at the last context position and the question keeps its positions (kvpress: "
+        "after the context, the question shifted by 8); KVzip's eviction as `kvzip` (one reconstruction pass); "
+        "evicted entries are freed (per-head counts, stored ragged; kvpress masks them)",
+        {"n_sink": 4, "layerwise": False},
+        "`compression_ratio` → `ratio`; the restore weights → `artifact`",
     ),
     PressMapping(
         "SimLayerKVPress", "simlayerkv",

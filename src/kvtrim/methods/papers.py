@@ -62,6 +62,10 @@ FASTKVZIP = (
     "Kim, Han & Yun, Fast KVzip: Efficient and Accurate LLM Inference with Gated KV Eviction (arXiv 2601.17668); "
     "kvpress FastKVzipPress"
 )
+RESTOREKV = (
+    "RestoreKV, learned restoration on top of KVzip (arXiv 2608.01247); Kim et al., KVzip: Query-Agnostic KV Cache "
+    "Compression with Context Reconstruction (arXiv 2505.23416); kvpress RestoreKVPress"
+)
 THINK = "Xu et al., ThinK: Thinner Key Cache by Query-Driven Pruning, ICLR 2025 (arXiv 2407.21018)"
 DUO_ATTENTION = (
     "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads, "

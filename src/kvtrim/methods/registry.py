@@ -109,7 +109,7 @@ def capabilities_of(pipeline: Pipeline) -> Capabilities:
     Scorers must declare ``uses_attention`` and ``question_aware``, budget allocators ``varies_by``; the others
     default to absent: ``artifact_kind`` None, ``runs_in_vllm``/``paged_engine``/``lag_partitions`` False.
     """
-    parts = (pipeline.scorer, pipeline.budget, pipeline.selector)
+    parts = pipeline.parts
     channels = pipeline.channels
     varies_by = _declared(pipeline.budget, "varies_by")
     if varies_by not in BUDGET_KINDS:
@@ -124,11 +124,14 @@ def capabilities_of(pipeline: Pipeline) -> Capabilities:
         artifacts=tuple(sorted(kind for kind in kinds if kind is not None)),
         channels=channels is not None,
         recursive=pipeline.schedule.continuous,
-        schedules=() if channels is not None else ("every", "over") + (("tail",) if lag_partitions else ()),
+        schedules=()
+        if channels is not None or pipeline.append is not None
+        else ("every", "over") + (("tail",) if lag_partitions else ()),
         paged_engine=getattr(pipeline.budget, "paged_engine", False),
         vllm=channels is None
         and pipeline.merge is None  # the plugin evicts; it does not rewrite the kept values (or keys)
         and pipeline.rerotate is None
+        and pipeline.append is None  # the plugin cannot add entries that are not tokens of the prompt
         and all(getattr(part, "runs_in_vllm", False) for part in parts),
         merges=pipeline.merge is not None,
         rerotates=pipeline.rerotate is not None,

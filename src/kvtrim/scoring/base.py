@@ -35,8 +35,8 @@ class LayerView:
         replay: ``replay(model, views, input_ids, attention_mask, position_ids, observation) -> {layer: store}``
             feeds ``input_ids`` through ``model`` over a scratch copy of the views' entries, recording
             ``observation``, and returns each layer's scratch store (KVzip re-reads its context this way); given by
-            the cache being compressed; keywords ``grad=True`` (record an autograd graph) and ``observations={}``
-            (filled with each layer's recorded observation)
+            the cache being compressed; keywords ``grad=True`` (record an autograd graph), ``observations={}``
+            (filled with each layer's recorded observation) and ``inputs_embeds`` (fed instead of ``input_ids``)
     """
 
     layer_idx: int
