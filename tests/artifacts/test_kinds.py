@@ -21,7 +21,8 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 def test_every_shipped_kind_names_its_calibration_command():
     assert set(ARTIFACT_KINDS) == {
-        "headkv", "compresskv", "compilerkv", "duo", "qfilter", "lukv", "kvzap", "fastkvzip", "expected_attention_stats"
+        "headkv", "compresskv", "compilerkv", "duo", "qfilter", "lukv", "kvzap", "fastkvzip",
+        "expected_attention_stats", "restorekv",
     }
     for kind in ARTIFACT_KINDS:
         assert artifact_command(kind) == f"kvtrim calibrate {kind} --model <model>"

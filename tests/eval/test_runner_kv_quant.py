@@ -56,3 +56,18 @@ def test_run_json_names_every_resolved_setting_and_a_change_of_default_is_refuse
     (legacy / "run.json").write_text(json.dumps(data))
     with pytest.raises(InvalidParameterError, match="kv_quant='int4', this one has"):
         _sweep(legacy, "int4")
+    _sweep(legacy, "int4:residual=0")  # what "int4" meant when it was written: resumes
+    assert len(json.loads((legacy / "run.json").read_text())["runs"]) == 2
+
+
+def test_a_legacy_name_resumes_with_the_setting_it_meant(tmp_path):
+    """Before every setting was spelled out, no format had a window: ``"int8"`` then is ``int8`` now, and
+    ``"int4:residual=32"`` then is today's ``"int4"``."""
+    for given, written, today in (("int8", "int8", "int8"), ("int4:residual=32", "int4:residual=32", "int4")):
+        out = tmp_path / given.replace(":", "_").replace("=", "")
+        _sweep(out, given)
+        data = json.loads((out / "run.json").read_text())
+        data["runs"][0]["kv_quant"] = written
+        (out / "run.json").write_text(json.dumps(data))
+        _sweep(out, today)
+        assert len(json.loads((out / "run.json").read_text())["runs"]) == 2

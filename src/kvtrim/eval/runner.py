@@ -81,6 +81,17 @@ _CONSISTENT = (
 )  # fmt: skip
 
 
+def _stored(name: str, value: Any) -> Any:
+    """A setting as an earlier run recorded it, in today's terms: a ``kv_quant`` written before every setting was
+    spelled out (``"int4"``, ``"int8:group_size=32"``) meant no full-precision window, whatever the format."""
+    if name == "kv_quant" and isinstance(value, str):
+        try:
+            return resolve_kv_quant(value, default_residual=0).spec
+        except InvalidParameterError:
+            return value
+    return value
+
+
 # ---------------------------------------------------------------------------------------------------- keys
 def _num(value: float | int | None) -> str:
     return "-" if value is None else format(float(value), "g")
@@ -447,7 +458,7 @@ def run_sweep(
     }
     for previous in run_data["runs"]:
         for name in _CONSISTENT:
-            if name in previous and previous[name] != config[name]:
+            if name in previous and _stored(name, previous[name]) != config[name]:
                 raise InvalidParameterError(
                     f"{out} holds a sweep with {name}={previous[name]!r}, this one has {name}={config[name]!r}; "
                     "records would not be comparable: use another --out directory"
