@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from vllm.inputs import TokensPrompt
-from vllm_helpers import close, make_llm, scheduler, used_blocks
+from vllm_helpers import close, make_llm, scheduler, used_blocks, worker_state
 
 from kvtrim.vllm.config import parse_config
 from vllm import SamplingParams
@@ -25,9 +25,21 @@ def generate(llm, prompts, tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def worker_state(llm):
-    engine = llm.llm_engine.engine_core.engine_core
-    return engine.model_executor.driver_worker.worker.model_runner._kvtrim_state
+def check_sub_pages(monkeypatch) -> list[int]:
+    """Check every per-head request's sub-pages at each folded step; returns the rows of each step checked."""
+    from kvtrim.vllm import worker_patch
+
+    checked: list[int] = []
+    orig = worker_patch.HeadStep.__init__
+
+    def checking_init(self, rows):
+        for *_, pages, _ in rows:
+            pages.check()  # each head's sub-pages cover its length; none used twice; used + free = owned blocks
+        checked.append(len(rows))
+        orig(self, rows)
+
+    monkeypatch.setattr(worker_patch.HeadStep, "__init__", checking_init)
+    return checked
 
 
 def transformers_tokens(model, prompts, method: str | None, tokens: int) -> list[list[int]]:

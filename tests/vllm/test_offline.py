@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
+import vllm_helpers  # first: sets vLLM environment variables before vLLM is imported
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
@@ -178,40 +178,20 @@ def test_no_block_leaks_after_randomized_requests_with_aborts(tmp_path):
         manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
         freed = _watch_kvtrim_frees(sched)
         reused: set[int] = set()
-        aborted = []
+
+        def note_reuse(manager=manager, freed=freed, reused=reused):
+            # A block kvtrim freed from one request, now held by another: freed blocks are reused.
+            for r, blocks in manager.req_to_blocks.items():
+                reused.update(b.block_id for b in blocks if freed.get(b.block_id, r) != r)
+
         try:
-            outstanding = set()
-            for i in chosen:
-                params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
-                engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompts[i]), params)
-                outstanding.add(str(i))
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        outstanding.discard(out.request_id)
-                # A block kvtrim freed from one request, now held by another: freed blocks are reused.
-                for r, blocks in manager.req_to_blocks.items():
-                    reused.update(b.block_id for b in blocks if freed.get(b.block_id, r) != r)
-                if outstanding and rng.random() < 0.2:
-                    victim = rng.choice(sorted(outstanding))
-                    engine.abort_request([victim])
-                    outstanding.discard(victim)
-                    aborted.append(victim)
-            # The worker hears of the last aborts with the next scheduled step: run one short request to deliver them.
-            flush = SamplingParams(max_tokens=1, temperature=0.0)
-            engine.add_request("flush", TokensPrompt(prompt_token_ids=token_prompts([8], seed=3)[0]), flush)
-            while engine.has_unfinished_requests():
-                engine.step()
-            state = sched._kvtrim_state
-            worker = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner._kvtrim_state
+            requests = {str(i): (prompts[i], vllm_helpers.greedy(rng.randint(1, 24))) for i in chosen}
+            aborted = vllm_helpers.drive(engine, requests, abort_chance=0.2, rng=rng, on_step=note_reuse)
+            state, _ = vllm_helpers.assert_nothing_held(llm)
             expected = sum(parse_config(config).keep_count(lengths[i]) < lengths[i] for i in chosen)
             # Aborted requests may end before their prefill: at most that many are never compressed.
             # (each at most once: a request preempted after compression is recomputed uncompressed).
             assert expected - len(aborted) <= state.requests_compressed <= expected, (expected, len(aborted))
-            # Exact count from the block pool (the usage gauge is only refreshed by the next scheduled step).
-            assert used_blocks(llm) == 0, (budget, used_blocks(llm))
-            assert state.dropped == {}, state.dropped
-            assert worker.dropped == {}, worker.dropped
             total_aborted += len(aborted)
             total_compressed += state.requests_compressed
             total_reused += len(reused)

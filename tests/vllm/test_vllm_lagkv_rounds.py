@@ -6,7 +6,7 @@ import itertools
 import random
 
 import pytest
-import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
+import vllm_helpers  # first: sets vLLM environment variables before vLLM is imported
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
@@ -139,16 +139,7 @@ def test_recursion_equals_kvtrims_path_and_returns_blocks(model, method, between
 
 def test_recursion_leaks_nothing_under_preemption_and_aborts(tmp_path, monkeypatch):
     """LagKV's rounds in every phase on a pool that forces preemptions (recomputed requests start over)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    preempted = []
-    orig = Scheduler._preempt_request
-
-    def counting(self, request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return orig(self, request, *args, **kwargs)
-
-    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    preempted = vllm_helpers.count_preemptions(monkeypatch)
     model = truncated_model(tmp_path / "smollm2-2layers", layers=2)
     rng = random.Random(7)
     prompts = token_prompts([rng.randint(40, 150) for _ in range(6)], seed=32)
@@ -157,23 +148,11 @@ def test_recursion_leaks_nothing_under_preemption_and_aborts(tmp_path, monkeypat
     # has, so two requests decoding at once outgrow it and one is preempted.
     config = {"method": "lagkv", "ratio": 0.125, "params": {"sink": 4, "lag": 16}, "between_chunks": True}
     llm = _llm(model, config, num_gpu_blocks_override=9, max_model_len=256)
-    engine = llm.llm_engine
     try:
-        for i, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=rng.randint(1, 80), temperature=0.0, ignore_eos=True)
-            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
-        steps = 0
-        while engine.has_unfinished_requests() and steps < 3000:
-            engine.step()
-            steps += 1
-            if steps in (5, 13, 40):
-                engine.abort_request([str(steps % 6)], internal=False)
-        engine.add_request("flush", TokensPrompt(prompt_token_ids=prompts[0][:8]), SamplingParams(max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-        state, worker = scheduler(llm)._kvtrim_state, worker_state(llm)
-        assert not engine.has_unfinished_requests() and used_blocks(llm) == 0
-        assert state.dropped == {} and worker.dropped == {} and worker.positions == {} and worker.recent == {}
+        requests = {str(i): (p, vllm_helpers.greedy(rng.randint(1, 80))) for i, p in enumerate(prompts)}
+        flush = dict(flush_prompt=prompts[0][:8], flush_params=SamplingParams(max_tokens=1))
+        vllm_helpers.drive(llm.llm_engine, requests, abort_at={5: ["5"], 13: ["1"], 40: ["4"]}, max_steps=3000, **flush)
+        state, worker = vllm_helpers.assert_nothing_held(llm, "positions", "recent")
         assert state.rounds == worker.rounds > len(prompts) and preempted
     finally:
         close(llm)

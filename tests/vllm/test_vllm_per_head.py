@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
+import vllm_helpers  # first: sets vLLM environment variables before vLLM is imported
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
@@ -14,16 +14,15 @@ from per_head_checks import (
     BUDGET,
     LAYERS,
     LENGTHS,
+    check_sub_pages,
     check_tokens_and_blocks,
     generate,
     transformers_tokens,
     worker_state,
 )
-from vllm.inputs import TokensPrompt
 from vllm_helpers import close, make_llm, scheduler, token_prompts, truncated_model, used_blocks
 
 from kvtrim.vllm.config import parse_config
-from vllm import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -61,44 +60,18 @@ def test_adakv_prompt_within_one_block_of_the_budget_splits_heads_without_freein
 
 def test_adakv_sub_pages_hold_their_invariants_and_nothing_leaks_with_aborts(model, monkeypatch):
     """12 requests on a 24-block pool (queueing, preemption), aborts, sub-page invariants checked every step."""
-    from kvtrim.vllm import worker_patch
-
-    checked = []
-    orig = worker_patch.HeadStep.__init__
-
-    def checking_init(self, rows):
-        for *_, pages, _ in rows:
-            pages.check()
-        checked.append(len(rows))
-        orig(self, rows)
-
-    monkeypatch.setattr(worker_patch.HeadStep, "__init__", checking_init)
+    checked = check_sub_pages(monkeypatch)
     rng = random.Random(7)
     lengths = [rng.randint(100, 650) for _ in range(12)]
     prompts = token_prompts(lengths, seed=8)
     config = {"method": "adakv", "budget": BUDGET}
     # 24 usable blocks of 32 tokens: 768 tokens, one request of the longest prompt and output at a time
     llm = make_llm(config, model=str(model), block_size=BLOCK, num_gpu_blocks_override=25, max_model_len=768)
-    engine = llm.llm_engine
     try:
-        for i, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=rng.randint(1, 70), temperature=0.0, ignore_eos=True)
-            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
-        steps = 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-            if steps in (4, 9):
-                engine.abort_request([str(steps), str(steps + 1)])
-        flush = SamplingParams(max_tokens=1, temperature=0.0)
-        engine.add_request("flush", TokensPrompt(prompt_token_ids=token_prompts([8], seed=3)[0]), flush)
-        while engine.has_unfinished_requests():
-            engine.step()
-        state = scheduler(llm)._kvtrim_state
-        worker = worker_state(llm)
+        requests = {str(i): (p, vllm_helpers.greedy(rng.randint(1, 70))) for i, p in enumerate(prompts)}
+        vllm_helpers.drive(llm.llm_engine, requests, abort_at={4: ["4", "5"], 9: ["9", "10"]})
+        state, _ = vllm_helpers.assert_nothing_held(llm, "heads")
         assert state.requests_compressed >= 8 and max(checked) >= 2  # several per-head requests decoded together
-        assert used_blocks(llm) == 0
-        assert state.dropped == {} and worker.dropped == {} and worker.heads == {}
     finally:
         close(llm)
 

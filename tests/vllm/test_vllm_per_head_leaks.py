@@ -5,15 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
+import vllm_helpers  # first: sets vLLM environment variables before vLLM is imported
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
-from per_head_checks import worker_state
-from vllm.inputs import TokensPrompt
+from per_head_checks import check_sub_pages
 from vllm_helpers import close, gauge, make_llm, scheduler, token_prompts, truncated_model
-
-from vllm import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +30,7 @@ CONFIGS = [
 
 
 def test_per_head_requests_with_aborts_return_every_block_and_sub_page(tmp_path, monkeypatch):
-    from kvtrim.vllm import worker_patch
-
-    checked = []
-    orig = worker_patch.HeadStep.__init__
-
-    def checking_init(self, rows):
-        for *_, pages, _ in rows:
-            pages.check()  # each head's sub-pages cover its length; none used twice; used + free = owned blocks
-        checked.append(len(rows))
-        orig(self, rows)
-
-    monkeypatch.setattr(worker_patch.HeadStep, "__init__", checking_init)
+    checked = check_sub_pages(monkeypatch)
     model = truncated_model(tmp_path / "smollm2-2layers", layers=LAYERS)
     rng = random.Random(11)
     lengths = [rng.randint(20, 320) for _ in range(REQUESTS)]
@@ -65,32 +51,11 @@ def test_per_head_requests_with_aborts_return_every_block_and_sub_page(tmp_path,
         sched = scheduler(llm)
         pool = sched.kv_cache_manager.block_pool
         free_at_start = pool.get_num_free_blocks()
-        aborted = []
         try:
-            outstanding = set()
-            for i in chosen:
-                params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
-                engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompts[i]), params)
-                outstanding.add(str(i))
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        outstanding.discard(out.request_id)
-                if outstanding and rng.random() < 0.08:
-                    victim = rng.choice(sorted(outstanding))
-                    engine.abort_request([victim])
-                    outstanding.discard(victim)
-                    aborted.append(victim)
-            # The worker hears of the last aborts with the next scheduled step: one short request delivers them.
-            flush = SamplingParams(max_tokens=1, temperature=0.0)
-            engine.add_request("flush", TokensPrompt(prompt_token_ids=token_prompts([8], seed=3)[0]), flush)
-            while engine.has_unfinished_requests():
-                engine.step()
-            state = sched._kvtrim_state
-            worker = worker_state(llm)
+            requests = {str(i): (prompts[i], vllm_helpers.greedy(rng.randint(1, 24))) for i in chosen}
+            aborted = vllm_helpers.drive(engine, requests, abort_chance=0.08, rng=rng)
+            state, worker = vllm_helpers.assert_nothing_held(llm, "heads")  # no request's sub-pages outlive it
             assert pool.get_num_free_blocks() == free_at_start, (config, free_at_start, pool.get_num_free_blocks())
-            assert state.dropped == {} and worker.dropped == {}, (state.dropped, worker.dropped)
-            assert worker.heads == {}, sorted(worker.heads)  # no request's sub-pages outlive it
             assert worker.evictions >= state.requests_compressed > 0
             total_aborted += len(aborted)
             total_compressed += state.requests_compressed

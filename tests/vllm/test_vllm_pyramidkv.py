@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
+import vllm_helpers  # first: sets vLLM environment variables before vLLM is imported
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
 import torch
 from vllm.inputs import TokensPrompt
-from vllm_helpers import BLOCK, close, make_llm, scheduler, token_prompts, truncated_model, used_blocks
+from vllm_helpers import BLOCK, close, make_llm, scheduler, token_prompts, truncated_model, used_blocks, worker_state
 
 from kvtrim.vllm.config import parse_config
 from vllm import SamplingParams
@@ -31,11 +31,6 @@ def _cdiv(a: int, b: int) -> int:
 def _generate(llm, prompts) -> list[list[int]]:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], GREEDY, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _worker_state(llm):
-    engine = llm.llm_engine.engine_core.engine_core
-    return engine.model_executor.driver_worker.worker.model_runner._kvtrim_state
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +82,7 @@ def test_pyramid_layers_read_their_own_counts_and_match_transformers(model, prom
     try:
         out = _generate(llm, prompts)
         state = scheduler(llm)._kvtrim_state
-        worker = _worker_state(llm)
+        worker = worker_state(llm)
         # Blocks are sized by the largest layer: fewer are freed than a uniform method at the mean budget.
         freed = sum(_cdiv(len(p), BLOCK) - _cdiv(max(k), BLOCK) for k, p in zip(keeps, prompts, strict=True))
         assert freed > 0
@@ -129,26 +124,11 @@ def test_pyramid_no_leaks_with_aborts(model):
     prompts = token_prompts(lengths, seed=4)
     # 16 usable blocks: requests queue, and some are preempted.
     llm = make_llm(CONFIG, model=str(model), num_gpu_blocks_override=17)
-    engine = llm.llm_engine
     try:
-        for i, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True)
-            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
-        steps = 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-            if steps in (3, 6):
-                engine.abort_request([str(steps), str(steps + 4)])
-        flush = SamplingParams(max_tokens=1, temperature=0.0)
-        engine.add_request("flush", TokensPrompt(prompt_token_ids=token_prompts([8], seed=3)[0]), flush)
-        while engine.has_unfinished_requests():
-            engine.step()
-        state = scheduler(llm)._kvtrim_state
-        worker = _worker_state(llm)
+        requests = {str(i): (p, vllm_helpers.greedy(rng.randint(1, 20))) for i, p in enumerate(prompts)}
+        vllm_helpers.drive(llm.llm_engine, requests, abort_at={3: ["3", "7"], 6: ["6", "10"]})
+        state, _ = vllm_helpers.assert_nothing_held(llm, "offsets")
         assert state.requests_compressed > 0
-        assert used_blocks(llm) == 0
-        assert state.dropped == {} and worker.dropped == {} and worker.offsets == {}
     finally:
         close(llm)
 
@@ -165,7 +145,7 @@ def test_pyramid_whose_largest_layer_keeps_the_prompt_frees_nothing_but_still_co
         state = scheduler(llm)._kvtrim_state
         assert state.blocks_freed == 0 and used_blocks(llm) == 0
         # The worker forgets finished requests with its next step: the offsets are still there to check.
-        assert [o.tolist() for o in _worker_state(llm).offsets.values()] == [[max(keeps) - k for k in keeps]]
+        assert [o.tolist() for o in worker_state(llm).offsets.values()] == [[max(keeps) - k for k in keeps]]
     finally:
         close(llm)
     from transformers import AutoModelForCausalLM

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM is imported)
+import vllm_helpers  # first: sets vLLM environment variables before vLLM is imported
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
@@ -137,39 +137,18 @@ def test_rounds_leak_nothing_under_preemption_and_aborts(tmp_path, monkeypatch):
     """Rounds in every phase on a pool that forces preemptions (recomputed requests are compressed again)."""
     import random
 
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    preempted = []
-    orig = Scheduler._preempt_request
-
-    def counting(self, request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return orig(self, request, *args, **kwargs)
-
-    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    preempted = vllm_helpers.count_preemptions(monkeypatch)
     model = truncated_model(tmp_path / "smollm2-2layers", layers=2)
     rng = random.Random(5)
     prompts = token_prompts([rng.randint(40, 900) for _ in range(12)], seed=23)
     # every 200 decoded tokens: a request may hold budget + 200 entries (9 blocks), so the 9-block pool preempts
     config = {"method": "snapkv@every:200", "budget": BUDGET, "between_chunks": True}
     llm = _llm(model, config, num_gpu_blocks_override=10, max_model_len=1024)
-    engine = llm.llm_engine
     try:
-        for i, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=rng.randint(1, 260), temperature=0.0, ignore_eos=True)
-            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
-        steps = 0
-        while engine.has_unfinished_requests() and steps < 2000:
-            engine.step()
-            steps += 1
-            if steps in (5, 11):
-                engine.abort_request([str(steps % 12)], internal=False)
-        engine.add_request("flush", TokensPrompt(prompt_token_ids=prompts[0][:8]), SamplingParams(max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-        state, worker = scheduler(llm)._kvtrim_state, worker_state(llm)
-        assert not engine.has_unfinished_requests() and used_blocks(llm) == 0
-        assert state.dropped == {} and worker.dropped == {} and worker.positions == {} and worker.recent == {}
+        requests = {str(i): (p, vllm_helpers.greedy(rng.randint(1, 260))) for i, p in enumerate(prompts)}
+        flush = dict(flush_prompt=prompts[0][:8], flush_params=SamplingParams(max_tokens=1))
+        vllm_helpers.drive(llm.llm_engine, requests, abort_at={5: ["5"], 11: ["11"]}, max_steps=2000, **flush)
+        state, worker = vllm_helpers.assert_nothing_held(llm, "positions", "recent")
         assert state.rounds == worker.rounds > len(prompts) and preempted
         assert max(state.finished_peaks.values()) <= _cdiv(BUDGET + 200, BLOCK) + 1
     finally:

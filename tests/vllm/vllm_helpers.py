@@ -121,3 +121,108 @@ def gauge(llm, name: str) -> float:
     values = [m.value for m in llm.get_metrics() if m.name == name]
     assert values, f"metric {name} not reported"
     return float(values[-1])
+
+
+def worker_state(llm):
+    """kvtrim's state on the in-process worker's model runner."""
+    engine = llm.llm_engine.engine_core.engine_core
+    return engine.model_executor.driver_worker.worker.model_runner._kvtrim_state
+
+
+def greedy(max_tokens: int):
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def count_preemptions(monkeypatch) -> list[str]:
+    """The ids of the requests vLLM's scheduler preempts from now on, one entry per preemption."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted: list[str] = []
+    orig = Scheduler._preempt_request
+
+    def counting(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return orig(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    return preempted
+
+
+def drive(
+    engine,
+    requests: dict,
+    *,
+    abort_at: dict[int, list[str]] | None = None,
+    abort_chance: float = 0.0,
+    rng=None,
+    on_step=None,
+    max_steps: int = 5000,
+    flush_prompt: list[int] | None = None,
+    flush_params=None,
+) -> list[str]:
+    """Add ``requests`` (id → (prompt token ids, sampling params)), step ``engine`` until all finish, then flush.
+
+    After step ``s`` (counted from 1): ``on_step()`` runs, the ids of ``abort_at[s]`` are aborted, and with
+    probability ``abort_chance`` (drawn from ``rng``) one unfinished request chosen by ``rng``. At most
+    ``max_steps`` steps, and the engine must be done by then. The worker hears of the last aborts with the next
+    scheduled step: a short request (``flush_prompt``, by default 8 tokens, one greedy token) delivers them.
+    Returns the aborted ids, in order.
+    """
+    from vllm.inputs import TokensPrompt
+
+    abort_at = abort_at or {}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+    outstanding = set(requests)
+    aborted: list[str] = []
+    steps = 0
+    while engine.has_unfinished_requests() and steps < max_steps:
+        for out in engine.step():
+            if out.finished:
+                outstanding.discard(out.request_id)
+        steps += 1
+        if on_step is not None:
+            on_step()
+        if steps in abort_at:
+            engine.abort_request(abort_at[steps])
+            outstanding.difference_update(abort_at[steps])
+            aborted.extend(abort_at[steps])
+        if abort_chance and outstanding and rng.random() < abort_chance:
+            victim = rng.choice(sorted(outstanding))
+            engine.abort_request([victim])
+            outstanding.discard(victim)
+            aborted.append(victim)
+    assert not engine.has_unfinished_requests(), f"requests left after {max_steps} steps"
+    if flush_prompt is None:
+        flush_prompt = token_prompts([8], seed=3)[0]
+    if flush_params is None:
+        from vllm import SamplingParams
+
+        flush_params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request("flush", TokensPrompt(prompt_token_ids=flush_prompt), flush_params)
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests(), "the flush request did not finish"
+    return aborted
+
+
+def assert_nothing_held(llm, *worker_maps: str):
+    """No request left, no block used, nothing in kvtrim's scheduler and worker ``dropped`` maps.
+
+    ``worker_maps``: further per-request maps of the worker state that must be empty (``"heads"``, ...).
+    Returns kvtrim's scheduler and worker states, for the test's own checks.
+    """
+    state, worker = scheduler(llm)._kvtrim_state, worker_state(llm)
+    assert not llm.llm_engine.has_unfinished_requests()
+    # Exact count from the block pool (the usage gauge is only refreshed by the next scheduled step).
+    assert used_blocks(llm) == 0, used_blocks(llm)
+    assert state.dropped == {}, state.dropped
+    assert worker.dropped == {}, worker.dropped
+    for name in worker_maps:
+        assert getattr(worker, name) == {}, (name, sorted(getattr(worker, name)))
+    return state, worker
