@@ -219,13 +219,16 @@ class VLLMEvictionConfig:
         """LagKV's family: entries kept of each compressed partition, ``⌊(1 − ratio)·lag⌋``."""
         return keep_per_partition(float(self.spec.ratio), self.lag.lag)
 
+    def lag_drop_per_partition(self) -> int:
+        """LagKV's family: entries each compressed partition drops, ``lag − ⌊(1 − ratio)·lag⌋``."""
+        return self.lag.lag - self.lag_keep_per_partition()
+
     def compressed_until(self, dropped: int) -> int:
         """LagKV's family: the first logical position a request has not compressed yet, from the entries its
         rounds dropped so far (each compressed partition drops ``lag − ⌊r·lag⌋``): ``S + lag · dropped /
         (lag − ⌊r·lag⌋)``, the sink size before the first round. Scheduler and workers derive it from the same
         count, so no per-request state besides ``dropped`` is kept (and it goes when ``dropped`` goes)."""
-        frame = self.lag
-        gone = frame.lag - self.lag_keep_per_partition()
+        frame, gone = self.lag, self.lag_drop_per_partition()
         return frame.sink + (frame.lag * dropped // gone if gone else 0)
 
     def lag_round(self, logical_end: int, dropped: int) -> tuple[int, int]:
@@ -233,9 +236,8 @@ class VLLMEvictionConfig:
         ``(entries a round drops now, compressed_until after it)``. With ``n`` full partitions past
         ``compressed_until``, partitions ``0 … n−2`` keep ``⌊r·lag⌋`` entries each (kvtrim's
         ``PartitionBudget`` / ``TailFull`` on the transformers path); nothing when ``n < 2``."""
-        frame = self.lag
+        frame, gone = self.lag, self.lag_drop_per_partition()
         start = self.compressed_until(dropped)
-        gone = frame.lag - self.lag_keep_per_partition()
         parts = max((logical_end - start) // frame.lag - 1, 0) if gone else 0
         return parts * gone, start + parts * frame.lag
 
