@@ -26,8 +26,13 @@ counts, and whether the two greedy answers are identical (both answers in ``pari
 from the Hub are not in the list. ThinKPress is compared by the key channels it prunes (read as the columns it
 zeroes); DuoAttentionPress streams by kvtrim's shipped ``duo`` gates (``--duo-gates``), handed to the press instead of
 the authors' downloaded pattern; FinchPress gets kvpress's delimiter token between the context and the question;
-SimLayerKVPress and DMSPress run with the settings below on both sides. ``--presses`` runs a subset on either half
-and keeps the other presses' results already in ``--out``.
+SimLayerKVPress and DMSPress run with the settings below on both sides. KeyRerotationPress is compared by the
+original positions it keeps: on kvpress's side the indices its inner press hands to ``rerotate_keys`` (checked
+against the cache: the values are the prefill's rows there, the keys those rows re-rotated), on kvtrim's the
+selection ``key_rerotation`` records before the keys move (the store then holds the new positions). KVgradPress is
+driven as KVzipPress (its compression runs on leaving the press, then masks); extra rows run kvtrim's ``kvgrad`` with
+the chat template's opening unscored, then also out of the scoring softmax, as kvpress's chunk does. ``--presses``
+runs a subset on either half and keeps the other presses' results already in ``--out``.
 """
 
 from __future__ import annotations
@@ -116,6 +121,9 @@ def _presses(ratio: float, context: int = CONTEXT_TOKENS, duo_gates: str | None 
         # key channels, not tokens: the ratio is the fraction of channels pruned (kvtrim's think takes it so too)
         "ThinKPress": lambda: kp.ThinKPress(key_channel_compression_ratio=ratio, window_size=32),
         "KVzipPress": lambda: kp.KVzipPress(compression_ratio=ratio),
+        # kvtrim's key_rerotation wraps snapkv by default: here SnapKV at kvpress's defaults on both sides
+        "KeyRerotationPress": lambda: kp.KeyRerotationPress(press=snap()),
+        "KVgradPress": lambda: kp.KVgradPress(compression_ratio=ratio),
         **({"DuoAttentionPress": lambda: _duo_press(ratio, context, duo_gates)} if duo_gates else {}),
         "SimLayerKVPress": lambda: kp.SimLayerKVPress(**SIMLAYERKV),
         # no re-rotation: the kept keys stay the prefill's rows (kvtrim keeps true positions)
@@ -193,6 +201,41 @@ def _capture_kvcompose(press) -> dict:
     return captured
 
 
+def gathered_positions(full: torch.Tensor, kept: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
+    """Per head, the positions ``indices`` ``[heads, k]``, after checking that ``kept`` ``[heads, k, d]`` holds
+    bitwise the rows of ``full`` ``[heads, n, d]`` at them (in that order)."""
+    expected = full.gather(1, indices[..., None].expand(-1, -1, full.shape[-1]))
+    if kept.shape != expected.shape or not torch.equal(kept, expected):
+        raise RuntimeError("the compressed rows are not the prefill's rows at the recorded positions")
+    return [sorted(int(i) for i in head) for head in indices]
+
+
+def _capture_rerotation(press) -> dict:
+    """Record, layer by layer, the positions KeyRerotationPress keeps (its inner press's top-k) as it hands them
+    to its ``rerotate_keys``: the kept keys are then rotated to ``0 … n−1`` and match no prefill key row."""
+    captured: dict = {}
+    rerotate = press.rerotate_keys
+
+    def record_and_rerotate(module, indices, keys):
+        captured[int(module.layer_idx)] = indices[0].clone()  # [kv heads, n kept], sorted by position
+        return rerotate(module, indices, keys)
+
+    press.rerotate_keys = record_and_rerotate
+    return captured
+
+
+def _rerotated_kept(press, module, indices: torch.Tensor, full, compressed) -> list[list[int]]:
+    """The positions a KeyRerotationPress layer kept, checked against its cache: the values are bitwise the
+    prefill's at ``indices`` (``[kv heads, n kept]``) and the keys bitwise the prefill's rows there re-rotated by
+    the press's own ``rerotate_keys``."""
+    kept = gathered_positions(full.values[0], compressed.values[0], indices)
+    with torch.inference_mode():
+        expected = type(press).rerotate_keys(module, indices[None], full.keys)
+    if not torch.equal(expected, compressed.keys):
+        raise RuntimeError("the compressed keys are not the prefill's keys at the recorded positions re-rotated")
+    return kept
+
+
 def kvpress_half(args: argparse.Namespace) -> int:
     import kvpress
     import transformers
@@ -264,6 +307,7 @@ def kvpress_half(args: argparse.Namespace) -> int:
                 layer.self_attn.masked_key_indices = None
             press = make()
             captured = _capture_kvcompose(press) if name == "KVComposePress" else None
+            rerotated = _capture_rerotation(press) if name == "KeyRerotationPress" else None
             prompt, question, start, extra = ids, question_ids, n, {}
             fed = ids
             if name == "FinchPress":
@@ -285,6 +329,9 @@ def kvpress_half(args: argparse.Namespace) -> int:
                     model(fed, past_key_values=cache, use_cache=True, output_attentions=key == "eager")
             if name == "FinchPress":
                 extra["window_found"] = press.window_size
+            if rerotated is not None:  # kvpress's pipeline decodes after the compressed length (keys at 0 … n−1)
+                start = cache.get_seq_length()
+                extra["question_start"] = start
             if name == "DuoAttentionPress":
                 extra.update(gates=press.parity_gates, streaming_heads=int(press.streaming_mask.sum()))
             kept = []
@@ -293,6 +340,8 @@ def kvpress_half(args: argparse.Namespace) -> int:
                 masked = getattr(module, "masked_key_indices", None)
                 if name == "ThinKPress":  # channels, not tokens
                     kept.append(pruned_channels(fl.keys[0], cl.keys[0]))
+                elif rerotated is not None:
+                    kept.append(_rerotated_kept(press, module, rerotated[layer], fl, cl))
                 elif captured is not None:
                     kept.append(captured["kept"][layer])
                 elif masked is not None:  # a masking press: every key stays in the cache, the masked are never seen
@@ -301,7 +350,7 @@ def kvpress_half(args: argparse.Namespace) -> int:
                     for _, h, s in zip(*(t.tolist() for t in masked), strict=True):
                         gone[h].add(s)
                     kept.append([sorted(set(range(length)) - g) for g in gone])
-                elif name in ("DMSPress", "DuoAttentionPress", "KVzipPress"):  # masks nothing in this layer
+                elif name in ("DMSPress", "DuoAttentionPress", "KVzipPress", "KVgradPress"):  # masks none here
                     kept.append([list(range(fl.keys.shape[2]))] * fl.keys.shape[1])
                 else:
                     kept.append(kept_by_matching(fl.keys[0], cl.keys[0]))
@@ -328,15 +377,20 @@ def _kvtrim_run(model, ids: torch.Tensor, method, params: dict | None, ratio: fl
                 max_new_tokens: int, token_by_token: bool = False,
                 channels: bool = False) -> tuple[list[list[list[int]]], list[int]]:
     """Compress ``ids`` ``[1, n]`` with ``method`` (a registry name or a built pipeline), read each (layer, head)'s
-    kept positions from the stores (``channels``: the key channels it pruned, for ``think``), then answer
-    ``question_ids`` ``[1, q]`` from the compressed cache: the question fed after it at positions n, n+1, ... and
-    greedy tokens until EOS or ``max_new_tokens`` (kvtrim's ``questions=`` path: :func:`kvtrim.runtime.feed` and
-    :func:`kvtrim.runtime.greedy_decode`). Returns the kept positions and the answer's token ids (EOS left out)."""
+    kept positions from the stores (``channels``: the key channels it pruned, for ``think``; a pipeline that
+    re-rotates keys: the positions its selection kept, recorded before they move, see :func:`recording_rerotation`),
+    then answer ``question_ids`` ``[1, q]`` from the compressed cache: the question fed after it at positions n,
+    n+1, ... and greedy tokens until EOS or ``max_new_tokens`` (kvtrim's ``questions=`` path:
+    :func:`kvtrim.runtime.feed` and :func:`kvtrim.runtime.greedy_decode`). Returns the kept positions and the
+    answer's token ids (EOS left out)."""
     from kvtrim.integration.attention import kvtrim_attention_enabled
     from kvtrim.integration.cache import KVTrimCache
     from kvtrim.runtime import feed, greedy_decode, resolve_method
 
     pipeline, spec = resolve_method(method, ratio, None, params or None, model)
+    moved = None
+    if pipeline.rerotate is not None:
+        pipeline, moved = recording_rerotation(pipeline)
     cache = KVTrimCache(model.config.num_hidden_layers, pipeline, spec, auto_compress=False)
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         model(ids, past_key_values=cache, use_cache=True)
@@ -352,9 +406,82 @@ def _kvtrim_run(model, ids: torch.Tensor, method, params: dict | None, ratio: fl
                 pos = store.row(0, h)[2] if hasattr(store, "row") else store.positions[0, h]
                 heads.append(sorted(int(p) for p in pos.tolist() if p >= 0))
             kept.append(heads)
+        if moved is not None:
+            kept = original_positions(moved, kept, ids.shape[1])
         answer = _greedy(model, cache, ids.shape[1], question_ids, max_new_tokens, feed, greedy_decode,
                          token_by_token)
     return kept, answer
+
+
+def recording_rerotation(pipeline):
+    """``(pipeline, record)``: ``pipeline`` whose key re-rotation first records, per layer, the positions its
+    selection keeps (``record[layer]``: ``[kv head] -> sorted positions``), the positions the store no longer
+    holds once the kept keys are moved to contiguous ones."""
+    import dataclasses
+
+    from kvtrim.selection.merge import kept_slots
+
+    record: dict[int, list[list[int]]] = {}
+    base = type(pipeline.rerotate)
+
+    class RecordingRerotation(base):
+        def rerotate(self, view, selection):
+            kept = kept_slots(selection, view.keys.shape[2]) & view.valid
+            record[view.layer_idx] = [sorted(int(p) for p in view.positions[0, h][kept[0, h]].tolist())
+                                      for h in range(kept.shape[1])]  # fmt: skip
+            return super().rerotate(view, selection)
+
+    fields = {f.name: getattr(pipeline.rerotate, f.name) for f in dataclasses.fields(pipeline.rerotate)}
+    return dataclasses.replace(pipeline, rerotate=RecordingRerotation(**fields)), record
+
+
+def original_positions(record: dict[int, list[list[int]]], stored: list[list[list[int]]],
+                       context: int) -> list[list[list[int]]]:
+    """The recorded positions (:func:`recording_rerotation`) per ``[layer][head]``, after checking that the store of
+    each holds as many entries, at the contiguous positions ``context − n … context − 1``."""
+    kept = [record[layer] for layer in range(len(stored))]
+    for layer, (before, after) in enumerate(zip(kept, stored, strict=True)):
+        for h, (b, a) in enumerate(zip(before, after, strict=True)):
+            if a != list(range(context - len(b), context)):
+                raise RuntimeError(f"layer {layer} head {h}: the store's positions are not the kept ones packed")
+    return kept
+
+
+def opening_unscored(pipeline, start: int, stop: int):
+    """``pipeline`` whose scores of the positions in ``[start, stop)`` are 0 (kvpress's KVzip and KVgrad leave the
+    chat template's opening past the sinks unscored; their scores are ≥ 0, so these go first)."""
+    score = pipeline.scorer.score
+
+    def zeroed(view):
+        s = score(view)
+        return s.masked_fill((view.positions >= start) & (view.positions < stop), 0.0)
+
+    pipeline.scorer.score = zeroed
+    return pipeline
+
+
+def opening_left_out(pipeline, start: int, stop: int):
+    """``pipeline`` (``kvgrad``) whose scoring attention leaves out the keys of the positions in ``[start, stop)``:
+    they are out of each reconstruction query's softmax and score 0, as in kvpress's KVgrad, whose attention runs
+    over the sinks, the chunk re-read and the re-read's own keys only. The re-read pass itself is untouched."""
+    from kvtrim.scoring import gradient_attribution
+
+    prepare = pipeline.scorer.prepare
+    attributed = gradient_attribution.attributed_attention
+
+    def without_opening(queries, query_positions, keys, key_positions, *rest):
+        out = (key_positions >= start) & (key_positions < stop)
+        return attributed(queries, query_positions, keys, key_positions.masked_fill(out, -1), *rest)
+
+    def prepare_without_opening(views):
+        gradient_attribution.attributed_attention = without_opening
+        try:
+            prepare(views)
+        finally:
+            gradient_attribution.attributed_attention = attributed
+
+    pipeline.scorer.prepare = prepare_without_opening
+    return pipeline
 
 
 def pruned_of(kept: list[int], head_dim: int) -> list[int]:
@@ -433,6 +560,17 @@ def pyramid_counts_pipeline(model, params: dict, ratio: float, counts: list[int]
     base, _ = resolve_method("pyramidkv", ratio, None, params, model)
     ratios = tuple(1.0 - (c + 0.5) / context for c in counts)
     return parts(base.scorer, LayerRatioBudget(ratios=ratios), base.selector)
+
+
+def rerotation_pipeline(model, base_params: dict, ratio: float):
+    """kvtrim's ``key_rerotation`` around ``snapkv`` with ``base_params`` (e.g. kvpress's SnapKV settings, which
+    the method's ``base`` name cannot carry): the registered method's re-rotation part, snapkv's other parts."""
+    from kvtrim.methods.registry import parts
+    from kvtrim.runtime import resolve_method
+
+    base, _ = resolve_method("snapkv", ratio, None, base_params, model)
+    wrapper, _ = resolve_method("key_rerotation", ratio, None, {"base": "snapkv"}, model)
+    return parts(base.scorer, base.budget, base.selector, merge=base.merge, rerotate=wrapper.rerotate)
 
 
 def compare_answers(theirs: str | None, mine: str | None) -> dict:
@@ -528,18 +666,21 @@ def kvtrim_half(args: argparse.Namespace) -> int:
               f"answer {row.get('answer_identical', '-')} {row['status']}", flush=True)  # fmt: skip
         return mine
 
+    def template_opening() -> int:
+        """The length of the chat template's opening, which KVzip's and KVgrad's re-read leave out."""
+        from kvtrim.prompts import prompt_template
+
+        return len(tok(prompt_template(tok).prefix, add_special_tokens=False).input_ids)
+
     def _diagnostics(press: str, result: dict, mine: list, context: int) -> dict:
-        """What explains a difference: SimLayerKV's lazy layers on each side; for KVzip, the entries each side
-        keeps in the chat template's opening (kvpress leaves its first tokens unscored, past the sinks) and the
+        """What explains a difference: SimLayerKV's lazy layers on each side; for KVzip and KVgrad, the entries each
+        side keeps in the chat template's opening (kvpress leaves its first tokens unscored, past the sinks) and the
         agreement on the positions after it."""
         if press == "SimLayerKVPress":
             return {"lazy_layers_kvpress": lazy_layers(result["kept"], context),
                     "lazy_layers_kvtrim": lazy_layers(mine, context)}  # fmt: skip
-        if press == "KVzipPress":
-            from kvtrim.prompts import prompt_template
-
-            opening = len(tok(prompt_template(tok).prefix, add_special_tokens=False).input_ids)
-            sinks = mapping[press].params["n_sink"]
+        if press in ("KVzipPress", "KVgradPress"):
+            opening, sinks = template_opening(), mapping[press].params["n_sink"]
             return {"template_opening": opening,
                     "opening_kept_kvpress": count_between(result["kept"], sinks, opening),
                     "opening_kept_kvtrim": count_between(mine, sinks, opening),
@@ -573,7 +714,26 @@ def kvtrim_half(args: argparse.Namespace) -> int:
                 gates, _ = load_duo_gates(model)
                 row["same_head_pattern"] = gates.tolist() == result["gates"]
                 row["streaming_heads_kvpress"] = result["streaming_heads"]
-            mine = run(row, result, m.method, prompt, question, theirs["ratio"] if ratio is None else ratio)
+            method = m.method
+            if press == "KeyRerotationPress":  # the base at the settings of the press's inner SnapKVPress
+                method = rerotation_pipeline(model, mapping["SnapKVPress"].params, theirs["ratio"])
+                row["params"] = {**row["params"], "base_params": mapping["SnapKVPress"].params}
+            mine = run(row, result, method, prompt, question, theirs["ratio"] if ratio is None else ratio)
+            if press == "KeyRerotationPress":  # the method as registered: snapkv at kvtrim's own defaults
+                run({"press": press, "method": m.method, "params": m.params,
+                     "variant": "kvtrim's default base settings, snapkv w=8, max-pool 7"}, result, m.method)
+            if press == "KVgradPress":  # kvpress's opening left unscored: what remains is the scores themselves
+                from kvtrim.runtime import resolve_method
+
+                pipe, _ = resolve_method(m.method, theirs["ratio"], None, m.params, model)
+                opening, sinks = template_opening(), m.params["n_sink"]
+                run({"press": press, "method": m.method, "params": m.params,
+                     "variant": f"positions {sinks}–{opening - 1} unscored, as kvpress"}, result,
+                    opening_unscored(pipe, sinks, opening))  # fmt: skip
+                pipe, _ = resolve_method(m.method, theirs["ratio"], None, m.params, model)
+                run({"press": press, "method": m.method, "params": m.params,
+                     "variant": f"positions {sinks}–{opening - 1} also out of the scoring softmax, as kvpress"},
+                    result, opening_left_out(pipe, sinks, opening))  # fmt: skip
             if press == "ThinKPress" and mine is not None:  # kvtrim's channels, the later keys left whole
                 said_zeroed = said(_zeroed_prefill_answer(model, ids, mine, question_ids, max_new))
                 rows.append({**{k: v for k, v in row.items() if not k.startswith("answer")},

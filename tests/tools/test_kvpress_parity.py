@@ -200,3 +200,67 @@ def test_a_subset_must_name_presses_the_kvpress_half_ran(tmp_path):
         json.dump({"presses": {"KnormPress": {}}}, fh)
     with pytest.raises(SystemExit, match="ThinKPress"):
         kvpress_parity.main(["kvtrim", "--out", str(tmp_path), "--presses", "KnormPress,ThinKPress"])
+
+
+def test_gathered_positions_are_checked_against_the_prefill_rows():
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(2, 8, 3, generator=g)  # [heads, n, d]
+    indices = torch.tensor([[1, 4, 6], [0, 2, 7]])
+    kept = torch.stack([full[h, idx] for h, idx in enumerate(indices)])
+    assert kvpress_parity.gathered_positions(full, kept, indices) == [[1, 4, 6], [0, 2, 7]]
+    with pytest.raises(RuntimeError, match="not the prefill's rows"):
+        kvpress_parity.gathered_positions(full, kept, torch.tensor([[1, 4, 6], [0, 2, 6]]))
+
+
+def test_rerotation_keeps_the_selection_of_its_base_and_packs_the_store():
+    from conftest import tiny_model
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(7)
+    ids, question = torch.randint(3, 200, (1, 16), generator=g), torch.randint(3, 200, (1, 2), generator=g)
+    params = {"window": 4, "kernel": 3, "pooling": "avg"}
+    plain, _ = kvpress_parity._kvtrim_run(model, ids, "snapkv", params, 0.5, question, 2)
+    moved, _ = kvpress_parity._kvtrim_run(model, ids, kvpress_parity.rerotation_pipeline(model, params, 0.5), None,
+                                          0.5, question, 2)  # fmt: skip
+    assert moved == plain and all(len(h) == 8 for layer in moved for h in layer)
+
+
+def test_original_positions_need_a_packed_store():
+    record = {0: [[0, 3, 5], [1, 2, 4]]}
+    assert kvpress_parity.original_positions(record, [[[3, 4, 5], [3, 4, 5]]], 6) == [[[0, 3, 5], [1, 2, 4]]]
+    with pytest.raises(RuntimeError, match="layer 0 head 1"):
+        kvpress_parity.original_positions(record, [[[3, 4, 5], [1, 2, 4]]], 6)
+
+
+def test_an_unscored_span_is_evicted_first():
+    from conftest import tiny_model
+    from kvtrim.runtime import resolve_method
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(8)
+    ids, question = torch.randint(3, 200, (1, 12), generator=g), torch.randint(3, 200, (1, 2), generator=g)
+    pipe, _ = resolve_method("snapkv", 0.5, None, {"window": 2}, model)
+    kept, _ = kvpress_parity._kvtrim_run(model, ids, kvpress_parity.opening_unscored(pipe, 2, 6), None, 0.5,
+                                         question, 2)  # fmt: skip
+    assert all(len(h) == 6 and not set(h) & {2, 3, 4, 5} for layer in kept for h in layer)
+
+
+def test_a_span_unscored_or_left_out_of_kvgrads_softmax_is_evicted_first(tmp_path):
+    from conftest import byte_tokenizer, tiny_model
+    from kvtrim.runtime import resolve_method
+
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(9)
+    ids, question = torch.randint(3, 200, (1, 16), generator=g), torch.randint(3, 200, (1, 2), generator=g)
+    params = {"tokenizer": str(tmp_path / "tok"), "n_sink": 2}
+    runs = []
+    for wrap in (kvpress_parity.opening_unscored, kvpress_parity.opening_left_out):
+        pipe, _ = resolve_method("kvgrad", 0.5, None, params, model)
+        runs.append(kvpress_parity._kvtrim_run(model, ids, wrap(pipe, 2, 7), None, 0.5, question, 2)[0])
+    for kept in runs:
+        assert sum(len(h) for layer in kept for h in layer) == 2 * 2 * 8
+        assert not {p for layer in kept for h in layer for p in h} & set(range(2, 7))
+    from kvtrim.scoring import gradient_attribution
+
+    assert gradient_attribution.attributed_attention.__name__ == "attributed_attention"  # put back

@@ -215,8 +215,10 @@ MAPPINGS: tuple[PressMapping, ...] = (
     PressMapping(
         "KVgradPress", "kvgrad",
         "one reconstruction pass and one backward pass over the whole cache instead of 512-token chunks (each chunk's "
-        "entries scored by that chunk's pass); Φ sums the last decoder layer's output over the reconstruction tokens "
-        "of every row (padding excluded); gradients with respect to the activations only, as kvpress",
+        "entries scored by that chunk's pass); every cached entry is scored, the chat template's opening included "
+        "(kvpress leaves the opening's tokens past the sinks at score 0, evicted first, and out of the scoring "
+        "softmax); Φ sums the last decoder layer's output over the reconstruction tokens of every row (padding "
+        "excluded); gradients with respect to the activations only, as kvpress",
         {"n_sink": 4, "layerwise": False}, "`chunk_size` → none (one pass); `compression_ratio` → `ratio`",
     ),
     PressMapping(
