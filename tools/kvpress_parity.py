@@ -30,8 +30,9 @@ SimLayerKVPress and DMSPress run with the settings below on both sides. KeyRerot
 original positions it keeps: on kvpress's side the indices its inner press hands to ``rerotate_keys`` (checked
 against the cache: the values are the prefill's rows there, the keys those rows re-rotated), on kvtrim's the
 selection ``key_rerotation`` records before the keys move (the store then holds the new positions). KVgradPress is
-driven as KVzipPress (its compression runs on leaving the press, then masks); extra rows run kvtrim's ``kvgrad`` with
-the chat template's opening unscored, then also out of the scoring softmax, as kvpress's chunk does. ``--presses``
+driven as KVzipPress (its compression runs on leaving the press, then masks); extra rows run kvtrim's ``kvzip`` and
+``kvgrad`` with the chat template's opening unscored, then also out of the scoring softmax, as kvpress's chunk
+does. ``--presses``
 runs a subset on either half and keeps the other presses' results already in ``--out``.
 """
 
@@ -461,26 +462,75 @@ def opening_unscored(pipeline, start: int, stop: int):
 
 
 def opening_left_out(pipeline, start: int, stop: int):
-    """``pipeline`` (``kvgrad``) whose scoring attention leaves out the keys of the positions in ``[start, stop)``:
-    they are out of each reconstruction query's softmax and score 0, as in kvpress's KVgrad, whose attention runs
-    over the sinks, the chunk re-read and the re-read's own keys only. The re-read pass itself is untouched."""
+    """``pipeline`` (``kvzip`` or ``kvgrad``) whose scoring attention leaves out the keys of the positions in
+    ``[start, stop)``: they are out of each reconstruction query's softmax and score 0, as in kvpress's KVzip and
+    KVgrad, whose attention runs over the sinks, the chunk re-read and the re-read's own keys only. The re-read
+    pass itself (the model's attention) still sees them. ``kvgrad`` scores in ``attributed_attention``, ``kvzip``
+    by the attention statistics its replay records (the cache's ``record``); either is replaced for the duration
+    of the scorer's ``prepare``, the key positions in the span set to ``-1`` (no key)."""
+    from kvtrim.integration import cache
     from kvtrim.scoring import gradient_attribution
+    from kvtrim.scoring.reconstruction import ReconstructionScorer
 
+    def outside(positions: torch.Tensor) -> torch.Tensor:
+        return positions.masked_fill((positions >= start) & (positions < stop), -1)
+
+    if isinstance(pipeline.scorer, gradient_attribution.GradientAttributionScorer):
+
+        def attributed_without(attributed):
+            def without_opening(queries, query_positions, keys, key_positions, *rest):
+                return attributed(queries, query_positions, keys, outside(key_positions), *rest)
+
+            return without_opening
+
+        return during_prepare(pipeline, gradient_attribution, "attributed_attention", attributed_without)
+    if isinstance(pipeline.scorer, ReconstructionScorer):
+
+        def record_without(record):
+            def without_opening(spec, obs, store, query, query_positions, scaling):
+                return record(spec, obs, _WithPositions(store, outside(store.positions)), query, query_positions,
+                              scaling)  # fmt: skip
+
+            return without_opening
+
+        return during_prepare(pipeline, cache, "record", record_without)
+    raise TypeError(f"opening_left_out: {type(pipeline.scorer).__name__} is neither kvzip's nor kvgrad's scorer")
+
+
+class _WithPositions:
+    """``store`` seen with other key ``positions`` (everything else, its statistics included, is the store's)."""
+
+    def __init__(self, store, positions: torch.Tensor) -> None:
+        self._store, self.positions = store, positions
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def during_prepare(pipeline, module, name: str, wrap):
+    """``pipeline`` whose scorer's ``prepare`` runs with ``module.name`` replaced by ``wrap(module.name)`` (put back
+    afterwards). A ``prepare`` that never calls the replacement (e.g. scores reused from an earlier pass over the
+    same prompt) is an error: the variant would silently be the plain method."""
     prepare = pipeline.scorer.prepare
-    attributed = gradient_attribution.attributed_attention
 
-    def without_opening(queries, query_positions, keys, key_positions, *rest):
-        out = (key_positions >= start) & (key_positions < stop)
-        return attributed(queries, query_positions, keys, key_positions.masked_fill(out, -1), *rest)
+    def wrapped_prepare(views):
+        original = getattr(module, name)
+        replacement = wrap(original)
+        calls = []
 
-    def prepare_without_opening(views):
-        gradient_attribution.attributed_attention = without_opening
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return replacement(*args, **kwargs)
+
+        setattr(module, name, counted)
         try:
             prepare(views)
         finally:
-            gradient_attribution.attributed_attention = attributed
+            setattr(module, name, original)
+        if not calls:
+            raise RuntimeError(f"{module.__name__}.{name} was not called while scoring: the variant did not apply")
 
-    pipeline.scorer.prepare = prepare_without_opening
+    pipeline.scorer.prepare = wrapped_prepare
     return pipeline
 
 
@@ -722,18 +772,18 @@ def kvtrim_half(args: argparse.Namespace) -> int:
             if press == "KeyRerotationPress":  # the method as registered: snapkv at kvtrim's own defaults
                 run({"press": press, "method": m.method, "params": m.params,
                      "variant": "kvtrim's default base settings, snapkv w=8, max-pool 7"}, result, m.method)
-            if press == "KVgradPress":  # kvpress's opening left unscored: what remains is the scores themselves
+            if press in ("KVzipPress", "KVgradPress"):  # kvpress's opening left unscored, then out of the softmax
                 from kvtrim.runtime import resolve_method
 
-                pipe, _ = resolve_method(m.method, theirs["ratio"], None, m.params, model)
                 opening, sinks = template_opening(), m.params["n_sink"]
-                run({"press": press, "method": m.method, "params": m.params,
-                     "variant": f"positions {sinks}–{opening - 1} unscored, as kvpress"}, result,
-                    opening_unscored(pipe, sinks, opening))  # fmt: skip
-                pipe, _ = resolve_method(m.method, theirs["ratio"], None, m.params, model)
-                run({"press": press, "method": m.method, "params": m.params,
-                     "variant": f"positions {sinks}–{opening - 1} also out of the scoring softmax, as kvpress"},
-                    result, opening_left_out(pipe, sinks, opening))  # fmt: skip
+                span = f"positions {sinks}–{opening - 1}"
+                for label, wrap in ((f"{span} unscored, as kvpress", opening_unscored),
+                                    (f"{span} also out of the scoring softmax, as kvpress", opening_left_out)):
+                    pipe, _ = resolve_method(m.method, theirs["ratio"], None, m.params, model)
+                    # a copy of the ids: kvzip reuses the scores of a prompt it already scored (by its ids tensor),
+                    # which would skip the replay whose softmax this variant changes
+                    run({"press": press, "method": m.method, "params": m.params, "variant": label}, result,
+                        wrap(pipe, sinks, opening), ids.clone())  # fmt: skip
             if press == "ThinKPress" and mine is not None:  # kvtrim's channels, the later keys left whole
                 said_zeroed = said(_zeroed_prefill_answer(model, ids, mine, question_ids, max_new))
                 rows.append({**{k: v for k, v in row.items() if not k.startswith("answer")},

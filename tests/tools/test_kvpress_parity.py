@@ -245,9 +245,12 @@ def test_an_unscored_span_is_evicted_first():
     assert all(len(h) == 6 and not set(h) & {2, 3, 4, 5} for layer in kept for h in layer)
 
 
-def test_a_span_unscored_or_left_out_of_kvgrads_softmax_is_evicted_first(tmp_path):
+@pytest.mark.parametrize("method", ["kvzip", "kvgrad"])
+def test_a_span_unscored_or_left_out_of_the_scoring_softmax_is_evicted_first(tmp_path, method):
     from conftest import byte_tokenizer, tiny_model
+    from kvtrim.integration import cache
     from kvtrim.runtime import resolve_method
+    from kvtrim.scoring import gradient_attribution
 
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
@@ -256,11 +259,58 @@ def test_a_span_unscored_or_left_out_of_kvgrads_softmax_is_evicted_first(tmp_pat
     params = {"tokenizer": str(tmp_path / "tok"), "n_sink": 2}
     runs = []
     for wrap in (kvpress_parity.opening_unscored, kvpress_parity.opening_left_out):
-        pipe, _ = resolve_method("kvgrad", 0.5, None, params, model)
-        runs.append(kvpress_parity._kvtrim_run(model, ids, wrap(pipe, 2, 7), None, 0.5, question, 2)[0])
+        pipe, _ = resolve_method(method, 0.5, None, params, model)
+        runs.append(kvpress_parity._kvtrim_run(model, ids.clone(), wrap(pipe, 2, 7), None, 0.5, question, 2)[0])
     for kept in runs:
         assert sum(len(h) for layer in kept for h in layer) == 2 * 2 * 8
         assert not {p for layer in kept for h in layer for p in h} & set(range(2, 7))
-    from kvtrim.scoring import gradient_attribution
+    # put back
+    assert gradient_attribution.attributed_attention.__name__ == "attributed_attention"
+    assert cache.record.__name__ == "record"
 
-    assert gradient_attribution.attributed_attention.__name__ == "attributed_attention"  # put back
+
+def _scores(model, ids, question, pipe) -> list[torch.Tensor]:
+    """The scores ``pipe``'s scorer gives every layer of ``ids`` (``[batch, kv_heads, n]`` each)."""
+    seen = []
+    score = pipe.scorer.score
+    pipe.scorer.score = lambda view: seen.append(score(view)) or seen[-1]
+    kvpress_parity._kvtrim_run(model, ids, pipe, None, 0.5, question, 1)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["kvzip", "kvgrad"])
+def test_keys_left_out_of_the_softmax_raise_the_others_scores(tmp_path, method):
+    from conftest import byte_tokenizer, tiny_model
+    from kvtrim.runtime import resolve_method
+
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(10)
+    ids, question = torch.randint(3, 200, (1, 16), generator=g), torch.randint(3, 200, (1, 1), generator=g)
+    params = {"tokenizer": str(tmp_path / "tok"), "n_sink": 2}
+    plain = _scores(model, ids.clone(), question, resolve_method(method, 0.5, None, params, model)[0])
+    pipe = kvpress_parity.opening_left_out(resolve_method(method, 0.5, None, params, model)[0], 2, 7)
+    left_out = _scores(model, ids.clone(), question, pipe)
+    for before, after in zip(plain, left_out, strict=True):
+        assert torch.equal(after[..., 2:7], torch.zeros_like(after[..., 2:7]))
+        rest = torch.cat([before[..., 7:], after[..., 7:]], dim=0)
+        # the same queries over fewer keys: every other entry's attention is as high or higher
+        assert bool((rest[1] >= rest[0] * (1 - 1e-5)).all()) and bool((rest[1] > rest[0] * (1 + 1e-4)).any())
+
+
+def test_a_variant_whose_scoring_pass_did_not_run_is_an_error(tmp_path):
+    from conftest import byte_tokenizer, tiny_model
+    from kvtrim.runtime import resolve_method
+
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(11)
+    ids, question = torch.randint(3, 200, (1, 16), generator=g), torch.randint(3, 200, (1, 1), generator=g)
+    params = {"tokenizer": str(tmp_path / "tok"), "n_sink": 2}
+    kvpress_parity._kvtrim_run(model, ids, "kvzip", params, 0.5, question, 1)
+    pipe = kvpress_parity.opening_left_out(resolve_method("kvzip", 0.5, None, params, model)[0], 2, 7)
+    # the same ids tensor: kvzip reuses its scores, the replay whose softmax the variant changes never runs
+    with pytest.raises(RuntimeError, match="record was not called"):
+        kvpress_parity._kvtrim_run(model, ids, pipe, None, 0.5, question, 1)
+    with pytest.raises(TypeError, match="neither kvzip's nor kvgrad's"):
+        kvpress_parity.opening_left_out(resolve_method("snapkv", 0.5, None, {}, model)[0], 2, 7)
