@@ -8,23 +8,24 @@ for a fixed number of tokens (EOS ignored), one engine per mode, in the order ``
   its null block, so ``--blocks − 1`` hold KV entries);
 - ``METHOD/BUDGET/between`` and ``METHOD/BUDGET/after``: the plugin with ``{"method": METHOD, "budget": BUDGET}``,
   compressing after every prefill chunk and admitting requests by the compressed size (``between_chunks``, needs
-  ``--chunk``) or once after the prompt (admitted by the whole prompt), one mode per entry of ``--methods`` ×
-  ``--budgets``. A method the plugin does not compress between chunks (the per-head and per-layer ones, e.g.
-  ``adakv``) runs ``after`` instead, with the plugin's refusal recorded in the mode's row;
+  ``--chunk``) or once after the prompt (admitted by the whole prompt) (``--placement``), one mode per entry of
+  ``--methods`` × ``--budgets``. A method the plugin does not compress between chunks (the per-head and
+  per-layer ones, e.g. ``adakv``) runs ``after`` instead, with the plugin's refusal recorded in the mode's row;
 - ``engine/METHOD/BUDGET`` and ``engine/full``: :class:`kvtrim.serve.engine.Engine` (what ``kvtrim serve`` runs)
   in-process with a pool of the same K/V bytes as vLLM's usable blocks, ``prefill_chunk`` and
   ``max_num_batched_tokens`` equal to ``--chunk``, compression rate ``prompt_len / BUDGET``, for each of
   ``--methods`` and ``--engine-methods``; a method the engine refuses is reported with the engine's refusal,
   not run and not replaced by another.
 
-Per mode: output tokens per second (wall clock, prefill included), process CPU seconds per output token, the
+Per mode: output tokens per second (wall clock, prefill included), process CPU milliseconds per output token, the
 most requests running at once, preemptions, blocks freed by compression (and their bytes), and the ratio to
 vanilla vLLM's tokens per second.
 
 Quality: a few samples of harness tasks (``kvtrim.eval.tasks``), the same chat-templated prompt token ids (question
 last, so the compression after the last chunk sees it) run through vLLM (vanilla, and each plugin mode with its
-own chunking), through kvtrim's transformers path (the same compression: ``kvtrim.make_cache`` + ``generate``
-after prefill, ``Prefill.chunked`` between chunks) and through kvtrim's engine for its modes, scored with the
+own chunking, one request at a time so that its chunks are cut every ``--chunk`` tokens), through kvtrim's
+transformers path (the same compression: ``kvtrim.make_cache`` + ``generate`` after prefill,
+``Prefill.chunked`` between chunks) and through kvtrim's engine for its modes, scored with the
 task's metric; also how many generated tokens agree between vLLM and the transformers path.
 
 Results go to ``benchmarks/results/bench_vllm_throughput/NAME.{json,md}``. Run it in the ``.venv-vllm``
@@ -205,7 +206,7 @@ def split_list(text: str, cast=str) -> list:
 # vLLM
 
 
-def make_llm(config: dict | None, blocks: int | None, chunk: int | None = None):
+def make_llm(config: dict | None, blocks: int | None, chunk: int | None = None, max_num_seqs: int = 64):
     from vllm import LLM
 
     kwargs = dict(
@@ -214,7 +215,7 @@ def make_llm(config: dict | None, blocks: int | None, chunk: int | None = None):
         max_model_len=2048,
         enforce_eager=True,
         enable_prefix_caching=False,
-        max_num_seqs=64,
+        max_num_seqs=max_num_seqs,
         seed=0,
         disable_log_stats=False,
     )
@@ -256,6 +257,8 @@ def throughput(
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     try:
+        scheduler = engine.engine_core.engine_core.scheduler
+        free_at_start = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()  # all but the null block
         preempted_before = counter(llm, "vllm:num_preemptions")
         for i, p in enumerate(prompts):
             engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
@@ -268,7 +271,7 @@ def throughput(
             steps += 1
             most = max(most, int(gauge(llm, "vllm:num_requests_running")))
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
-        state = getattr(engine.engine_core.engine_core.scheduler, "_kvtrim_state", None)
+        state = getattr(scheduler, "_kvtrim_state", None)
         return {
             "config": config,
             "requests": len(prompts),
@@ -284,6 +287,7 @@ def throughput(
             "compressions": None if state is None else state.rounds,
             "most_blocks_held_by_a_request": None if state is None else max(state.finished_peaks.values()),
             "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+            "free_blocks_at_start": free_at_start,
         }
     finally:
         close(llm)
@@ -417,7 +421,9 @@ def quality(
     }
     outputs = {}
     for name, cfg in runs.items():
-        llm = make_llm(cfg, None, chunks[name])
+        # Chunked, one request at a time: a request shares no step's token budget with another, so its chunks
+        # are cut every ``chunk`` tokens from its start, as on the transformers path.
+        llm = make_llm(cfg, None, chunks[name], max_num_seqs=64 if chunks[name] is None else 1)
         try:
             outs = llm.generate(
                 [TokensPrompt(prompt_token_ids=ids) for _, _, ids in cases],
@@ -518,13 +524,13 @@ def quality_lines(q: dict) -> list[str]:
         label = "vanilla (no compression)" if cfg is None else f"{name} `{json.dumps(cfg)}`"
         for path, title in (("vllm", "vLLM"), ("hf", "transformers")):
             key = f"{path}_{name}"
-            per_task = " | ".join(str(q["task_scores"][key][t]) for t in tasks)
+            per_task = " | ".join(str(q.get("task_scores", {}).get(key, {}).get(t, "–")) for t in tasks)
             tail = str(agree) if path == "vllm" else ""
             lines.append(f"| {label} | {title} | {q['mean_score'][key]} | {per_task} | {tail} |")
     for name in q.get("engine_modes", []):
         key = f"engine_{name}"
         if key in q["mean_score"]:
-            per_task = " | ".join(str(q["task_scores"][key][t]) for t in tasks)
+            per_task = " | ".join(str(q.get("task_scores", {}).get(key, {}).get(t, "–")) for t in tasks)
             lines.append(f"| {name} | kvtrim engine | {q['mean_score'][key]} | {per_task} | |")
         else:
             lines.append(f"| {name} | kvtrim engine | refused | " + " | ".join("–" for _ in tasks) + " | |")
@@ -545,21 +551,23 @@ def freed_mib(row: dict, pool: dict | None) -> str:
     """Bytes the mode's compression freed (vLLM blocks are every layer's and head's, engine blocks one table's)."""
     freed = row.get("blocks_freed_by_kvtrim")
     if freed is None or pool is None:
-        return "–"
+        return _cell(freed)
     unit = pool["engine_block_bytes"] if row.get("kind") == "engine" else pool["vllm_block_bytes"]
     return f"{freed} ({freed * unit / 2**20:.1f} MiB)"
 
 
 def render(report: dict) -> list[str]:
     """The markdown summary of a results JSON (throughput table when measured, then the quality table)."""
-    args = report["args"]
+    args = report.get("throughput_args") or report["args"]  # --quality-only keeps the throughput run's
     title = f"# vLLM {report['vllm']} with/without kvtrim, and kvtrim's engine — {report['date']}"
     lines = [title, report["machine"], ""]
-    if report.get("command"):
-        lines += [f"Command: `{report['command']}`", ""]
     rows = report["throughput"]
+    commands = [("Command", report.get("command"))]
+    if rows and report.get("throughput_command") not in (None, report.get("command")):
+        commands = [("Throughput", report["throughput_command"]), ("Quality", report.get("command"))]
+    lines += [f"{label}: `{command}`" for label, command in commands if command] + [""]
     if rows:
-        pool = report.get("pool")
+        pool = report.get("throughput_pool") or report.get("pool")
         lines += [
             f"Throughput: {args['requests']} prompts x {args['prompt_len']} tokens, {args['output_len']} output tokens "
             f"(EOS ignored), {args['blocks']} vLLM blocks of {VLLM_BLOCK} tokens, chunk "
@@ -572,6 +580,9 @@ def render(report: dict) -> list[str]:
                 f"({pool['kv_bytes'] / 2**20:.1f} MiB); kvtrim's engine gets the same bytes "
                 f"({pool['engine_blocks']} blocks of {pool['engine_block_size']} tokens of one layer and KV head).",
             ]
+            free = sorted({r["free_blocks_at_start"] for r in rows if "free_blocks_at_start" in r})
+            if free:
+                lines[-1] += f" vLLM's pool had {', '.join(map(str, free))} free blocks before the first request."
         lines += [
             "",
             "| mode | output tok/s | × vanilla | CPU ms / output token | wall s | most running at once | preemptions "
@@ -584,10 +595,10 @@ def render(report: dict) -> list[str]:
                 lines.append(f"| {_mode_name(r)} | refused | – | – | – | – | – | – | – | – | {r['refused']} |")
                 continue
             ratio = f"{r['output_tok_per_s'] / base:.2f}" if base else "–"
-            pre = r["preemptions"]
+            pre = None if r.get("preemptions") is None else f"{r['preemptions']:.0f}"
             lines.append(
                 f"| {_mode_name(r)} | {r['output_tok_per_s']} | {ratio} | {_cell(r.get('cpu_ms_per_output_token'))} "
-                f"| {r['wall_s']} | {r['most_running_at_once']} | {pre:.0f} | {_cell(r.get('compressions'))} "
+                f"| {r['wall_s']} | {r['most_running_at_once']} | {_cell(pre)} | {_cell(r.get('compressions'))} "
                 f"| {freed_mib(r, pool)} | {_cell(r.get('most_blocks_held_by_a_request'))} | {r.get('note') or ''} |"
             )
         lines.append("")
@@ -700,8 +711,12 @@ def main() -> None:
     name = args.name or ("quick" if args.quick else "results")
     out_json, out_md = OUT_DIR / f"{name}.json", OUT_DIR / f"{name}.md"
     if args.quality_only:
-        report["throughput"] = json.loads(out_json.read_text())["throughput"] if out_json.exists() else []
+        saved = json.loads(out_json.read_text()) if out_json.exists() else {"throughput": []}
+        report["throughput"] = saved["throughput"]
+        for key in ("args", "command", "pool"):
+            report[f"throughput_{key}"] = saved.get(f"throughput_{key}", saved.get(key))
     else:
+        report.update(throughput_args=report["args"], throughput_command=report["command"], throughput_pool=pool)
         report["throughput"] = []
         for mode in selected:
             t0 = time.perf_counter()
