@@ -1,0 +1,99 @@
+"""The helpers of benchmarks/bench_vllm_throughput.py that need no vLLM: equal KV memory between vLLM's blocks and
+kvtrim's engine, the engine's compression rate for a budget, and the modes the arguments give."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from conftest import byte_tokenizer, tiny_model
+from kvtrim.errors import InvalidParameterError
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_throughput.py"
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_vllm_throughput", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_vllm_throughput", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vllm_block_holds_every_layer_and_kv_head(bench):
+    # 128 tokens x 30 layers x (K, V) x 3 KV heads x 64 channels x 4 bytes (float32)
+    assert bench.vllm_block_bytes(SMOLLM2) == 128 * 30 * 2 * 3 * 64 * 4 == 5_898_240
+    assert bench.vllm_block_bytes({**SMOLLM2, "head_dim": 32}, block_size=32, dtype_bytes=2) == 32 * 30 * 2 * 3 * 32 * 2
+
+
+def test_engine_pool_has_the_bytes_of_vllms_usable_blocks(bench):
+    pool = bench.engine_pool(SMOLLM2, blocks=17, engine_block=16)
+    assert pool["vllm_usable_blocks"] == 16  # one of the 17 is vLLM's null block
+    assert pool["kv_bytes"] == 16 * 5_898_240 == 94_371_840
+    assert pool["engine_block_bytes"] == 2 * 16 * 64 * 4
+    assert pool["engine_blocks"] == 11_520 == 16 * 128 * 30 * 3 // 16  # the same token slots per layer and head
+    assert pool["tokens_per_table"] == 2048
+    with pytest.raises(InvalidParameterError, match="blocks must be > 1"):
+        bench.engine_pool(SMOLLM2, blocks=1, engine_block=16)
+
+
+def test_the_engine_builds_a_pool_of_exactly_those_bytes(bench):
+    model = tiny_model(layers=2, heads=4, kv_heads=2, hidden=64)
+    pool = bench.engine_pool(model.config, blocks=3, engine_block=16)
+    mode = bench.Mode("engine/kvcompress/64", "engine", "kvcompress", 64)
+    engine = bench.make_engine(model, byte_tokenizer(), mode, pool, prompt_len=512, chunk=128)
+    assert engine.pool.nbytes() == pool["kv_bytes"] == 2 * 128 * 2 * 2 * 2 * 16 * 4
+    assert engine.pool.num_blocks == pool["engine_blocks"]
+    assert engine.compression_rate == 8.0
+    with pytest.raises(InvalidParameterError, match="method must be one of"):
+        refused = bench.Mode("engine/snapkv/64", "engine", "snapkv", 64)
+        bench.make_engine(model, byte_tokenizer(), refused, pool, prompt_len=512, chunk=128)
+
+
+def test_budget_gives_the_engines_compression_rate(bench):
+    assert bench.compression_rate(1024, 128) == 8.0
+    assert bench.compression_rate(1024, 256) == 4.0
+    for budget in (0, 1025):
+        with pytest.raises(InvalidParameterError, match="budget must be in"):
+            bench.compression_rate(1024, budget)
+
+
+def test_modes_fall_back_to_after_prefill_where_the_plugin_refuses_rounds(bench):
+    modes = bench.plan_modes(["snapkv", "adakv"], [256, 128], ["between"], ["kvcompress"], engine_full=True)
+    assert list(modes) == [
+        "vanilla",
+        "snapkv/256/between",
+        "snapkv/128/between",
+        "adakv/256/after",
+        "adakv/128/after",
+        "engine/full",
+        "engine/snapkv/256",
+        "engine/snapkv/128",
+        "engine/adakv/256",
+        "engine/adakv/128",
+        "engine/kvcompress/256",
+        "engine/kvcompress/128",
+    ]
+    assert modes["snapkv/128/between"].plugin_config() == {"method": "snapkv", "budget": 128, "between_chunks": True}
+    adakv = modes["adakv/128/after"]
+    assert adakv.plugin_config() == {"method": "adakv", "budget": 128}
+    assert "adakv" in adakv.refusal and adakv.note.startswith("the plugin refuses between_chunks")
+    assert modes["engine/kvcompress/128"].plugin_config() is None
+
+
+def test_mode_selection_orders_and_takes_the_older_names(bench):
+    modes = bench.plan_modes(["snapkv"], [128], ["after", "between"], [], engine_full=False)
+    names = [m.name for m in bench.select_modes(modes, "between,kvtrim,vanilla")]
+    assert names == ["snapkv/128/between", "snapkv/128/after", "vanilla"]
+    assert [m.name for m in bench.select_modes(modes, None)] == list(modes)
+    for order in ("vanilla,vanilla", "vanilla,nope"):
+        with pytest.raises(InvalidParameterError, match="modes once each"):
+            bench.select_modes(modes, order)
+    several = bench.plan_modes(["snapkv"], [128, 256], ["between"], [], engine_full=False)
+    with pytest.raises(InvalidParameterError, match="modes once each"):
+        bench.select_modes(several, "between")  # the older names only name a single entry
