@@ -53,7 +53,7 @@ class GlobalBlockBudget(BudgetAllocator):
             raise InvalidParameterError(f"protected_window must be an integer >= 0, got {self.protected_window!r}")
         if not isinstance(self.even_layers, bool):
             raise InvalidParameterError(
-                f"even_layers (the methods' even_layer_evict) must be True or False, got {self.even_layers!r}"
+                f"even_layer_evict (even_layers) must be True or False, got {self.even_layers!r}"
             )
 
     def layer_bound(self, keep: int, kv_heads: int, length: int) -> int:

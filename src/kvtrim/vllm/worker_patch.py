@@ -207,11 +207,14 @@ def _patch_prepare_inputs(orig):
                 if budget < prompt:
                     kv_heads = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
                     counts = state.config.head_counts(state.pipeline, prompt, state.model_layers, kv_heads)
-                    keep = state.config.slot_count(prompt, state.model_layers, bs, counts)
+                    keep = state.config.slot_count(prompt, state.model_layers, bs, counts, kv_heads)
                     blocks = list(req.block_ids[0])
                     pages = RequestSubPages(state.model_layers, kv_heads, bs, blocks[: -(-keep // bs)])
                     ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-                    pending = PendingEviction(req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts)
+                    pending = PendingEviction(
+                        req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts,
+                        layer_total=state.config.layer_total(prompt, kv_heads),
+                    )
                     state.pending.append(pending)
                 continue
             layer_keep = state.config.layer_keeps(prompt, state.model_layers)
