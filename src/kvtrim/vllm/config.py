@@ -308,7 +308,7 @@ class VLLMEvictionConfig:
         return capabilities_of(self.pipeline())
 
     @cached_property
-    def even_layers(self) -> GlobalBlockBudget | None:
+    def block_budget(self) -> GlobalBlockBudget | None:
         """KV-Compress with ``even_layer_evict``: its block budget (:meth:`GlobalBlockBudget.layer_bound` sizes the
         blocks), or None for other methods."""
         budget = self.pipeline().budget
@@ -395,8 +395,8 @@ class VLLMEvictionConfig:
         :meth:`GlobalBlockBudget.layer_bound` (``⌈B·kv_heads/16⌉`` blocks of its own block size, or what the
         protected window forces). The scheduler sizes the block list and the worker checks each layer by it."""
         budget = self.head_budget(prompt_len)
-        if self.even_layers is not None:
-            return self.even_layers.layer_bound(budget, kv_heads, prompt_len)
+        if self.block_budget is not None:
+            return self.block_budget.layer_bound(budget, kv_heads, prompt_len)
         return kv_heads * budget
 
     def slot_count(
@@ -421,7 +421,7 @@ class VLLMEvictionConfig:
                 return prompt_len
             if head_counts is not None:
                 budget = -(-int(head_counts.sum(-1).max()) // head_counts.shape[-1])
-            elif self.even_layers is not None:
+            elif self.block_budget is not None:
                 if kv_heads is None:
                     raise InvalidParameterError(f"kv_heads is required for {self.method!r} (blocks per layer)")
                 budget = -(-self.layer_total(prompt_len, kv_heads) // kv_heads)
