@@ -104,6 +104,9 @@ def test_even_layers_hold_the_same_blocks_per_layer_while_heads_differ():
     assert all(len(set(row.tolist())) > 1 for row in counts)  # heads within each layer keep different counts
     assert bool((counts.sum(-1) <= budget.layer_bound(keep, heads, n)).all())
     assert bool((counts >= 8).all())  # the protected window stays
+    for layer in range(layers):  # one grouped ranking equals ranking each layer alone
+        alone = budget.head_counts(scores[layer][0], positions[layer][0], keep, n)
+        assert torch.equal(counts[layer], alone)
     across = GlobalBlockBudget(block_size=bs, protected_window=8).allocate(_request(scores, positions, keep, n), scores)
     held = (-(-across[0] // bs)).sum(-1)
     assert len(set(held.tolist())) > 1 and int(held.sum()) == -(-keep * layers * heads // bs)  # layers differ

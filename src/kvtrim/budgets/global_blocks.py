@@ -70,13 +70,17 @@ class GlobalBlockBudget(BudgetAllocator):
         bound = max(budget_blocks(keep, kv_heads, self.block_size) * self.block_size, kv_heads * floor)
         return min(bound, kv_heads * length)
 
-    def head_counts(self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int) -> torch.Tensor:
+    def head_counts(
+        self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int, groups: int = 1
+    ) -> torch.Tensor:
         """Entries kept per row for one sequence.
 
         Args:
             scores, positions: ``[rows, seq]`` (rows = layers × KV heads; empty slots at position ``-1``)
             keep: mean entries per row ``M``
             context: tokens seen (positions run ``0..context-1``)
+            groups: the rows form this many equal, consecutive groups (layers, with ``even_layers``), each ranked
+                on its own down to ``⌈M·rows_per_group / block_size⌉`` blocks (one grouped ranking, no loop)
         Returns:
             ``[rows]`` entries kept
         """
@@ -86,9 +90,12 @@ class GlobalBlockBudget(BudgetAllocator):
         metric = scores.float().masked_fill(shielded, float("inf"))
         if int(lengths.max()) <= keep:
             return lengths  # every head is within the budget: block rounding alone never evicts
-        held = int((-(-lengths // self.block_size)).sum())
-        to_evict = held - budget_blocks(keep, scores.shape[0], self.block_size)
-        blocks = block_eviction_counts(metric.sort(dim=-1).values, lengths, self.block_size, max(0, to_evict))
+        per_group = lengths.view(groups, -1)
+        held = (-(-per_group // self.block_size)).sum(-1)
+        to_evict = (held - budget_blocks(keep, per_group.shape[1], self.block_size)).clamp(min=0)
+        to_evict = to_evict.masked_fill(per_group.amax(-1) <= keep, 0)  # a group within the budget keeps all
+        group = torch.arange(groups, device=lengths.device).repeat_interleave(per_group.shape[1])
+        blocks = block_eviction_counts(metric.sort(dim=-1).values, lengths, self.block_size, to_evict, group)
         return lengths - evicted_entries(blocks, lengths, self.block_size)
 
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
@@ -105,10 +112,7 @@ class GlobalBlockBudget(BudgetAllocator):
             for layer, (sc, pos) in enumerate(zip(scores, request.positions, strict=True)):
                 s[layer, :, : sc.shape[-1]] = sc[row]
                 p[layer, :, : pos.shape[-1]] = pos[row]
-            if self.even_layers:  # each layer's heads share ⌈M·H/bs⌉ blocks
-                for layer in range(layers):
-                    out[row, layer] = self.head_counts(s[layer], p[layer], keep, context)
-                continue
-            counts = self.head_counts(s.view(layers * heads, width), p.view(layers * heads, width), keep, context)
-            out[row] = counts.view(layers, heads)
+            groups = layers if self.even_layers else 1  # even_layers: each layer's heads share ⌈M·H/bs⌉ blocks
+            rows = (layers * heads, width)
+            out[row] = self.head_counts(s.view(rows), p.view(rows), keep, context, groups).view(layers, heads)
         return out
