@@ -7,6 +7,9 @@ uniform method (SnapKV, same SnapKV scores) keeps ``B``. Each configuration runs
 the scheduler returned to vLLM's pool (``SchedulerState.blocks_freed``), the (request, layer) pairs whose heads
 kept different counts, the blocks still in use after the run (must be 0) and the wall time of the generate call.
 
+``--params`` passes the per-head method's own parameters (a JSON object), e.g. KV-Compress's
+``--method kvcompress --params '{"even_layer_evict": true}'``; the uniform method runs with its defaults.
+
 Results go to ``benchmarks/results/bench_vllm_head_blocks/``. Run it in ``.venv-vllm``::
 
     .venv-vllm/bin/python benchmarks/bench_vllm_head_blocks.py
@@ -19,6 +22,7 @@ import datetime as dt
 import gc
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,7 +37,9 @@ MODEL_DIR = Path.home() / ".cache" / "kvtrim" / "models" / "smollm2-135m"
 OUT_DIR = Path(__file__).parent / "results" / "bench_vllm_head_blocks"
 
 
-def run(method: str, budget: int, block_size: int, prompts: list[list[int]], output_len: int) -> dict:
+def run(
+    method: str, budget: int, block_size: int, prompts: list[list[int]], output_len: int, params: dict | None = None
+) -> dict:
     from vllm.inputs import TokensPrompt
 
     from vllm import LLM, SamplingParams
@@ -47,7 +53,7 @@ def run(method: str, budget: int, block_size: int, prompts: list[list[int]], out
         max_num_seqs=16,
         seed=0,
         block_size=block_size,
-        additional_config={"kvtrim": {"method": method, "budget": budget}},
+        additional_config={"kvtrim": {"method": method, "budget": budget, "params": dict(params or {})}},
     )
     core = llm.llm_engine.engine_core.engine_core
     try:
@@ -84,14 +90,19 @@ def main() -> None:
     parser.add_argument("--block-sizes", default="32,128")
     parser.add_argument("--method", default="adakv")
     parser.add_argument("--uniform", default="snapkv")
+    parser.add_argument("--params", default="{}", help="the per-head method's parameters, a JSON object")
     parser.add_argument("--name", default="results")
     args = parser.parse_args()
+    params = json.loads(args.params)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(200, 20000, size=args.prompt_len).tolist() for _ in range(args.requests)]
     rows = []
     for block_size in [int(b) for b in args.block_sizes.split(",")]:
         for budget in [int(b) for b in args.budgets.split(",")]:
-            pair = {m: run(m, budget, block_size, prompts, args.output_len) for m in (args.method, args.uniform)}
+            pair = {
+                args.method: run(args.method, budget, block_size, prompts, args.output_len, params),
+                args.uniform: run(args.uniform, budget, block_size, prompts, args.output_len),
+            }
             ratio = pair[args.method]["blocks_freed"] / max(pair[args.uniform]["blocks_freed"], 1)
             rows.append({"per_head": pair[args.method], "uniform": pair[args.uniform], "ratio": ratio})
             print(json.dumps(rows[-1]), flush=True)
@@ -101,7 +112,7 @@ def main() -> None:
     lines = [
         f"# Blocks freed, {args.method} vs {args.uniform}, {args.requests} prompts of {args.prompt_len} tokens",
         "",
-        f"`.venv-vllm/bin/python benchmarks/bench_vllm_head_blocks.py {' '.join(sys.argv[1:])}` ({meta['date']})",
+        f"`.venv-vllm/bin/python benchmarks/bench_vllm_head_blocks.py {shlex.join(sys.argv[1:])}` ({meta['date']})",
         "",
         f"| block size | budget | {args.uniform} freed | {args.method} freed | ratio | ragged (request, layer) pairs "
         f"| {args.uniform} wall s | {args.method} wall s |",

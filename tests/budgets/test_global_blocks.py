@@ -84,3 +84,91 @@ def test_registry_methods_run_through_the_api(method):
     assert stats.kv_entries_after <= target < stats.kv_entries_before
     if "@every" in method:
         assert stats.compressions > 1
+
+
+def _layered_scores(layers: int, heads: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    head_scale = (torch.arange(heads, dtype=torch.float32) + 1).pow(2).view(1, heads, 1)  # heads differ, as layers
+    scores = [torch.rand(1, heads, n, generator=g) * head_scale * (i + 1) ** 3 for i in range(layers)]
+    positions = [torch.arange(n).expand(1, heads, n).clone() for _ in range(layers)]
+    return scores, positions
+
+
+def test_even_layers_hold_the_same_blocks_per_layer_while_heads_differ():
+    layers, heads, n, bs, keep = 3, 3, 100, 16, 30
+    scores, positions = _layered_scores(layers, heads, n, 2)
+    budget = GlobalBlockBudget(block_size=bs, protected_window=8, even_layers=True)
+    counts = budget.allocate(_request(scores, positions, keep, n), scores)[0]  # [layers, heads]
+    blocks = (-(-counts // bs)).sum(-1)
+    assert blocks.tolist() == [-(-keep * heads // bs)] * layers  # ⌈M·H/bs⌉ = 6 blocks in every layer
+    assert all(len(set(row.tolist())) > 1 for row in counts)  # heads within each layer keep different counts
+    assert bool((counts.sum(-1) <= budget.layer_bound(keep, heads, n)).all())
+    assert bool((counts >= 8).all())  # the protected window stays
+    for layer in range(layers):  # one grouped ranking equals ranking each layer alone
+        alone = budget.head_counts(scores[layer][0], positions[layer][0], keep, n)
+        assert torch.equal(counts[layer], alone)
+    across = GlobalBlockBudget(block_size=bs, protected_window=8).allocate(_request(scores, positions, keep, n), scores)
+    held = (-(-across[0] // bs)).sum(-1)
+    assert len(set(held.tolist())) > 1 and int(held.sum()) == -(-keep * layers * heads // bs)  # layers differ
+
+
+def test_even_layers_keep_everything_at_or_above_the_context():
+    scores, positions = _layered_scores(2, 3, 40, 3)
+    budget = GlobalBlockBudget(block_size=16, protected_window=8, even_layers=True)
+    for keep in (40, 64):
+        counts = budget.allocate(_request(scores, positions, keep, 40), scores)
+        assert bool((counts == 40).all())
+        assert budget.layer_bound(keep, 3, 40) == 3 * 40
+
+
+def test_layer_bound_covers_the_protected_window():
+    budget = GlobalBlockBudget(block_size=16, protected_window=32, even_layers=True)
+    assert budget.layer_bound(64, 3, 700) == 192  # ⌈64·3/16⌉ blocks of 16
+    assert budget.layer_bound(50, 3, 700) == 160  # ⌈150/16⌉ = 10 blocks
+    assert budget.layer_bound(8, 3, 700) == 96  # a head keeps ≥ 32 protected entries: 3·32 > ⌈24/16⌉·16
+    small = GlobalBlockBudget(block_size=16, protected_window=8, even_layers=True)
+    assert small.layer_bound(8, 3, 700) == 48  # a head that evicts keeps whole blocks: ≥ 16 entries each
+    scores, positions = _layered_scores(2, 3, 200, 4)
+    for b, keep in ((budget, 8), (small, 8), (small, 20)):
+        counts = b.allocate(_request(scores, positions, keep, 200), scores)[0]
+        assert int(counts.sum(-1).max()) <= b.layer_bound(keep, 3, 200)
+        assert int(counts.sum(-1).max()) == b.layer_bound(keep, 3, 200) or keep == 20
+
+
+@pytest.mark.parametrize("flag", [1, "yes", None])
+def test_even_layer_flag_must_be_a_bool(flag):
+    with pytest.raises(InvalidParameterError, match="even_layer_evict"):
+        GlobalBlockBudget(even_layers=flag)
+    from kvtrim.methods import get_method
+
+    with pytest.raises(InvalidParameterError, match="even_layer_evict"):
+        get_method("kvc_w8", even_layer_evict=flag)
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "kvc_w8", "kvc_full"])
+def test_even_layer_evict_reaches_the_budget_and_the_vllm_capability(method):
+    from kvtrim.methods import get_method, method_info
+    from kvtrim.methods.registry import capabilities_of
+
+    pipeline = get_method(method, even_layer_evict=True)
+    assert pipeline.budget.even_layers and pipeline.params["even_layer_evict"] is True
+    assert capabilities_of(pipeline).vllm and not method_info(method).capabilities.vllm  # default: across layers
+    assert not get_method(method).budget.even_layers
+
+
+def test_even_layer_evict_through_the_cache_keeps_the_same_blocks_per_layer():
+    import kvtrim
+    from conftest import tiny_model
+    from kvtrim.methods import get_method
+
+    model = tiny_model("llama", layers=3)
+    ids = torch.randint(3, 200, (1, 120), generator=torch.Generator().manual_seed(5))
+    cache = kvtrim.make_cache(model, "kvcompress", budget=40, even_layer_evict=True)
+    model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, past_key_values=cache, pad_token_id=0)
+    counts = cache.last_report.budgets[0]  # [layers, kv_heads]
+    heads = counts.shape[-1]
+    blocks = (-(-counts // 16)).sum(-1)
+    assert blocks.tolist() == [-(-40 * heads // 16)] * 3
+    bound = get_method("kvcompress", even_layer_evict=True).budget.layer_bound(40, heads, 120)
+    assert int(counts.sum(-1).max()) <= bound
+    assert any(len(set(row.tolist())) > 1 for row in counts) or heads == 1

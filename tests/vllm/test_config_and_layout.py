@@ -11,7 +11,16 @@ from kvtrim.budgets.pyramid import pyramid_layer_budgets
 from kvtrim.errors import InvalidParameterError, UnsupportedModelError
 from kvtrim.methods import get_method
 from kvtrim.scoring.partitions import kept_length
-from kvtrim.vllm.config import ENV_VAR, PER_HEAD_METHODS, SUPPORTED_METHODS, load_config, parse_config
+from kvtrim.vllm import evictor
+from kvtrim.vllm.config import (
+    ACCEPTED_METHODS,
+    ENV_VAR,
+    EVEN_LAYER_METHODS,
+    PER_HEAD_METHODS,
+    SUPPORTED_METHODS,
+    load_config,
+    parse_config,
+)
 from kvtrim.vllm.evictor import PendingEviction, evict_layer
 from kvtrim.vllm.kv_layout import entry_format, probe_layout
 
@@ -50,10 +59,78 @@ def test_per_head_methods_keep_budget_plus_one_block_minus_one_slots():
     assert parse_config({"method": "adakv", "ratio": 0.75}).slot_count(1024, 30, 128) == 256 + 127
 
 
+EVEN = {"even_layer_evict": True}
+
+
+def test_kv_compress_runs_per_head_with_even_layer_evict_only():
+    assert set(EVEN_LAYER_METHODS) == {"kvcompress", "kvc_w8", "kvc_full"}
+    assert not set(EVEN_LAYER_METHODS) & set(SUPPORTED_METHODS)  # the defaults rank across layers
+    assert set(ACCEPTED_METHODS) == set(SUPPORTED_METHODS) | set(EVEN_LAYER_METHODS)
+    for method in EVEN_LAYER_METHODS:
+        config = parse_config({"method": method, "budget": 64, "params": EVEN})
+        assert config.per_head and not config.per_layer and config.capabilities.vllm
+        assert config.head_counts(config.pipeline(), 700, 4, 3) is None  # the scores split each layer's blocks
+
+
+def test_kv_compress_slots_follow_the_per_layer_block_bound():
+    config = parse_config({"method": "kvcompress", "budget": 64, "params": EVEN})  # blocks of 16, protected 32
+    assert config.layer_total(700, 3) == 192  # ⌈64·3/16⌉ = 12 blocks of 16
+    assert config.slot_count(700, 4, 32, kv_heads=3) == 64 + 31  # as AdaKV at B = 64
+    assert config.slot_count(80, 4, 32, kv_heads=3) == 80 and config.slot_count(60, 4, 32, kv_heads=3) == 60
+    odd = parse_config({"method": "kvcompress", "budget": 50, "params": EVEN})
+    assert odd.layer_total(700, 3) == 160 and odd.slot_count(700, 4, 32, kv_heads=3) == 54 + 31  # ⌈160/3⌉ = 54
+    ratio = parse_config({"method": "kvc_w8", "ratio": 0.75, "params": EVEN})
+    assert ratio.layer_total(1024, 3) == 768 and ratio.slot_count(1024, 30, 128, kv_heads=3) == 256 + 127
+    with pytest.raises(InvalidParameterError, match="kv_heads is required"):
+        config.slot_count(700, 4, 32)
+
+
+def test_kv_compress_budget_below_the_protected_window_is_sized_by_the_window():
+    """A head that evicts keeps at least its protected window in whole blocks: the bound (and the slots) follow."""
+    config = parse_config({"method": "kvcompress", "budget": 8, "params": EVEN})  # protected 32: 2 blocks per head
+    assert config.layer_total(700, 3) == 96 and config.slot_count(700, 4, 32, kv_heads=3) == 32 + 31
+    w8 = parse_config({"method": "kvc_w8", "budget": 8, "params": EVEN})  # protected 8: one 16-entry block per head
+    assert w8.layer_total(700, 3) == 48 and w8.slot_count(700, 4, 32, kv_heads=3) == 16 + 31
+
+
+def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
+    """The per-head eviction on a fake CPU cache: each layer keeps ⌈B·H/16⌉ blocks, heads differ, within the bound."""
+    from kvtrim.vllm.evictor import evict_layer_heads
+    from kvtrim.vllm.subpages import RequestSubPages
+
+    h, d, bs, p, budget = 3, 8, 16, 200, 40
+    impl = _TransposedImpl(h, d, bs)
+    config = parse_config({"method": "kvcompress", "budget": budget, "params": EVEN})
+    slots = config.slot_count(p, 1, bs, kv_heads=h)
+    cache = torch.zeros(16, h, bs, 2 * d)
+    layout = probe_layout(impl, None, cache)
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(p, h, d, generator=g), torch.randn(p, h, d, generator=g)
+    keys[:, 2] *= 3  # a sharper head
+    blocks = torch.arange(1, 1 + -(-p // bs))
+    impl.do_kv_cache_update(None, keys, values, cache, blocks.repeat_interleave(bs)[:p] * bs + torch.arange(p) % bs)
+    query = torch.randn(p, 2 * h, d, generator=g)
+    pages = RequestSubPages(1, h, bs, blocks[: -(-slots // bs)].tolist())
+    pending = PendingEviction("r", 0, p, p, slots, blocks, None, budget, pages, None,
+                              layer_total=config.layer_total(p, h))  # fmt: skip
+    calls = []  # vLLM's cache-write op is not needed here: count what each head writes
+    monkeypatch.setattr(evictor, "folded_cache_write", lambda k, v, cache_, slots_, isa: calls.append(len(k)))
+    counts = evict_layer_heads(config.pipeline(), layout, cache, query, pending, 0, 1, d**-0.5, None, "vec")
+    assert sum(-(-c // bs) for c in counts) == -(-budget * h // bs)  # ⌈40·3/16⌉ = 8 blocks of the ranking
+    assert sum(counts) <= config.layer_total(p, h) and len(set(counts)) > 1 and calls == counts
+
+
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        ({"method": "kvcompress", "budget": 8}, "not supported inside vLLM"),
+        ({"method": "h2o", "budget": 8}, "not supported inside vLLM"),
+        ({"method": "kvcompress", "budget": 64}, "only with params.even_layer_evict = true"),
+        ({"method": "kvc_full", "budget": 64, "params": {"even_layer_evict": False}}, "params.even_layer_evict"),
+        ({"method": "kvc_w8", "budget": 64, "params": {"even_layer_evict": 1}}, "(even_layers) must be True or False"),
+        ({"method": "kvcompress@every:16", "budget": 64, "params": {"even_layer_evict": True}}, "decoding-time metric"),
+        ({"method": "kvcompress@over:0", "budget": 64, "params": {"even_layer_evict": True}}, "is not carried"),
+        ({"method": "kvcompress", "budget": 64, "params": {"even_layer_evict": True}, "between_chunks": True},
+         "between_chunks is not supported with 'kvcompress'"),
         ({"method": "nope", "budget": 8}, "not a kvtrim method"),
         ({"method": "snapkv"}, "exactly one of ratio"),
         ({"method": "snapkv", "ratio": 1.5}, "ratio must be in [0, 1)"),
@@ -138,9 +215,10 @@ def test_lagkv_admission_bound_covers_every_step(chunk):
     assert parse_config({"method": "lagkv", "ratio": 0.5}).admission_tokens(1000, 64) is None
 
 
-@pytest.mark.parametrize("method", PER_HEAD_METHODS)
+@pytest.mark.parametrize("method", PER_HEAD_METHODS + EVEN_LAYER_METHODS)
 def test_per_head_methods_refuse_tensor_parallelism(method):
-    config = parse_config({"method": method, "budget": 64})
+    params = EVEN if method in EVEN_LAYER_METHODS else {}
+    config = parse_config({"method": method, "budget": 64, "params": params})
     config.check_tensor_parallel(1)
     with pytest.raises(InvalidParameterError, match=f"tensor_parallel_size=2 is not supported with {method}"):
         config.check_tensor_parallel(2)

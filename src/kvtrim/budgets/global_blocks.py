@@ -1,4 +1,4 @@
-"""Global, block-granular budgets across all layers and KV heads (KV-Compress)."""
+"""Global, block-granular budgets across all layers and KV heads, or within each layer (KV-Compress)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,15 @@ class GlobalBlockBudget(BudgetAllocator):
     ``protected_window`` positions are never evicted. A head keeps ``length − evicted`` entries, so rates vary freely
     per layer and head; with whole-block rounding the total kept may exceed ``M·L·H`` by less than one block.
 
+    With ``even_layers`` (the authors' ``--even-layer-evict``) the chunks are ranked within each layer instead:
+    every layer keeps at most ``⌈M·H / block_size⌉`` blocks (:meth:`layer_bound` entries), which its heads still
+    split by score. A layer's total is then known before any score exists (what the vLLM plugin needs to size a
+    request's blocks); the rate varies per head, not per layer.
+
     Args:
         block_size: entries per block (16)
         protected_window: the most recent tokens that are never evicted (32)
+        even_layers: rank the blocks of each layer separately (every layer evicts down to the same block count)
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
@@ -33,20 +39,48 @@ class GlobalBlockBudget(BudgetAllocator):
 
     block_size: int = 16
     protected_window: int = 32
+    even_layers: bool = False
+
+    @property
+    def runs_in_vllm(self) -> bool:
+        """The vLLM plugin sizes a request's block list before scoring: only a per-layer total fixed in advance."""
+        return self.even_layers
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise InvalidParameterError(f"block_size must be a positive integer, got {self.block_size!r}")
         if isinstance(self.protected_window, bool) or self.protected_window < 0:
             raise InvalidParameterError(f"protected_window must be an integer >= 0, got {self.protected_window!r}")
+        if not isinstance(self.even_layers, bool):
+            raise InvalidParameterError(
+                f"even_layer_evict (even_layers) must be True or False, got {self.even_layers!r}"
+            )
 
-    def head_counts(self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int) -> torch.Tensor:
+    def layer_bound(self, keep: int, kv_heads: int, length: int) -> int:
+        """Most entries one layer's ``kv_heads`` heads keep together with ``even_layers``, at mean budget ``keep``
+        over ``length`` entries per head.
+
+        ``⌈keep·H / block_size⌉`` whole blocks of entries, or, when the protected window alone holds more, what it
+        forces: a head keeps a multiple of ``block_size`` entries once it evicts, at least the protected window,
+        so ``H · ⌈protected_window / block_size⌉`` blocks. Never more than ``H · length`` (nothing evicted).
+        """
+        if length <= keep:
+            return kv_heads * length
+        floor = min(length, -(-self.protected_window // self.block_size) * self.block_size)
+        bound = max(budget_blocks(keep, kv_heads, self.block_size) * self.block_size, kv_heads * floor)
+        return min(bound, kv_heads * length)
+
+    def head_counts(
+        self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int, groups: int = 1
+    ) -> torch.Tensor:
         """Entries kept per row for one sequence.
 
         Args:
             scores, positions: ``[rows, seq]`` (rows = layers × KV heads; empty slots at position ``-1``)
             keep: mean entries per row ``M``
             context: tokens seen (positions run ``0..context-1``)
+            groups: the rows form this many equal, consecutive groups (layers, with ``even_layers``), each ranked
+                on its own down to ``⌈M·rows_per_group / block_size⌉`` blocks (one grouped ranking, no loop)
         Returns:
             ``[rows]`` entries kept
         """
@@ -56,9 +90,12 @@ class GlobalBlockBudget(BudgetAllocator):
         metric = scores.float().masked_fill(shielded, float("inf"))
         if int(lengths.max()) <= keep:
             return lengths  # every head is within the budget: block rounding alone never evicts
-        held = int((-(-lengths // self.block_size)).sum())
-        to_evict = held - budget_blocks(keep, scores.shape[0], self.block_size)
-        blocks = block_eviction_counts(metric.sort(dim=-1).values, lengths, self.block_size, max(0, to_evict))
+        per_group = lengths.view(groups, -1)
+        held = (-(-per_group // self.block_size)).sum(-1)
+        to_evict = (held - budget_blocks(keep, per_group.shape[1], self.block_size)).clamp(min=0)
+        to_evict = to_evict.masked_fill(per_group.amax(-1) <= keep, 0)  # a group within the budget keeps all
+        group = torch.arange(groups, device=lengths.device).repeat_interleave(per_group.shape[1])
+        blocks = block_eviction_counts(metric.sort(dim=-1).values, lengths, self.block_size, to_evict, group)
         return lengths - evicted_entries(blocks, lengths, self.block_size)
 
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
@@ -75,6 +112,7 @@ class GlobalBlockBudget(BudgetAllocator):
             for layer, (sc, pos) in enumerate(zip(scores, request.positions, strict=True)):
                 s[layer, :, : sc.shape[-1]] = sc[row]
                 p[layer, :, : pos.shape[-1]] = pos[row]
-            counts = self.head_counts(s.view(layers * heads, width), p.view(layers * heads, width), keep, context)
-            out[row] = counts.view(layers, heads)
+            groups = layers if self.even_layers else 1  # even_layers: each layer's heads share ⌈M·H/bs⌉ blocks
+            rows = (layers * heads, width)
+            out[row] = self.head_counts(s.view(rows), p.view(rows), keep, context, groups).view(layers, heads)
         return out

@@ -27,10 +27,12 @@ class _SquaredAttentionPipeline(Pipeline):
         return spec
 
 
-def _kvcompress_parts(window: int | None, protected_window: int, kernel: int, buffer: int, block_size: int) -> Pipeline:
+def _kvcompress_parts(
+    window: int | None, protected_window: int, kernel: int, buffer: int, block_size: int, even_layer_evict: bool
+) -> Pipeline:
     return parts(
         SquaredAttentionScorer(window=window, kernel=kernel, buffer=buffer),
-        GlobalBlockBudget(block_size=block_size, protected_window=protected_window),
+        GlobalBlockBudget(block_size=block_size, protected_window=protected_window, even_layers=even_layer_evict),
         TopKSelector(recent=protected_window),
         kind=_SquaredAttentionPipeline,
     )
@@ -43,7 +45,8 @@ def _kvcompress_parts(window: int | None, protected_window: int, kernel: int, bu
     paper=papers.KV_COMPRESS,
     preset="KVC-w with w=32: L2-sum metric, max-pool k=7 per query head then sum over the group, protected window "
     "32, block size 16, budget M = per-head mean incl. the window rounded up to whole blocks; with a continuous "
-    "schedule (kvcompress@every:64) decoding queries' squared attention is added to the metric",
+    "schedule (kvcompress@every:64) decoding queries' squared attention is added to the metric; "
+    "even_layer_evict=True ranks blocks within each layer (the authors' --even-layer-evict; runs in vLLM)",
 )
 def kvcompress(
     window: int = KVC_W32.window,
@@ -51,13 +54,20 @@ def kvcompress(
     kernel: int = KVC_W32.kernel,
     buffer: int = KVC_W32.buffer,
     block_size: int = KVC_W32.block_size,
+    even_layer_evict: bool = KVC_W32.even_layer_evict,
 ) -> Pipeline:
     """KV-Compress (Rehg, arXiv 2410.00161), KVC-w: variable compression rates per layer and KV head.
 
     The paged engine (:mod:`kvtrim.serve`) runs the same ranking on real paged storage; here the kept entries are
     stored ragged. Continual compression: use a schedule (``kvcompress@every:64``).
+
+    ``even_layer_evict=True`` is the flag ``--even-layer-evict`` of the paper's code (vllm-kvcompress): blocks are
+    ranked within each layer, so every layer keeps the same ``⌈M·kv_heads/block_size⌉`` blocks while its heads
+    still keep different counts (rates vary per head, not per layer). Each layer's total is then fixed before
+    scoring, which is what lets the method run inside vLLM (:mod:`kvtrim.vllm`); the paged engine
+    (``kvtrim serve``) always ranks across layers.
     """
-    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size)
+    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size, even_layer_evict)
 
 
 @register(
@@ -73,9 +83,14 @@ def kvc_w8(
     kernel: int = KVC_W8.kernel,
     buffer: int = KVC_W8.buffer,
     block_size: int = KVC_W8.block_size,
+    even_layer_evict: bool = KVC_W8.even_layer_evict,
 ) -> Pipeline:
-    """KV-Compress (Rehg, arXiv 2410.00161), the KVC-w preset with w = 8."""
-    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size)
+    """KV-Compress (Rehg, arXiv 2410.00161), the KVC-w preset with w = 8.
+
+    ``even_layer_evict=True``: the paper's code flag ``--even-layer-evict``, blocks ranked within each layer (see
+    :func:`kvcompress`).
+    """
+    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size, even_layer_evict)
 
 
 @register(
@@ -91,6 +106,11 @@ def kvc_full(
     buffer: int = KVC_FULL.buffer,
     kernel: int = KVC_FULL.kernel,
     block_size: int = KVC_FULL.block_size,
+    even_layer_evict: bool = KVC_FULL.even_layer_evict,
 ) -> Pipeline:
-    """KV-Compress (Rehg, arXiv 2410.00161), the KVC-full preset (metric over all prompt queries)."""
-    return _kvcompress_parts(KVC_FULL.window, protected_window, kernel, buffer, block_size)
+    """KV-Compress (Rehg, arXiv 2410.00161), the KVC-full preset (metric over all prompt queries).
+
+    ``even_layer_evict=True``: the paper's code flag ``--even-layer-evict``, blocks ranked within each layer (see
+    :func:`kvcompress`).
+    """
+    return _kvcompress_parts(KVC_FULL.window, protected_window, kernel, buffer, block_size, even_layer_evict)

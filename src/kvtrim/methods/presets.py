@@ -80,6 +80,8 @@ class KVCompressPreset:
         kernel: max-pool kernel of the metric (1 = none)
         buffer: keys within ``buffer`` positions of a query are left out of its metric
         block_size: entries per block
+        even_layer_evict: rank blocks within each layer instead of across all layers (the authors'
+            ``--even-layer-evict``, off by default; the paged engine always ranks across layers)
     """
 
     window: int | None
@@ -87,6 +89,7 @@ class KVCompressPreset:
     kernel: int
     buffer: int
     block_size: int = 16
+    even_layer_evict: bool = False
 
 
 KV_COMPRESS = {

@@ -12,6 +12,8 @@ admit a request by that compressed size; default false). ``method`` may carry a 
 ``"snapkv@every:64"`` (compress to the budget again every 64 decoded tokens) or ``"snapkv@over:SLACK"``.
 LagKV's family (``lagkv``, ``localkv``, ``lag_knorm``) runs its own recursion (``tail:LAG``, its default) while
 decoding and, with ``between_chunks``, between prefill chunks; ``"lagkv@prefill"`` compresses once.
+KV-Compress (``kvcompress``, ``kvc_w8``, ``kvc_full``) runs with ``"params": {"even_layer_evict": true}`` only
+(:data:`EVEN_LAYER_METHODS`), compressing once after the prompt.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from ..budgets.artifact_head_scores import ArtifactHeadScoreBudget
 from ..budgets.base import BudgetRequest
 from ..budgets.duo_heads import DuoHeadBudget
+from ..budgets.global_blocks import GlobalBlockBudget
 from ..budgets.head_adaptive import HeadAdaptiveBudget
 from ..budgets.partition import PartitionBudget, keep_per_partition
 from ..budgets.pyramid import PyramidBudget, pyramid_layer_budgets
@@ -36,7 +39,7 @@ from ..compression.pipeline import Pipeline
 from ..compression.schedule import AfterPrefill, EveryNTokens, OverBudget, TailFull
 from ..errors import InvalidParameterError
 from ..methods import get_method, method_info, method_names
-from ..methods.registry import BUDGET_KINDS, split_schedule
+from ..methods.registry import BUDGET_KINDS, Capabilities, capabilities_of, split_schedule
 from ..scoring.partitions import kept_length
 from .subpages import slots_for_head_budget
 
@@ -55,7 +58,17 @@ PER_LAYER_METHODS = tuple(
 PER_HEAD_METHODS = tuple(
     name for name in SUPPORTED_METHODS if method_info(name).capabilities.budgets == BUDGET_KINDS["head"]
 )
-ACCEPTED_METHODS = SUPPORTED_METHODS
+# Methods that run inside vLLM with ``even_layer_evict`` (KV-Compress): the capability belongs to the configured
+# pipeline (``GlobalBlockBudget.runs_in_vllm`` is true only when each layer's total is fixed), not to the defaults.
+EVEN_LAYER_PARAM = "even_layer_evict"
+EVEN_LAYER_METHODS = tuple(
+    name
+    for name in method_names()
+    if name not in SUPPORTED_METHODS
+    and EVEN_LAYER_PARAM in method_info(name).defaults()
+    and capabilities_of(get_method(name, **{EVEN_LAYER_PARAM: True})).vllm
+)
+ACCEPTED_METHODS = SUPPORTED_METHODS + EVEN_LAYER_METHODS
 # Methods that compress a request again and again inside vLLM (between prefill chunks, while decoding): every
 # layer and KV head keeps ``budget`` entries, chosen without the question (no accumulated statistics).
 UNIFORM_ROUND_METHODS = tuple(
@@ -100,6 +113,13 @@ class VLLMEvictionConfig:
             raise InvalidParameterError(f"between_chunks must be true or false, got {self.between_chunks!r}")
         pipeline = self.pipeline()  # raises on bad params
         pipeline.check(self.spec.ratio, self.spec.budget)
+        if isinstance(pipeline.budget, GlobalBlockBudget):
+            self._check_even_layers(pipeline)
+        if not capabilities_of(pipeline).vllm:
+            raise InvalidParameterError(
+                f"method {base!r} with params {self.params} does not run inside vLLM (a part of its pipeline does not "
+                "declare runs_in_vllm)"
+            )
         if isinstance(pipeline.budget, PartitionBudget) and pipeline.budget.skip_layers:
             raise InvalidParameterError(
                 "params.skip_layers is not supported inside vLLM: every layer must keep the same number of entries"
@@ -126,6 +146,29 @@ class VLLMEvictionConfig:
                 )
             if pipeline.observation.accumulate:
                 raise InvalidParameterError(f"method {base!r} accumulates statistics over all queries")
+
+    def _check_even_layers(self, pipeline: Pipeline) -> None:
+        """KV-Compress runs with ``even_layer_evict`` and compresses once, after the prompt."""
+        base = split_schedule(self.method)[0]
+        if not pipeline.budget.even_layers:
+            raise InvalidParameterError(
+                f"method {base!r} runs inside vLLM only with params.{EVEN_LAYER_PARAM} = true (the authors' "
+                "--even-layer-evict: every layer keeps ⌈budget·kv_heads/block_size⌉ blocks, which its heads split by "
+                "score). Without it blocks are ranked across all layers, so each layer's total varies with the "
+                "scores, while vLLM's scheduler sizes a request's block list before any score exists: the worker "
+                "would have to report the counts back to the scheduler (not built)"
+            )
+        if pipeline.observation.accumulate:
+            raise InvalidParameterError(
+                f"method {self.method!r}: KV-Compress's decoding-time metric (each decoded query's squared attention "
+                "added to the prefill metric, 'every:N' / 'over:SLACK') is not carried inside vLLM; use "
+                f"{base!r} (compress once, after the prompt)"
+            )
+        if self.rounds:
+            raise InvalidParameterError(
+                f"between_chunks is not supported with {base!r} inside vLLM: per-head counts are not re-sized "
+                "between rounds (compress once, after the prompt)"
+            )
 
     def _check_lag_schedule(self, pipeline: Pipeline) -> None:
         """LagKV's family runs its own recursion (``tail:LAG``, the default) or compresses once (``@prefill``)."""
@@ -259,24 +302,37 @@ class VLLMEvictionConfig:
         over = max(num_tokens - c, 0)
         return min(num_tokens, c + self.lag_keep_per_partition() * -(-over // frame.lag))
 
+    @cached_property
+    def capabilities(self) -> Capabilities:
+        """What the configured pipeline (the method with ``params``) declares; see :func:`capabilities_of`."""
+        return capabilities_of(self.pipeline())
+
+    @cached_property
+    def block_budget(self) -> GlobalBlockBudget | None:
+        """KV-Compress with ``even_layer_evict``: its block budget (:meth:`GlobalBlockBudget.layer_bound` sizes the
+        blocks), or None for other methods."""
+        budget = self.pipeline().budget
+        return budget if isinstance(budget, GlobalBlockBudget) else None
+
     @property
     def per_layer(self) -> bool:
         """Whether layers keep different counts (PyramidKV): the worker then gives each layer its own lengths."""
-        return split_schedule(self.method)[0] in PER_LAYER_METHODS
+        return self.capabilities.budgets == BUDGET_KINDS["layer"]
 
     @property
     def per_head(self) -> bool:
-        """Whether KV heads keep different counts (AdaKV): the worker then stores each head in its own sub-pages."""
-        return split_schedule(self.method)[0] in PER_HEAD_METHODS
+        """Whether KV heads keep different counts (AdaKV, KV-Compress with ``even_layer_evict``): the worker then
+        stores each head in its own sub-pages."""
+        return self.capabilities.budgets == BUDGET_KINDS["head"]
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
-        """Refuse tensor parallelism for per-head methods (:data:`PER_HEAD_METHODS`).
+        """Refuse tensor parallelism for per-head methods (:data:`PER_HEAD_METHODS`, KV-Compress).
 
         Each tensor-parallel rank holds and scores only its own KV heads. Uniform and per-layer methods keep a
         count that follows from the prompt length alone, so every rank keeps the same slots and selects per head
         as one rank would. A per-head method splits a layer's ``kv_heads · B`` entries among *all* its KV heads
-        by score (AdaKV), or takes counts for all heads of the model from a calibration artifact (HeadKV,
-        DuoAttention): a rank would split among its own heads only, which is not the single-rank selection.
+        by score (AdaKV, KV-Compress's blocks), or takes counts for all heads of the model from a calibration artifact
+        (HeadKV, DuoAttention): a rank would split among its own heads only, which is not the single-rank selection.
         """
         if self.per_head and tensor_parallel_size > 1:
             raise InvalidParameterError(
@@ -296,6 +352,7 @@ class VLLMEvictionConfig:
             HeadAdaptiveBudget,
             ArtifactHeadScoreBudget,
             DuoHeadBudget,
+            GlobalBlockBudget,
         )
         if not isinstance(pipeline.budget, kinds):
             raise InvalidParameterError(f"method {self.method!r} has budgets the vLLM plugin cannot size blocks for")
@@ -332,15 +389,31 @@ class VLLMEvictionConfig:
         )
         return pipeline.budget.allocate(request, [])[0].cpu().numpy()
 
+    def layer_total(self, prompt_len: int, kv_heads: int) -> int:
+        """Per-head methods whose counts follow the scores: most entries one layer keeps over its ``kv_heads``
+        heads after a ``prompt_len``-token prefill. AdaKV: ``kv_heads · B``; KV-Compress with ``even_layer_evict``:
+        :meth:`GlobalBlockBudget.layer_bound` (``⌈B·kv_heads/16⌉`` blocks of its own block size, or what the
+        protected window forces). The scheduler sizes the block list and the worker checks each layer by it."""
+        budget = self.head_budget(prompt_len)
+        if self.block_budget is not None:
+            return self.block_budget.layer_bound(budget, kv_heads, prompt_len)
+        return kv_heads * budget
+
     def slot_count(
-        self, prompt_len: int, num_layers: int, block_size: int, head_counts: np.ndarray | None = None
+        self,
+        prompt_len: int,
+        num_layers: int,
+        block_size: int,
+        head_counts: np.ndarray | None = None,
+        kv_heads: int | None = None,
     ) -> int:
         """Slots of vLLM's (uniform) block list a request keeps after prefill; ``prompt_len``: nothing freed.
 
         Uniform and per-layer methods: :meth:`keep_count`. Per-head methods: ``min(M + block_size − 1, prompt)``
         (:func:`kvtrim.vllm.subpages.slots_for_head_budget`) with ``M`` the largest layer's mean count per head
-        (``B`` when every layer keeps ``kv_heads · B``; from ``head_counts`` ``[layers, kv_heads]`` when they are
-        fixed in advance), enough one-head sub-pages for the layer's split, now and after every decoded token.
+        (``B`` when every layer keeps ``kv_heads · B``; ``⌈layer_total / kv_heads⌉`` for KV-Compress, whose
+        ``kv_heads`` is then required; from ``head_counts`` ``[layers, kv_heads]`` when they are fixed in advance),
+        enough one-head sub-pages for the layer's split, now and after every decoded token.
         """
         if self.per_head:
             budget = self.head_budget(prompt_len)
@@ -348,6 +421,10 @@ class VLLMEvictionConfig:
                 return prompt_len
             if head_counts is not None:
                 budget = -(-int(head_counts.sum(-1).max()) // head_counts.shape[-1])
+            elif self.block_budget is not None:
+                if kv_heads is None:
+                    raise InvalidParameterError(f"kv_heads is required for {self.method!r} (blocks per layer)")
+                budget = -(-self.layer_total(prompt_len, kv_heads) // kv_heads)
             return slots_for_head_budget(budget, prompt_len, block_size)
         return self.keep_count(prompt_len, num_layers)
 

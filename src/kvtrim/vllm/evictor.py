@@ -44,6 +44,8 @@ class PendingEviction:
             rounds), not from this step's rows alone
         compressed_until: LagKV's family: the first logical position not compressed yet (earlier rounds'
             partitions are never scored again), or None: the sink size, nothing compressed before
+        layer_total: per-head methods: most entries a layer keeps over its heads, which the block list was sized
+            for (:meth:`~kvtrim.vllm.config.VLLMEvictionConfig.layer_total`); 0: ``kv_heads · head_budget``
     """
 
     req_id: str
@@ -60,6 +62,7 @@ class PendingEviction:
     positions: torch.Tensor | None = None
     observed: bool = False
     compressed_until: int | None = None
+    layer_total: int = 0
 
     def key_positions(self, layer_idx: int, kv_heads: int, device) -> torch.Tensor:
         """``[kv_heads, prompt_len]`` logical positions of the request's entries in this layer."""
@@ -197,7 +200,8 @@ def evict_layer_heads(
 ) -> list[int]:
     """Per-head budgets: each KV head keeps its own count, written to its own one-head sub-pages.
 
-    The method splits ``kv_heads · pending.head_budget`` entries among this layer's heads (AdaKV); each head's
+    The method splits ``kv_heads · pending.head_budget`` entries among this layer's heads (AdaKV; KV-Compress with
+    ``even_layer_evict``: ``pending.layer_total``, whole blocks of its ranking); each head's
     kept entries, in position order, go to the sub-pages ``pending.pages`` assigns it in this layer
     (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``. An fp8 cache's kept bytes are moved
     into the sub-pages as they are (:meth:`~kvtrim.vllm.kv_layout.BlockLayout.one_head`), not encoded again.
@@ -209,7 +213,7 @@ def evict_layer_heads(
     )
     kv_heads = keys.shape[1]
     counts = kept.cpu().numpy()
-    total = kv_heads * budget if fixed is None else int(fixed.sum())
+    total = int(fixed.sum()) if fixed is not None else pending.layer_total or kv_heads * budget
     if int(counts.sum()) > total:
         raise RuntimeError(
             f"kvtrim: {pipeline.name} kept {counts.tolist()} entries per head in layer {layer_idx}, more than "

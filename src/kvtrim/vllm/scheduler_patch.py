@@ -122,7 +122,7 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
         counts = None
         if state.pipeline is not None:
             counts = state.config.head_counts(state.pipeline, prompt, state.num_layers, state.kv_heads)
-        keep = state.config.slot_count(prompt, state.num_layers, manager.block_size, counts)
+        keep = state.config.slot_count(prompt, state.num_layers, manager.block_size, counts, state.kv_heads)
         if keep < prompt:
             return prompt, keep
     return None

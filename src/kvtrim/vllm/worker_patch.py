@@ -31,8 +31,10 @@ shifted slot mapping and metadata built from shifted ``seq_lens`` (``AttentionGr
 names of the layers whose offsets differ from 0: one build per distinct offset vector per step.
 
 Per-head budgets (AdaKV): the block list holds ``min(B + block_size − 1, prompt)`` slots (enough for any split of
-``kv_heads · B`` entries among a layer's heads, :mod:`kvtrim.vllm.subpages`); each (layer, KV head) keeps its own
-count in its own one-head sub-pages of the request's blocks (:class:`~kvtrim.vllm.subpages.RequestSubPages`).
+``kv_heads · B`` entries among a layer's heads, :mod:`kvtrim.vllm.subpages`; KV-Compress with ``even_layer_evict``:
+its per-layer block bound, :meth:`~kvtrim.vllm.config.VLLMEvictionConfig.layer_total`); each (layer, KV head)
+keeps its own count in its own one-head sub-pages of the request's blocks
+(:class:`~kvtrim.vllm.subpages.RequestSubPages`).
 ``_prepare_inputs`` sizes every layer's sub-pages for the step's tokens (:class:`HeadStep`), and the CPU
 attention backend kvtrim registers over ``CPU_ATTN`` (:mod:`kvtrim.vllm.head_backend`) writes and attends with
 each (request, KV head) folded into the batch as a one-head sequence.
@@ -207,11 +209,14 @@ def _patch_prepare_inputs(orig):
                 if budget < prompt:
                     kv_heads = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
                     counts = state.config.head_counts(state.pipeline, prompt, state.model_layers, kv_heads)
-                    keep = state.config.slot_count(prompt, state.model_layers, bs, counts)
+                    keep = state.config.slot_count(prompt, state.model_layers, bs, counts, kv_heads)
                     blocks = list(req.block_ids[0])
                     pages = RequestSubPages(state.model_layers, kv_heads, bs, blocks[: -(-keep // bs)])
                     ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-                    pending = PendingEviction(req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts)
+                    pending = PendingEviction(
+                        req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts,
+                        layer_total=state.config.layer_total(prompt, kv_heads),
+                    )
                     state.pending.append(pending)
                 continue
             layer_keep = state.config.layer_keeps(prompt, state.model_layers)
