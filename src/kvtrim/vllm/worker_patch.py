@@ -184,6 +184,7 @@ def _patch_prepare_inputs(orig):
                 _plan_round(self, state, table, i, req_id, int(computed[i]), qs, qe)
                 continue
             if req_id in state.dropped:
+                state.recent.pop(req_id, None)  # the prompt's recorded queries served its compression
                 d = state.dropped[req_id]
                 # Physical slots: the request's entries are compacted, the rotary positions stay logical.
                 phys = computed[i] - d + np.arange(qe - qs)
@@ -202,8 +203,16 @@ def _patch_prepare_inputs(orig):
                 continue
             req = self.requests[req_id]
             prompt = int(batch.num_prompt_tokens[i])
-            if req.output_token_ids or not computed[i] < prompt == computed[i] + (qe - qs):
+            if req.output_token_ids or not computed[i] < prompt:
                 continue
+            # A prompt prefilled in several steps: the observation window may reach past the last step's rows, so
+            # every step records its rows (the last ``window`` per layer) and the compression scores with them.
+            observed = state.pipeline.observation.window > 0 and qe - qs < prompt
+            if computed[i] + (qe - qs) < prompt:
+                if observed:
+                    state.observe.append((req_id, qs, qe))
+                continue
+            compressing = len(state.pending)
             if state.config.per_head:
                 budget = state.config.head_budget(prompt)
                 if budget < prompt:
@@ -215,21 +224,34 @@ def _patch_prepare_inputs(orig):
                     ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
                     pending = PendingEviction(
                         req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts,
-                        layer_total=state.config.layer_total(prompt, kv_heads),
+                        observed=observed, layer_total=state.config.layer_total(prompt, kv_heads),
                     )
                     state.pending.append(pending)
+                _observe_last_chunk(state, req_id, qs, qe, observed, len(state.pending) > compressing)
                 continue
             layer_keep = state.config.layer_keeps(prompt, state.model_layers)
             if min(layer_keep) < prompt:
                 blocks = torch.tensor(req.block_ids[0], dtype=torch.long, device=self.device)
                 state.pending.append(
-                    PendingEviction(req_id, qs, qe, prompt, max(layer_keep), blocks, tuple(layer_keep))
+                    PendingEviction(
+                        req_id, qs, qe, prompt, max(layer_keep), blocks, tuple(layer_keep), observed=observed
+                    )
                 )
+            _observe_last_chunk(state, req_id, qs, qe, observed, len(state.pending) > compressing)
         _plan_layer_variants(self, state, shifted, num_reqs, bs)
         state.head_step = HeadStep(head_rows) if head_rows else None
         return result
 
     return _prepare_inputs
+
+
+def _observe_last_chunk(state: WorkerState, req_id: str, qs: int, qe: int, observed: bool, compressed: bool) -> None:
+    """The last prefill step of a prompt recorded over several steps: record its rows too when the prompt is
+    compressed in this step (the eviction reads the record), else drop the record."""
+    if observed and compressed:
+        state.observe.append((req_id, qs, qe))
+    elif observed:
+        state.recent.pop(req_id, None)
 
 
 def _physical_slots(runner, state: WorkerState, table, i: int, req_id: str, computed: int, qs: int, qe: int):
