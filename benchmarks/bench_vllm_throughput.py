@@ -135,40 +135,53 @@ class Mode:
     between: bool = False
     note: str | None = None  # why the mode is not what was asked (e.g. the plugin refused between_chunks)
     refusal: str | None = None  # the refusal behind the note
+    params: str = ""  # the method's own parameters in the plugin's configuration (JSON; "" for none)
 
     def plugin_config(self) -> dict | None:
         if self.kind != "vllm":
             return None
         config = {"method": self.method, "budget": self.budget}
+        if self.params:
+            config["params"] = json.loads(self.params)
         return {**config, "between_chunks": True} if self.between else config
 
 
-def rounds_refusal(method: str, budget: int) -> str | None:
+def rounds_refusal(method: str, budget: int, params: dict | None = None) -> str | None:
     """The plugin's refusal of ``between_chunks`` for ``method`` (None: accepted)."""
     from kvtrim.vllm.config import parse_config
 
     try:
-        parse_config({"method": method, "budget": budget, "between_chunks": True})
+        parse_config({"method": method, "budget": budget, "params": dict(params or {}), "between_chunks": True})
     except InvalidParameterError as exc:
         return str(exc)
     return None
 
 
 def plan_modes(
-    methods: list[str], budgets: list[int], placements: list[str], engine_methods: list[str], engine_full: bool
+    methods: list[str],
+    budgets: list[int],
+    placements: list[str],
+    engine_methods: list[str],
+    engine_full: bool,
+    method_params: dict[str, dict] | None = None,
 ) -> dict[str, Mode]:
-    """Every mode the arguments describe, by name, in a default order (vanilla, plugin, engine)."""
+    """Every mode the arguments describe, by name, in a default order (vanilla, plugin, engine).
+    ``method_params``: each plugin method's own parameters (e.g. ``{"kvcompress": {"even_layer_evict": true}}``)."""
     modes = {"vanilla": Mode("vanilla", "vanilla")}
+    method_params = method_params or {}
     for method in methods:
+        params = method_params.get(method, {})
         for budget in budgets:
             for placement in placements:
-                refusal = rounds_refusal(method, budget) if placement == "between" else None
+                refusal = rounds_refusal(method, budget, params) if placement == "between" else None
                 note = None
                 if refusal is not None:
                     placement = "after"
                     note = f"the plugin refuses between_chunks for {method}: compressed after prefill"
                 name = f"{method}/{budget}/{placement}"
-                modes.setdefault(name, Mode(name, "vllm", method, budget, placement == "between", note, refusal))
+                encoded = json.dumps(params) if params else ""
+                mode = Mode(name, "vllm", method, budget, placement == "between", note, refusal, encoded)
+                modes.setdefault(name, mode)
     if engine_full:
         modes["engine/full"] = Mode("engine/full", "engine")
     for method in dict.fromkeys([*methods, *engine_methods]):
@@ -665,6 +678,11 @@ def main() -> None:
         help="modes to run, in this order (comma-separated names, e.g. engine/kvcompress/128,snapkv/128/between,"
         "vanilla; default: all); --order is the older name",
     )
+    ap.add_argument(
+        "--method-params",
+        default=None,
+        help='JSON object of the plugin methods\' own parameters, e.g. \'{"kvcompress": {"even_layer_evict": true}}\'',
+    )
     ap.add_argument("--list-modes", action="store_true", help="print the modes the arguments give and exit")
     ap.add_argument("--name", default=None, help="result file stem (default: results, or quick with --quick)")
     args = ap.parse_args()
@@ -681,7 +699,10 @@ def main() -> None:
     try:
         for budget in budgets:
             compression_rate(args.prompt_len, budget)
-        modes = plan_modes(methods, budgets, placements, engine_methods, not args.no_engine_full)
+        method_params = json.loads(args.method_params) if args.method_params else {}
+        if not isinstance(method_params, dict) or not all(isinstance(v, dict) for v in method_params.values()):
+            raise InvalidParameterError("--method-params must be a JSON object of method -> object of parameters")
+        modes = plan_modes(methods, budgets, placements, engine_methods, not args.no_engine_full, method_params)
         selected = select_modes(modes, args.order)
     except InvalidParameterError as exc:
         ap.error(str(exc))

@@ -97,3 +97,14 @@ def test_mode_selection_orders_and_takes_the_older_names(bench):
     several = bench.plan_modes(["snapkv"], [128, 256], ["between"], [], engine_full=False)
     with pytest.raises(InvalidParameterError, match="modes once each"):
         bench.select_modes(several, "between")  # the older names only name a single entry
+
+
+def test_method_params_reach_the_plugin_configuration(bench):
+    even = {"even_layer_evict": True}
+    modes = bench.plan_modes(
+        ["kvcompress"], [128], ["between"], [], engine_full=False, method_params={"kvcompress": even}
+    )
+    mode = modes["kvcompress/128/after"]  # per-head in vLLM: no rounds, compressed after prefill
+    assert mode.plugin_config() == {"method": "kvcompress", "budget": 128, "params": even}
+    assert "between_chunks" in mode.refusal
+    assert "params.even_layer_evict" in bench.rounds_refusal("kvcompress", 128)  # without the flag: refused outright
