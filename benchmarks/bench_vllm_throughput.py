@@ -146,6 +146,19 @@ class Mode:
         return {**config, "between_chunks": True} if self.between else config
 
 
+def _rates(requests: int, tokens: int, wall: float, cpu: float, most: int) -> dict:
+    """The throughput fields every mode reports (vLLM's and kvtrim's engine alike), in the json's order."""
+    return {
+        "requests": requests,
+        "output_tokens": tokens,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "output_tok_per_s": round(tokens / wall, 2),
+        "cpu_ms_per_output_token": round(1000 * cpu / tokens, 1),
+        "most_running_at_once": most,
+    }
+
+
 def rounds_refusal(method: str, budget: int, params: dict | None = None) -> str | None:
     """The plugin's refusal of ``between_chunks`` for ``method`` (None: accepted)."""
     from kvtrim.vllm.config import parse_config
@@ -287,13 +300,7 @@ def throughput(
         state = getattr(scheduler, "_kvtrim_state", None)
         return {
             "config": config,
-            "requests": len(prompts),
-            "output_tokens": tokens,
-            "wall_s": round(wall, 2),
-            "cpu_s": round(cpu, 2),
-            "output_tok_per_s": round(tokens / wall, 2),
-            "cpu_ms_per_output_token": round(1000 * cpu / tokens, 1),
-            "most_running_at_once": most,
+            **_rates(len(prompts), tokens, wall, cpu, most),
             "engine_steps": steps,
             "preemptions": counter(llm, "vllm:num_preemptions") - preempted_before,
             "blocks_freed_by_kvtrim": None if state is None else state.blocks_freed,
@@ -363,13 +370,7 @@ def engine_throughput(
             if rate == 1
             else max_cache_tokens(prompt_len + output_len, rate, engine.min_cache_tokens, pool["engine_block_size"]),
             "method": engine.method,
-            "requests": len(prompts),
-            "output_tokens": tokens,
-            "wall_s": round(wall, 2),
-            "cpu_s": round(cpu, 2),
-            "output_tok_per_s": round(tokens / wall, 2),
-            "cpu_ms_per_output_token": round(1000 * cpu / tokens, 1),
-            "most_running_at_once": most,
+            **_rates(len(prompts), tokens, wall, cpu, most),
             "max_decode_batch": s.max_decode_batch,
             "engine_steps": steps,
             "preemptions": s.preemptions,

@@ -245,18 +245,25 @@ def test_an_unscored_span_is_evicted_first():
     assert all(len(h) == 6 and not set(h) & {2, 3, 4, 5} for layer in kept for h in layer)
 
 
+def _reconstruction_case(tmp_path, seed: int, question_len: int):
+    """A tiny Llama, 16 context ids, ``question_len`` question ids and the params kvzip / kvgrad need (a saved
+    tokenizer, 2 sinks)."""
+    from conftest import byte_tokenizer, tiny_model
+
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(seed)
+    ids, question = torch.randint(3, 200, (1, 16), generator=g), torch.randint(3, 200, (1, question_len), generator=g)
+    return model, ids, question, {"tokenizer": str(tmp_path / "tok"), "n_sink": 2}
+
+
 @pytest.mark.parametrize("method", ["kvzip", "kvgrad"])
 def test_a_span_unscored_or_left_out_of_the_scoring_softmax_is_evicted_first(tmp_path, method):
-    from conftest import byte_tokenizer, tiny_model
     from kvtrim.integration import cache
     from kvtrim.runtime import resolve_method
     from kvtrim.scoring import gradient_attribution
 
-    byte_tokenizer().save_pretrained(tmp_path / "tok")
-    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
-    g = torch.Generator().manual_seed(9)
-    ids, question = torch.randint(3, 200, (1, 16), generator=g), torch.randint(3, 200, (1, 2), generator=g)
-    params = {"tokenizer": str(tmp_path / "tok"), "n_sink": 2}
+    model, ids, question, params = _reconstruction_case(tmp_path, seed=9, question_len=2)
     runs = []
     for wrap in (kvpress_parity.opening_unscored, kvpress_parity.opening_left_out):
         pipe, _ = resolve_method(method, 0.5, None, params, model)
@@ -280,14 +287,9 @@ def _scores(model, ids, question, pipe) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("method", ["kvzip", "kvgrad"])
 def test_keys_left_out_of_the_softmax_raise_the_others_scores(tmp_path, method):
-    from conftest import byte_tokenizer, tiny_model
     from kvtrim.runtime import resolve_method
 
-    byte_tokenizer().save_pretrained(tmp_path / "tok")
-    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
-    g = torch.Generator().manual_seed(10)
-    ids, question = torch.randint(3, 200, (1, 16), generator=g), torch.randint(3, 200, (1, 1), generator=g)
-    params = {"tokenizer": str(tmp_path / "tok"), "n_sink": 2}
+    model, ids, question, params = _reconstruction_case(tmp_path, seed=10, question_len=1)
     plain = _scores(model, ids.clone(), question, resolve_method(method, 0.5, None, params, model)[0])
     pipe = kvpress_parity.opening_left_out(resolve_method(method, 0.5, None, params, model)[0], 2, 7)
     left_out = _scores(model, ids.clone(), question, pipe)
