@@ -11,35 +11,15 @@ the change against the unquantized folder (``none``) in brackets, and the KV MiB
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections import defaultdict
 from pathlib import Path
 
+from kvtrim.eval.report import macro_averages
 from kvtrim.eval.runner import load_records
 
 
-def _averages(folder: Path) -> dict[tuple[str, str, float | None], tuple[float, float, int]]:
-    """``(mode, method, ratio) -> (macro average ×100, mean KV MiB, tasks)``; rows missing a task are marked by
-    their task count."""
-    by_row: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    mib: dict[tuple, list[float]] = defaultdict(list)
-    for rec in load_records(folder):
-        key = (rec["mode"], rec["method"], rec["ratio"])
-        by_row[key][rec["task"]].append(rec["score"])
-        mib[key].append(rec["kv_bytes_after"] / 2**20)
-    return {
-        key: (
-            100 * statistics.fmean(statistics.fmean(v) for v in tasks.values()),
-            statistics.fmean(mib[key]),
-            len(tasks),
-        )
-        for key, tasks in by_row.items()
-    }
-
-
 def build(root: Path, formats: list[str]) -> str:
-    data = {fmt: _averages(root / fmt) for fmt in formats if load_records(root / fmt)}
-    all_tasks = max((n for rows in data.values() for _, _, n in rows.values()), default=0)
+    data = {fmt: macro_averages(load_records(root / fmt)) for fmt in formats if load_records(root / fmt)}
+    all_tasks = max((n for rows in data.values() for *_, n in rows.values()), default=0)
     keys = sorted(
         {k for rows in data.values() for k in rows},
         key=lambda k: (k[0], k[1] != "full", k[1], k[2] if k[2] is not None else -1),
@@ -64,7 +44,7 @@ def build(root: Path, formats: list[str]) -> str:
                 cells.append("")
                 mibs.append("")
                 continue
-            avg, mb, n = got
+            avg, mb, _, n = got
             star = "*" if n < all_tasks else ""
             delta = f" ({avg - ref[0]:+.1f})" if ref is not None and fmt != "none" else ""
             cells.append(f"{avg:.1f}{star}{delta}")

@@ -34,7 +34,7 @@ from kvtrim.eval.runner import (
     write_summary,
 )
 
-__all__ = ["MODE_TITLES", "build_report", "column_label", "write_plots"]
+__all__ = ["MODE_TITLES", "RowAverage", "build_report", "column_label", "macro_averages", "write_plots"]
 
 MODE_TITLES = {
     CONTEXT_ONLY: "context-only (question appended after compression, as kvpress / CriticalKV evaluate)",
@@ -45,6 +45,7 @@ _NEEDLE = "needle"
 _MARKERS = "osD^v<>pP*X"
 
 Row = tuple[str, float | None, int | None]  # (method, ratio, budget)
+RowAverage = tuple[float, float, float, int]  # (macro average ×100, mean KV MiB, mean kept %, tasks)
 
 
 def _mean(values: Iterable[Any]) -> float | None:
@@ -339,6 +340,28 @@ def _header(out: Path, records: list[dict[str, Any]]) -> list[str]:
         "",
     ]
     return lines
+
+
+def macro_averages(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, float | None], RowAverage]:
+    """Per ``(mode, method, ratio)``: the macro average over tasks of the mean score (×100), the mean KV MiB held
+    after compression, the mean kept % and the number of tasks present (a row short of a task shows it here)."""
+    scores: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    mib: dict[tuple, list[float]] = defaultdict(list)
+    kept: dict[tuple, list[float]] = defaultdict(list)
+    for rec in records:
+        key = (rec["mode"], rec["method"], rec["ratio"])
+        scores[key][rec["task"]].append(rec["score"])
+        mib[key].append(rec["kv_bytes_after"] / 2**20)
+        kept[key].append(100 * rec["kept_fraction"])
+    return {
+        key: (
+            100 * statistics.fmean(statistics.fmean(v) for v in tasks.values()),
+            statistics.fmean(mib[key]),
+            statistics.fmean(kept[key]),
+            len(tasks),
+        )
+        for key, tasks in scores.items()
+    }
 
 
 def build_report(out_dir: str | Path, plots: bool = True) -> str:
