@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode_step.py"
+from benchmark_loader import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode_step", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_decode_step", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_decode_step")
 
 
 @pytest.mark.parametrize("extra", [[], ["--static-decode"]])

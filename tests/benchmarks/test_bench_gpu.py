@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.py"
+from benchmark_loader import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_gpu")
 
 
 def test_tiny_cpu_run_writes_json_and_markdown_and_records_failures(bench, tmp_path):

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
+from benchmark_loader import load_benchmark
+
 pytest.importorskip("triton")
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_paged_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_paged_kernels", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_paged_kernels", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_paged_kernels")
 
 
 def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):

@@ -3,26 +3,19 @@ and the pool's peak counter (on a stand-in pool)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 import torch
 
+from benchmark_loader import load_benchmark
 from kvtrim.scoring.rope import rope_frequencies
-
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_chunked_eviction.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_vllm_chunked_eviction", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_vllm_chunked_eviction", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_vllm_chunked_eviction")
 
 
 def write_config(path: pathlib.Path, **config) -> pathlib.Path:

@@ -3,26 +3,18 @@ kvtrim's engine, the engine's compression rate for a budget, and the modes the a
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
+from benchmark_loader import load_benchmark
 from conftest import byte_tokenizer, tiny_model
 from kvtrim.errors import InvalidParameterError
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_throughput.py"
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_vllm_throughput", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_vllm_throughput", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_vllm_throughput")
 
 
 def test_vllm_block_holds_every_layer_and_kv_head(bench):

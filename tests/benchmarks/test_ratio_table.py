@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "ratio_table.py"
+from benchmark_loader import load_benchmark
+
 TASKS = ("a", "b")
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("ratio_table", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("ratio_table", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ratio_table")
 
 
 def _record(method, ratio, task, score, kept=None, mode="context-only"):
