@@ -22,9 +22,12 @@ from kvtrim.eval.runner import load_records
 KEPT_TOLERANCE = 2.0  # percentage points between the kept % and 100·(1 − ratio) before a cell shows its kept %
 
 
-def build(folders: list[Path], pinned: tuple[str, ...] = ("full",)) -> str:
-    """The markdown of the tables; ``pinned`` methods come first, in that order."""
+def build(folders: list[Path], pinned: tuple[str, ...] = ("full",), only: tuple[str, ...] = ()) -> str:
+    """The markdown of the tables; ``pinned`` methods come first, in that order; ``only``: these methods (and the
+    full cache) and no others."""
     records = [rec for folder in folders for rec in load_records(folder)]
+    if only:
+        records = [rec for rec in records if rec["method"] in only or rec["ratio"] is None]
     if not records:
         raise SystemExit(f"no records in {', '.join(map(str, folders))}")
     rows = macro_averages(records)
@@ -70,13 +73,18 @@ def build(folders: list[Path], pinned: tuple[str, ...] = ("full",)) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(m for m in text.split(",") if m)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", type=Path, nargs="+", help="sweep folders (the --out of `kvtrim eval`)")
     parser.add_argument("--out", type=Path, required=True, help="markdown file to write")
     parser.add_argument("--pinned", default="full,snapkv,kvzip,headkv", help="methods listed first, in order")
+    parser.add_argument("--methods", default="", help="comma-separated: only these rows (and the full cache)")
     args = parser.parse_args()
-    text = build(args.folders, tuple(m for m in args.pinned.split(",") if m))
+    text = build(args.folders, _names(args.pinned), _names(args.methods))
     args.out.write_text(text, encoding="utf-8")
     print(text)
 

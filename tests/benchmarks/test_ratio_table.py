@@ -57,6 +57,13 @@ def test_cells_average_tasks_and_order_methods(table, tmp_path):
     assert list(rows) == ["full", "greedy", "good", "bad"]  # full first, then by mean
 
 
+def test_only_keeps_the_named_methods_and_the_full_cache(table, tmp_path):
+    folder = _folder(tmp_path / "r05", [
+        _record("full", None, "a", 1.0), _record("x", 0.5, "a", 0.4), _record("y", 0.5, "a", 0.2),
+    ])  # fmt: skip
+    assert list(_rows(table.build([folder], only=("y",)))) == ["full", "y"]
+
+
 def test_modes_get_their_own_tables(table, tmp_path):
     folder = _folder(tmp_path / "both", [
         _record("full", None, "a", 1.0), _record("x", 0.5, "a", 0.4),
