@@ -18,7 +18,8 @@ from kvtrim.eval.runner import load_records
 
 
 def build(root: Path, formats: list[str]) -> str:
-    data = {fmt: macro_averages(load_records(root / fmt)) for fmt in formats if load_records(root / fmt)}
+    records = {fmt: load_records(root / fmt) for fmt in formats}
+    data = {fmt: macro_averages(recs) for fmt, recs in records.items() if recs}
     all_tasks = max((n for rows in data.values() for *_, n in rows.values()), default=0)
     keys = sorted(
         {k for rows in data.values() for k in rows},
