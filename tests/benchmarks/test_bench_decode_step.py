@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from benchmark_loader import load_benchmark
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_decode_step")
+    return load_script("benchmarks/bench_decode_step.py")
 
 
 @pytest.mark.parametrize("extra", [[], ["--static-decode"]])

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from benchmark_loader import load_benchmark
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_gpu")
+    return load_script("benchmarks/bench_gpu.py")
 
 
 def test_tiny_cpu_run_writes_json_and_markdown_and_records_failures(bench, tmp_path):

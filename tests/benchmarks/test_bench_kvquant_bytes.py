@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from benchmark_loader import load_benchmark
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_kvquant_bytes")
+    return load_script("benchmarks/bench_kvquant_bytes.py")
 
 
 def test_tiny_run_writes_the_formula_for_every_spec(bench, tmp_path):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmark_loader import load_benchmark
+from script_loader import load_script
 
 pytest.importorskip("triton")
 
@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_paged_kernels")
+    return load_script("benchmarks/bench_paged_kernels.py")
 
 
 def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):

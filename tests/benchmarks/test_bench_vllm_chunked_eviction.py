@@ -9,13 +9,13 @@ import pathlib
 import pytest
 import torch
 
-from benchmark_loader import load_benchmark
 from kvtrim.scoring.rope import rope_frequencies
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_vllm_chunked_eviction")
+    return load_script("benchmarks/bench_vllm_chunked_eviction.py")
 
 
 def write_config(path: pathlib.Path, **config) -> pathlib.Path:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from benchmark_loader import load_benchmark
 from conftest import byte_tokenizer, tiny_model
 from kvtrim.errors import InvalidParameterError
+from script_loader import load_script
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_vllm_throughput")
+    return load_script("benchmarks/bench_vllm_throughput.py")
 
 
 def test_vllm_block_holds_every_layer_and_kv_head(bench):

@@ -7,14 +7,14 @@ import pathlib
 
 import pytest
 
-from benchmark_loader import load_benchmark
+from script_loader import load_script
 
 TASKS = ("a", "b")
 
 
 @pytest.fixture(scope="module")
 def table():
-    return load_benchmark("ratio_table")
+    return load_script("benchmarks/ratio_table.py")
 
 
 def _record(method, ratio, task, score, kept=None, mode="context-only"):

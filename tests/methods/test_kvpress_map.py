@@ -77,13 +77,11 @@ def test_doc_is_the_generated_table():
 
 
 def test_the_export_tool_reads_a_wheel_s_all(tmp_path):
-    import importlib.util
     import zipfile
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "kvpress_exports.py"
-    spec = importlib.util.spec_from_file_location("kvpress_exports_tool", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from script_loader import load_script
+
+    module = load_script("tools/kvpress_exports.py")
     init = (
         "from kvpress.pipeline import KVPressTextGenerationPipeline\n"
         "from kvpress.presses.base_press import BasePress\n"

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from kvtrim.vllm.patch_surface import PATCH_SURFACE, compare_definition
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "vllm_patch_surface.py"
+from script_loader import load_script
 
 OLD = '''
 class Runner:
@@ -24,10 +22,7 @@ def helper():
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("vllm_patch_surface", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/vllm_patch_surface.py")
 
 
 def test_comments_formatting_and_docstrings_do_not_count_but_code_does():
