@@ -192,7 +192,8 @@ def test_triton_decode_on_a_quantized_pool_equals_the_gather_path(fmt, accumulat
     pool, gather_pool = assert_triton_equals_gather(cfg, (3 * 8 + 5, 8 + 3, 6), make_pool, kernel_name="triton_quant",
                                                     block_size=8, accumulate=accumulate, buffer=buffer, pad=pad,
                                                     atol=2e-5, rtol=2e-5)  # fmt: skip
-    assert torch.equal(pool.key_codes, gather_pool.key_codes)
+    real = slice(0, pool.num_blocks)  # padding rows share the scratch block; their writes race on a GPU
+    assert torch.equal(pool.key_codes[real], gather_pool.key_codes[real])
 
 
 def test_a_kernel_object_must_read_the_pool_format():

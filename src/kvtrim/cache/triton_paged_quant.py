@@ -65,7 +65,9 @@ def _fp8_to_float(b):
     man = b & 7
     normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # 2^(exp-7) · (1 + man/8)
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man · 2^-9
-    return tl.where(b >= 128, -mag, mag)
+    # The sign goes in as a bit: compiled for a GPU, ``-mag`` turned the -0 pattern into +0.
+    sign = (b >> 7).to(tl.uint32) << 31
+    return (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 def _round_to_bf16(x):
