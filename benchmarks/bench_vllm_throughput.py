@@ -9,8 +9,9 @@ for a fixed number of tokens (EOS ignored), one engine per mode, in the order ``
 - ``METHOD/BUDGET/between`` and ``METHOD/BUDGET/after``: the plugin with ``{"method": METHOD, "budget": BUDGET}``,
   compressing after every prefill chunk and admitting requests by the compressed size (``between_chunks``, needs
   ``--chunk``) or once after the prompt (admitted by the whole prompt) (``--placement``), one mode per entry of
-  ``--methods`` × ``--budgets``. A method the plugin does not compress between chunks (the per-head and
-  per-layer ones, e.g. ``adakv``) runs ``after`` instead, with the plugin's refusal recorded in the mode's row;
+  ``--methods`` × ``--budgets``. A method the plugin does not compress between chunks (per-layer and
+  fixed per-head counts, e.g. ``pyramidkv``, ``headkv``) runs ``after`` instead, with the plugin's refusal
+  recorded in the mode's row;
 - ``engine/METHOD/BUDGET`` and ``engine/full``: :class:`kvtrim.serve.engine.Engine` (what ``kvtrim serve`` runs)
   in-process with a pool of the same K/V bytes as vLLM's usable blocks, ``prefill_chunk`` and
   ``max_num_batched_tokens`` equal to ``--chunk``, compression rate ``prompt_len / BUDGET``, for each of

@@ -56,25 +56,31 @@ def test_budget_gives_the_engines_compression_rate(bench):
 
 
 def test_modes_fall_back_to_after_prefill_where_the_plugin_refuses_rounds(bench):
-    modes = bench.plan_modes(["snapkv", "adakv"], [256, 128], ["between"], ["kvcompress"], engine_full=True)
+    modes = bench.plan_modes(["snapkv", "adakv", "pyramidkv"], [256, 128], ["between"], ["kvcompress"],
+                             engine_full=True)  # fmt: skip
     assert list(modes) == [
         "vanilla",
         "snapkv/256/between",
         "snapkv/128/between",
-        "adakv/256/after",
-        "adakv/128/after",
+        "adakv/256/between",
+        "adakv/128/between",
+        "pyramidkv/256/after",
+        "pyramidkv/128/after",
         "engine/full",
         "engine/snapkv/256",
         "engine/snapkv/128",
         "engine/adakv/256",
         "engine/adakv/128",
+        "engine/pyramidkv/256",
+        "engine/pyramidkv/128",
         "engine/kvcompress/256",
         "engine/kvcompress/128",
     ]
     assert modes["snapkv/128/between"].plugin_config() == {"method": "snapkv", "budget": 128, "between_chunks": True}
-    adakv = modes["adakv/128/after"]
-    assert adakv.plugin_config() == {"method": "adakv", "budget": 128}
-    assert "adakv" in adakv.refusal and adakv.note.startswith("the plugin refuses between_chunks")
+    assert modes["adakv/128/between"].refusal is None  # per-head rounds
+    pyramid = modes["pyramidkv/128/after"]
+    assert pyramid.plugin_config() == {"method": "pyramidkv", "budget": 128}
+    assert "pyramidkv" in pyramid.refusal and pyramid.note.startswith("the plugin refuses between_chunks")
     assert modes["engine/kvcompress/128"].plugin_config() is None
 
 

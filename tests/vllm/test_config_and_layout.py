@@ -141,7 +141,9 @@ def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
         ({"method": "snapkv", "budget": 8, "between_chunks": 1}, "between_chunks must be true or false"),
         ({"method": "snapkv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
         ({"method": "pyramidkv@every:8", "budget": 8}, "not 'pyramidkv'"),
-        ({"method": "adakv", "budget": 8, "between_chunks": True}, "not 'adakv'"),
+        ({"method": "headkv", "budget": 8, "between_chunks": True}, "not 'headkv'"),
+        ({"method": "adakv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
+        ({"method": "adakv@over:8", "budget": 8}, "per-head methods compress while decoding with 'every:N'"),
         ({"method": "lagkv@every:8", "ratio": 0.5}, "compresses by its own recursion inside vLLM"),
         ({"method": "lagkv@tail:32", "ratio": 0.5}, "must equal the method's lag (128)"),
         ({"method": "snapkv@tail:32", "budget": 8}, "needs a lag-partition method"),
@@ -169,6 +171,25 @@ def test_rounds_follow_token_counts_only():
     assert over.round_keep(700, 703, 67) is None and over.round_keep(700, 704, 68) == 64
     assert over.round_keep(700, 300, 300) is None  # no between_chunks: the prompt is compressed once, at its end
     assert not parse_config({"method": "snapkv", "budget": 64}).rounds
+
+
+def test_per_head_rounds_keep_slots_for_any_split_of_the_budget():
+    """AdaKV: a round keeps budget + block − 1 slots of the uniform list (one-head sub-pages hold any split of
+    kv_heads · budget entries there); before its first round the threshold is the budget, after it those slots."""
+    config = parse_config({"method": "adakv@every:16", "budget": 64, "between_chunks": True})
+    assert config.rounds and config.round_slots(32) == 95 and config.round_slots(1) == 64
+    assert config.round_keep(700, 128, 128, 128, 32) == 95  # a first chunk over the budget
+    assert config.round_keep(700, 80, 80, 80, 32) == 80  # over the budget, under the slots: compressed, none freed
+    assert config.round_keep(700, 50, 50, 50, 32) is None
+    # after a round the slots hold budget + block − 1: a mean of budget entries per head
+    assert config.round_keep(700, 256, 95 + 128, 128, 32, compressed=True) == 95
+    assert config.round_keep(700, 700, 95, 0, 32, compressed=True) is None  # nothing new since
+    assert config.round_keep(700, 716, 95 + 16, 1, 32, compressed=True) == 95  # 16 decoded tokens
+    assert config.round_keep(700, 717, 95 + 1, 1, 32, compressed=True) is None
+    assert config.admission_tokens(1000, 128, 32) == 95 + 128 and config.held_bound(128, 32) == 95 + 128
+    uniform = parse_config({"method": "snapkv@every:16", "budget": 64, "between_chunks": True})
+    assert uniform.round_slots(32) == 64 and uniform.round_keep(700, 80, 80, 80, 32) == 64
+    assert uniform.admission_tokens(1000, 128, 32) == 64 + 128
 
 
 def test_lagkv_rounds_follow_its_recursion_from_token_counts_only():

@@ -63,3 +63,24 @@ def test_a_split_over_the_bound_is_refused_and_block_lists_must_only_grow():
     assert pages.blocks == [1, 3, 5]
     with pytest.raises(SubPageError, match="no longer starts"):
         pages.sync_blocks([3, 5])
+
+
+def test_a_round_restarts_each_layer_on_the_first_blocks_and_gives_up_the_rest():
+    pages = RequestSubPages(num_layers=2, kv_heads=2, block_size=4, blocks=[7, 2])
+    for layer in range(2):
+        pages.place(layer, np.array([3, 2]))
+    pages.sync_blocks([7, 2, 5])  # a chunk's block
+    pages.append(0, 4)
+    pages.append(1, 4)
+    assert pages.slots(0, 0).tolist() == [56, 57, 58, 59, 16, 17, 18]  # pages 14 then 4 (blocks 7 and 2)
+    with pytest.raises(SubPageError, match="past the first 2"):
+        pages.truncate_blocks(2)  # layer 0 still holds sub-pages of block 5
+    for layer in range(2):
+        pages.restart_layer(layer, 2)
+        assert pages.lengths[layer].tolist() == [0, 0] and pages.table(layer) == [[], []]
+        pages.place(layer, np.array([5, 3]))  # 2 + 1 of the 4 sub-pages of blocks 7 and 2
+    pages.truncate_blocks(2)
+    assert pages.blocks == [7, 2] and pages.table(0) == [[14, 15], [4]] and pages.free[0] == [5]
+    pages.check()
+    with pytest.raises(SubPageError, match="cannot restart layer 0 on 3"):
+        pages.restart_layer(0, 3)

@@ -10,7 +10,7 @@ import vllm_helpers  # first: sets vLLM environment variables before vLLM is imp
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
 import torch
-from per_head_checks import generate, transformers_tokens, worker_state
+from per_head_checks import check_sub_pages, generate, transformers_tokens, worker_state
 from vllm.inputs import TokensPrompt
 from vllm_helpers import close, make_llm, scheduler, token_prompts, truncated_model, used_blocks
 
@@ -73,8 +73,13 @@ def _kvtrim_chunked(model, prompt, method, tokens) -> list[int]:
         return greedy_decode(hf, out.cache, pre.mask, pre.logits, tokens).tokens[0]
 
 
-@pytest.mark.parametrize("method", ["snapkv@every:16", "streaming_llm@every:16", "tova@every:16"])
-def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, method):
+@pytest.mark.parametrize(
+    "method",
+    ["snapkv@every:16", "streaming_llm@every:16", "tova@every:16", "adakv@every:16", "critical_adakv@every:16"],
+)
+def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, method, monkeypatch):
+    per_head = method.startswith(("adakv", "critical_adakv"))
+    checked = check_sub_pages(monkeypatch)  # per-head: the sub-page invariants after every step
     prompt = token_prompts([700], seed=21)[0]
     llm = _llm(model, {"method": method, "budget": BUDGET, "between_chunks": True})
     try:
@@ -87,9 +92,12 @@ def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, m
         close(llm)
     # 6 chunks (5 full, 60 tokens): compressed after each, then at 16 and 32 decoded tokens
     assert state.rounds == stats.rounds == 6 + 2 and state.requests_compressed == 1
-    # never more than budget + one chunk (+ one block) of blocks: 7, where the whole prompt takes 22
+    # never more than budget + one chunk (+ one block) of blocks: 7, where the whole prompt takes 22; per-head
+    # methods keep budget + block − 1 slots (95) after a round, so a chunk later the request spans 7 blocks too
     assert peak <= _cdiv(BUDGET + CHUNK, BLOCK) + 1 < _cdiv(len(prompt), BLOCK)
     assert max(used) <= _cdiv(BUDGET + CHUNK, BLOCK) + 1
+    if per_head:
+        assert stats.ragged_layers > 0 and len(checked) > 0  # heads kept different counts; pages were checked
     # decoding rounds return blocks: the count in use falls while the request decodes
     decoding = used[6:]
     assert any(b < a for a, b in itertools.pairwise(decoding))
@@ -133,23 +141,30 @@ def test_budget_above_the_prompt_is_vanilla_and_admission_counts_the_compressed_
         close(llm)
 
 
-def test_rounds_leak_nothing_under_preemption_and_aborts(tmp_path, monkeypatch):
-    """Rounds in every phase on a pool that forces preemptions (recomputed requests are compressed again)."""
+@pytest.mark.parametrize("method", ["snapkv@every:200", "adakv@every:200"])
+def test_rounds_leak_nothing_under_preemption_and_aborts(tmp_path, monkeypatch, method):
+    """Rounds in every phase on a pool that forces preemptions (recomputed requests are compressed again); AdaKV:
+    each round re-places every head's entries in its request's sub-pages."""
     import random
 
     preempted = vllm_helpers.count_preemptions(monkeypatch)
+    checked = check_sub_pages(monkeypatch)
     model = truncated_model(tmp_path / "smollm2-2layers", layers=2)
     rng = random.Random(5)
     prompts = token_prompts([rng.randint(40, 900) for _ in range(12)], seed=23)
     # every 200 decoded tokens: a request may hold budget + 200 entries (9 blocks), so the 9-block pool preempts
-    config = {"method": "snapkv@every:200", "budget": BUDGET, "between_chunks": True}
-    llm = _llm(model, config, num_gpu_blocks_override=10, max_model_len=1024)
+    # (AdaKV: budget + block − 1 + 200 slots, 10 blocks, on an 11-block pool)
+    config = {"method": method, "budget": BUDGET, "between_chunks": True}
+    per_head = method.startswith("adakv")
+    llm = _llm(model, config, num_gpu_blocks_override=10 + per_head, max_model_len=1024)
     try:
         requests = {str(i): (p, vllm_helpers.greedy(rng.randint(1, 260))) for i, p in enumerate(prompts)}
         flush = dict(flush_prompt=prompts[0][:8], flush_params=SamplingParams(max_tokens=1))
         vllm_helpers.drive(llm.llm_engine, requests, abort_at={5: ["5"], 11: ["11"]}, max_steps=2000, **flush)
-        state, worker = vllm_helpers.assert_nothing_held(llm, "positions", "recent")
+        state, worker = vllm_helpers.assert_nothing_held(llm, "positions", "recent", "heads", "head_positions")
         assert state.rounds == worker.rounds > len(prompts) and preempted
-        assert max(state.finished_peaks.values()) <= _cdiv(BUDGET + 200, BLOCK) + 1
+        slots = BUDGET + (BLOCK - 1) * per_head
+        assert max(state.finished_peaks.values()) <= _cdiv(slots + 200, BLOCK) + 1
+        assert not per_head or (worker.ragged_layers > 0 and len(checked) > 0)
     finally:
         close(llm)

@@ -10,6 +10,7 @@ prompt entries removed, in [0, 1)) or ``budget`` (prompt entries kept per layer 
 are not compressed, default 0) and ``between_chunks`` (compress to the budget after every prefill chunk, and
 admit a request by that compressed size; default false). ``method`` may carry a decoding schedule,
 ``"snapkv@every:64"`` (compress to the budget again every 64 decoded tokens) or ``"snapkv@over:SLACK"``.
+AdaKV and CriticalKV-AdaKV (per-head counts) take ``between_chunks`` and ``@every:N`` too.
 LagKV's family (``lagkv``, ``localkv``, ``lag_knorm``) runs its own recursion (``tail:LAG``, its default) while
 decoding and, with ``between_chunks``, between prefill chunks; ``"lagkv@prefill"`` compresses once.
 KV-Compress (``kvcompress``, ``kvc_w8``, ``kvc_full``) runs with ``"params": {"even_layer_evict": true}`` only
@@ -79,6 +80,9 @@ UNIFORM_ROUND_METHODS = tuple(
 # LagKV's family: recursive rounds of their own (``tail:LAG``), compressing only the partitions past the part
 # already compressed; the kept count follows from the token counts alone (:meth:`VLLMEvictionConfig.lag_round`).
 LAG_ROUND_METHODS = tuple(name for name in ("lagkv", "localkv", "lag_knorm") if name in SUPPORTED_METHODS)
+# Per-head methods whose scores split each layer's fixed total (kv_heads · budget) among its heads: every round
+# re-scores each head's entries (its kept ones and the tokens since) and re-places them in one-head sub-pages.
+HEAD_ROUND_METHODS = tuple(name for name in ("adakv", "critical_adakv") if name in PER_HEAD_METHODS)
 
 
 @dataclass(frozen=True)
@@ -138,11 +142,17 @@ class VLLMEvictionConfig:
                     "between_chunks and decoding schedules (method@every:N) need 'budget', not 'ratio': the kept "
                     "count must not depend on a length the scheduler does not know yet"
                 )
-            if base not in UNIFORM_ROUND_METHODS:
+            if base not in UNIFORM_ROUND_METHODS + HEAD_ROUND_METHODS:
                 raise InvalidParameterError(
-                    f"between_chunks and decoding schedules run for {', '.join(UNIFORM_ROUND_METHODS)} (and LagKV's "
-                    f"recursion for {', '.join(LAG_ROUND_METHODS)}) inside vLLM, not {base!r} (per-layer and "
-                    "per-head counts are not re-sized between rounds)"
+                    f"between_chunks and decoding schedules run for {', '.join(UNIFORM_ROUND_METHODS)}, the per-head "
+                    f"{', '.join(HEAD_ROUND_METHODS)} (and LagKV's recursion for {', '.join(LAG_ROUND_METHODS)}) "
+                    f"inside vLLM, not {base!r} (per-layer counts, and per-head counts fixed by an artifact or by "
+                    "whole blocks, are sized once, after the prompt)"
+                )
+            if base in HEAD_ROUND_METHODS and isinstance(pipeline.schedule, OverBudget):
+                raise InvalidParameterError(
+                    f"method {self.method!r}: per-head methods compress while decoding with 'every:N' inside vLLM, "
+                    "not 'over:SLACK'"
                 )
             if pipeline.observation.accumulate:
                 raise InvalidParameterError(f"method {base!r} accumulates statistics over all queries")
@@ -205,17 +215,33 @@ class VLLMEvictionConfig:
         schedule = get_method(self.method, **self.params).schedule
         return schedule if schedule.continuous else None
 
-    def held_bound(self, chunk: int) -> int | None:
+    def held_bound(self, chunk: int, block_size: int = 1) -> int | None:
         """Most entries a request ever holds with steps of at most ``chunk`` tokens, or None (unbounded): with
         ``between_chunks`` and a decoding schedule, the budget plus the larger of one chunk and one round.
-        LagKV keeps a share of every partition, so its requests grow without bound (None)."""
+        LagKV keeps a share of every partition, so its requests grow without bound (None). Per-head methods count
+        slots (:meth:`round_slots`, which needs the ``block_size``)."""
         schedule = self.decode_schedule
         if not self.between_chunks or schedule is None or isinstance(schedule, TailFull):
             return None
         period = schedule.n if isinstance(schedule, EveryNTokens) else schedule.slack + 1
-        return int(self.spec.budget) + max(chunk, period)
+        return self.round_slots(block_size) + max(chunk, period)
 
-    def round_keep(self, prompt_len: int, logical_end: int, physical_end: int, step_tokens: int = 1) -> int | None:
+    def round_slots(self, block_size: int) -> int:
+        """Slots of vLLM's uniform block list a request keeps after a round: the budget; per-head methods
+        ``budget + block_size − 1``, enough one-head sub-pages for any split of ``kv_heads · budget`` entries
+        (:mod:`kvtrim.vllm.subpages`)."""
+        budget = int(self.spec.budget)
+        return budget + block_size - 1 if self.per_head else budget
+
+    def round_keep(
+        self,
+        prompt_len: int,
+        logical_end: int,
+        physical_end: int,
+        step_tokens: int = 1,
+        block_size: int = 1,
+        compressed: bool = False,
+    ) -> int | None:
         """Entries a request keeps after a step of ``step_tokens`` tokens that ends at token ``logical_end``
         holding ``physical_end`` entries, or None: no compression in this step. A function of counts only, so the
         scheduler and every worker decide the same way.
@@ -224,16 +250,26 @@ class VLLMEvictionConfig:
         preempted request's recomputation, which run past the prompt); the final chunk as without rounds.
         Decoding: ``every:N`` when ``N``, ``2N`` … tokens were decoded, ``over:SLACK`` when the entries exceed the
         budget by more than ``SLACK``.
+
+        Per-head methods count slots of the uniform block list: a round keeps :meth:`round_slots` (``budget +
+        block_size − 1``, or every slot when fewer), so the heads' mean count is the budget once ``compressed``
+        (a round ran before) and the slots exceed the budget by ``block_size − 1``: the threshold is then
+        :meth:`round_slots`, before the first round the budget.
         """
         if prompt_len < max(self.min_prompt, 1):
             return None
         if self.lag is not None:
             return self._lag_keep(prompt_len, logical_end, physical_end, step_tokens)
         budget = int(self.spec.budget)
+        limit = keep = budget
+        if self.per_head:
+            slots = self.round_slots(block_size)
+            limit, keep = (slots if compressed else budget), min(slots, physical_end)
+        over = physical_end > limit
         if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
-            return budget if self.between_chunks and physical_end > budget else None
+            return keep if self.between_chunks and over else None
         if logical_end == prompt_len:
-            return budget if physical_end > budget else None
+            return keep if over else None
         schedule = self.decode_schedule
         if isinstance(schedule, EveryNTokens):
             due = (logical_end - prompt_len) % schedule.n == 0
@@ -241,7 +277,7 @@ class VLLMEvictionConfig:
             due = physical_end > budget + schedule.slack
         else:
             return None
-        return budget if due and physical_end > budget else None
+        return keep if due and over else None
 
     def _lag_keep(self, prompt_len: int, logical_end: int, physical_end: int, step_tokens: int) -> int | None:
         """LagKV's rounds: a prefill chunk (``between_chunks``), the last prompt chunk, a recomputed chunk past
@@ -284,11 +320,12 @@ class VLLMEvictionConfig:
         parts = max((logical_end - start) // frame.lag - 1, 0) if gone else 0
         return parts * gone, start + parts * frame.lag
 
-    def admission_tokens(self, num_tokens: int, chunk: int) -> int | None:
+    def admission_tokens(self, num_tokens: int, chunk: int, block_size: int = 1) -> int | None:
         """With ``between_chunks``: most entries a request of ``num_tokens`` tokens holds at once, compressed after
         every step of at most ``chunk`` tokens (vLLM's full-sequence admission gate counts this), else None.
 
-        Uniform methods: the budget plus one chunk. LagKV's family: before a round, the tail past
+        Uniform methods: the budget plus one chunk (per-head methods: :meth:`round_slots` plus one chunk, which
+        needs the ``block_size``). LagKV's family: before a round, the tail past
         ``compressed_until`` holds under ``2·lag + chunk`` tokens, so with ``c = S + 2·lag − 1 + chunk`` a request at
         ``T`` tokens holds at most ``c + k·⌈(T − c)/lag⌉`` (``k = ⌊r·lag⌋`` per compressed partition), which grows
         with ``T``: the bound at ``num_tokens``.
@@ -296,7 +333,7 @@ class VLLMEvictionConfig:
         if not self.between_chunks:
             return None
         if self.lag is None:
-            return int(self.spec.budget) + chunk
+            return self.round_slots(block_size) + chunk
         frame = self.lag
         c = frame.sink + 2 * frame.lag - 1 + chunk
         over = max(num_tokens - c, 0)

@@ -46,6 +46,10 @@ class PendingEviction:
             partitions are never scored again), or None: the sink size, nothing compressed before
         layer_total: per-head methods: most entries a layer keeps over its heads, which the block list was sized
             for (:meth:`~kvtrim.vllm.config.VLLMEvictionConfig.layer_total`); 0: ``kv_heads · head_budget``
+        head_positions: per-head rounds after the first: the entries are read from ``pages`` (each head its own
+            count); ``[layer][head]`` the logical positions of the entries the last round kept, which the head's
+            sub-pages hold first, followed by the tokens since, in order. None: the entries lie in vLLM's uniform
+            slots ``0 … prompt_len−1``
     """
 
     req_id: str
@@ -63,6 +67,7 @@ class PendingEviction:
     observed: bool = False
     compressed_until: int | None = None
     layer_total: int = 0
+    head_positions: list[list[torch.Tensor]] | None = None
 
     def key_positions(self, layer_idx: int, kv_heads: int, device) -> torch.Tensor:
         """``[kv_heads, prompt_len]`` logical positions of the request's entries in this layer."""
@@ -72,6 +77,30 @@ class PendingEviction:
         kept = self.positions[layer_idx].to(device)
         fresh = torch.arange(end - (p - kept.shape[1]), end, device=device).view(1, -1).expand(kv_heads, -1)
         return torch.cat([kept, fresh], dim=1)
+
+
+def _subpaged_entries(
+    layout: BlockLayout, kv_cache: torch.Tensor, pending: PendingEviction, layer_idx: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A per-head request's entries in this layer read from its one-head sub-pages, padded to the longest head:
+    keys and values ``[width, kv_heads, d]`` as stored, logical positions ``[kv_heads, width]`` (``-1``: padding)."""
+    pages, end = pending.pages, pending.logical_len
+    one = layout.one_head()
+    lengths = pages.lengths[layer_idx]
+    kv_heads, width = len(lengths), int(lengths.max())
+    keys = values = None
+    positions = torch.full((kv_heads, width), -1, dtype=torch.long, device=kv_cache.device)
+    for h in range(kv_heads):
+        n = int(lengths[h])
+        k, v = one.read_slots(kv_cache, torch.from_numpy(pages.slots(layer_idx, h)))  # [n, 1, d]
+        if keys is None:
+            keys = k.new_zeros(width, kv_heads, k.shape[-1])
+            values = v.new_zeros(width, kv_heads, v.shape[-1])
+        keys[:n, h], values[:n, h] = k[:, 0], v[:, 0]
+        kept = pending.head_positions[layer_idx][h].to(kv_cache.device)
+        fresh = n - kept.shape[0]
+        positions[h, :n] = torch.cat([kept, torch.arange(end - fresh, end, device=kv_cache.device)])
+    return keys, values, positions
 
 
 def _score_and_select(
@@ -97,7 +126,11 @@ def _score_and_select(
     """
     p = pending.prompt_len
     end = pending.logical_len or p
-    stored_keys, stored_values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
+    if pending.head_positions is not None:
+        stored_keys, stored_values, key_positions = _subpaged_entries(layout, kv_cache, pending, layer_idx)
+    else:
+        stored_keys, stored_values = layout.read(kv_cache, pending.blocks, p)  # [p, kv_heads, d]
+        key_positions = pending.key_positions(layer_idx, stored_keys.shape[1], stored_keys.device)
     keys = layout.entry.decode(stored_keys, scales[0], query.dtype)
     values = layout.entry.decode(stored_values, scales[1], query.dtype)
     kv_heads = keys.shape[1]
@@ -106,7 +139,7 @@ def _score_and_select(
     q = query if pending.observed else query[pending.query_start : pending.query_end]
     q = q[max(q.shape[0] - window, 0) :] if window > 0 else q[:0]
     qpos = torch.arange(end - q.shape[0], end, device=device).view(1, -1)
-    positions = pending.key_positions(layer_idx, kv_heads, device).unsqueeze(0)  # [1, kv_heads, p]
+    positions = key_positions.unsqueeze(0)  # [1, kv_heads, p]
     done = None if pending.compressed_until is None else torch.tensor([pending.compressed_until], device=device)
     view = LayerView(
         layer_idx=layer_idx,
@@ -124,7 +157,7 @@ def _score_and_select(
         scaling=scaling,
         compressed_until=done,
     )
-    scores = pipeline.scorer.score(view).float()
+    scores = pipeline.scorer.score(view).float().masked_fill(~view.valid, float("-inf"))  # padded heads' slots
     request = BudgetRequest(
         keep=torch.tensor([keep], device=device),
         context_lengths=view.context_lengths,
@@ -141,7 +174,7 @@ def _score_and_select(
     else:
         budgets = budgets.to(device).view(1, kv_heads)
     selection = pipeline.selector.select(view, scores, budgets)
-    return stored_keys, stored_values, selection, selection.keep_mask[0].sum(-1)
+    return stored_keys, stored_values, selection, selection.keep_mask[0].sum(-1), key_positions
 
 
 def evict_layer(
@@ -169,7 +202,7 @@ def evict_layer(
     the kept entries' logical positions ``[kv_heads, keep]`` (what a later round of the same request scores with).
     """
     keep = pending.keep if pending.layer_keep is None else pending.layer_keep[layer_idx]
-    keys, values, selection, kept = _score_and_select(
+    keys, values, selection, kept, _ = _score_and_select(
         pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, keep, module, None, scales
     )
     kv_heads = keys.shape[1]
@@ -197,6 +230,7 @@ def evict_layer_heads(
     isa: str,
     module=None,
     scales: tuple[float, float] = (1.0, 1.0),
+    kept_positions: dict | None = None,
 ) -> list[int]:
     """Per-head budgets: each KV head keeps its own count, written to its own one-head sub-pages.
 
@@ -205,10 +239,13 @@ def evict_layer_heads(
     kept entries, in position order, go to the sub-pages ``pending.pages`` assigns it in this layer
     (:mod:`kvtrim.vllm.subpages`). Returns the per-head counts ``[kv_heads]``. An fp8 cache's kept bytes are moved
     into the sub-pages as they are (:meth:`~kvtrim.vllm.kv_layout.BlockLayout.one_head`), not encoded again.
+    A later round (``pending.head_positions``) reads each head's entries from its sub-pages and re-places the kept
+    ones in the sub-pages of the request's first ``⌈keep/block_size⌉`` blocks. ``kept_positions``: filled with
+    ``{layer_idx: [kv_heads] kept logical positions}`` (what the next round reads with).
     """
     budget = pending.head_budget
     fixed = None if pending.head_counts is None else torch.from_numpy(pending.head_counts[layer_idx])
-    keys, values, selection, kept = _score_and_select(
+    keys, values, selection, kept, positions = _score_and_select(
         pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed, scales
     )
     kv_heads = keys.shape[1]
@@ -219,12 +256,18 @@ def evict_layer_heads(
             f"kvtrim: {pipeline.name} kept {counts.tolist()} entries per head in layer {layer_idx}, more than "
             f"{total} in total: the request's blocks were sized for that total"
         )
+    if pending.head_positions is not None:  # entries read (copies) above: their sub-pages may be reused now
+        pending.pages.restart_layer(layer_idx, -(-pending.keep // pending.pages.block_size))
     slots = pending.pages.place(layer_idx, counts)
     sub_pages = layout.one_head() if layout.entry.fp8 is not None else None
+    kept: list[torch.Tensor] = []
     for h in range(kv_heads):
+        index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
+        kept.append(positions[h, index].cpu())
+        if bool((kept[-1] < 0).any()):
+            raise RuntimeError(f"kvtrim: {pipeline.name} kept a padding slot of head {h} in layer {layer_idx}")
         if not counts[h]:
             continue
-        index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
         if sub_pages is not None:  # fp8: move the stored bytes
             head_slots = torch.from_numpy(slots[h]).to(keys.device)
             sub_pages.write_slots(kv_cache, head_slots, keys[index, h].unsqueeze(1), values[index, h].unsqueeze(1))
@@ -236,4 +279,6 @@ def evict_layer_heads(
             torch.from_numpy(slots[h]).view(-1, 1),
             isa,
         )
+    if kept_positions is not None:
+        kept_positions[layer_idx] = kept
     return counts.tolist()

@@ -113,6 +113,15 @@ class BlockLayout:
         flat = cache.view(-1)
         return flat[self._offsets(self.key_index, blocks, count)], flat[self._offsets(self.value_index, blocks, count)]
 
+    def read_slots(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[n, kv_heads, head_dim]`` at ``slots`` ``[n]`` (``block · block_size + offset``), as
+        stored."""
+        flat = cache.view(-1)
+        slots = slots.to(self.key_index.device, torch.long)
+        block, offset = slots // self.block_size, slots % self.block_size
+        return tuple(flat[block.view(-1, 1, 1) * self.block_stride + index[offset]]  # type: ignore[return-value]
+                     for index in (self.key_index, self.value_index))  # fmt: skip
+
     def write_slots(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` (stored elements) at ``slots`` ``[n]``
         (``block · block_size + offset``)."""

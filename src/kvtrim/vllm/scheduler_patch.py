@@ -103,7 +103,9 @@ def _patch_init(orig):
                 # Admission by compressed size: a prompt never holds more than the budget plus one chunk (LagKV:
                 # its bound at the request's length, VLLMEvictionConfig.admission_tokens).
                 coordinator._kvtrim_admission_tokens = functools.partial(
-                    config.admission_tokens, chunk=int(self.scheduler_config.max_num_batched_tokens)
+                    config.admission_tokens,
+                    chunk=int(self.scheduler_config.max_num_batched_tokens),
+                    block_size=int(self.cache_config.block_size),
                 )
 
     return __init__
@@ -115,7 +117,8 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
     if state.config.rounds:
         end = req.num_computed_tokens + n
         physical = end - state.dropped.get(req.request_id, 0)
-        keep = state.config.round_keep(prompt, end, physical, n)
+        compressed = req.request_id in state.dropped
+        keep = state.config.round_keep(prompt, end, physical, n, manager.block_size, compressed)
         return None if keep is None else (physical, keep)
     if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
         # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)
@@ -228,7 +231,9 @@ def _patch_get_kv_cache_configs(orig):
         config = load_config(vllm_config.additional_config)
         bound = None
         if config is not None:
-            bound = config.held_bound(int(vllm_config.scheduler_config.max_num_batched_tokens))
+            bound = config.held_bound(
+                int(vllm_config.scheduler_config.max_num_batched_tokens), int(vllm_config.cache_config.block_size)
+            )
         model_config = vllm_config.model_config
         if bound is None or bound >= model_config.max_model_len or model_config.original_max_model_len == -1:
             return orig(vllm_config, *args, **kwargs)

@@ -99,6 +99,33 @@ class RequestSubPages:
         self.lengths[layer, head] = length + n
         return np.asarray(pages, dtype=np.int64)[pos // bs] * bs + pos % bs
 
+    def slots(self, layer: int, head: int) -> np.ndarray:
+        """``[length]`` one-head slots of the entries ``head`` holds in ``layer``, in entry order."""
+        bs, n = self.block_size, int(self.lengths[layer, head])
+        pos = np.arange(n)
+        return np.asarray(self.pages[layer][head], dtype=np.int64)[pos // bs] * bs + pos % bs
+
+    def restart_layer(self, layer: int, num_blocks: int) -> None:
+        """Empty ``layer``: no head holds a page, the sub-pages of the first ``num_blocks`` blocks are free (a
+        round re-places the layer's kept entries there; the caller has read them first)."""
+        if not 0 <= num_blocks <= len(self.blocks):
+            raise SubPageError(f"cannot restart layer {layer} on {num_blocks} of {len(self.blocks)} blocks")
+        self.pages[layer] = [[] for _ in range(self.kv_heads)]
+        self.free[layer] = [b * self.kv_heads + j for b in self.blocks[:num_blocks] for j in range(self.kv_heads)]
+        self.lengths[layer] = 0
+        self.placed[layer] = False
+
+    def truncate_blocks(self, num_blocks: int) -> None:
+        """Give up every block past the first ``num_blocks`` (vLLM's scheduler freed them after a round); every
+        layer must have been restarted on at most that many."""
+        keep = set(self.blocks[:num_blocks])
+        for layer in range(self.num_layers):
+            held = [p for pages in self.pages[layer] for p in pages] + self.free[layer]
+            if any(s // self.kv_heads not in keep for s in held):
+                raise SubPageError(f"layer {layer} still uses a sub-page of a block past the first {num_blocks}")
+        del self.blocks[num_blocks:]
+        self.check()
+
     def table(self, layer: int) -> list[list[int]]:
         """Each head's sub-page ids of ``layer``, in entry order."""
         return self.pages[layer]

@@ -100,6 +100,8 @@ class WorkerState:
     step_layers: int = 0  # attention layers that compressed this step's pending requests
     # rounds (between_chunks, method@every:N): request -> kept entries' logical positions [layers, kv_heads, keep]
     positions: dict[str, torch.Tensor] = field(default_factory=dict)
+    # per-head rounds: request -> [layer][head] the kept entries' logical positions (each head its own count)
+    head_positions: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)
     # request -> layer index -> its last ``window`` post-rotary queries [w, q_heads, head_dim] (observation window)
     recent: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     observe: list[tuple[str, int, int]] = field(default_factory=list)  # this step's recorded rows (req, qs, qe)
@@ -155,6 +157,7 @@ def _patch_update_states(orig):
                 state.offsets.pop(req_id, None)
                 state.heads.pop(req_id, None)
                 state.positions.pop(req_id, None)
+                state.head_positions.pop(req_id, None)
                 state.recent.pop(req_id, None)
         return orig(self, scheduler_output)
 
@@ -181,7 +184,9 @@ def _patch_prepare_inputs(orig):
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             qs, qe = int(starts[i]), int(starts[i + 1])
             if state.config.rounds:
-                _plan_round(self, state, table, i, req_id, int(computed[i]), qs, qe)
+                row = _plan_round(self, state, table, i, req_id, int(computed[i]), qs, qe)
+                if row is not None:
+                    head_rows.append(row)
                 continue
             if req_id in state.dropped:
                 state.recent.pop(req_id, None)  # the prompt's recorded queries served its compression
@@ -268,24 +273,44 @@ def _physical_slots(runner, state: WorkerState, table, i: int, req_id: str, comp
     runner.optimistic_seq_lens_cpu[i] -= d
 
 
-def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed: int, qs: int, qe: int) -> None:
+def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed: int, qs: int, qe: int):
     """Rounds (``between_chunks``, ``method@every:N``): physical slots, and a compression when one is due.
 
     The rule is :meth:`VLLMEvictionConfig.round_keep` on the counts the scheduler sees too, so both sides free
-    and compact the same blocks in the same step.
+    and compact the same blocks in the same step. Returns the request's :class:`HeadStep` row when its heads
+    hold their own sub-pages (a per-head method after its first round), else None.
     """
     _physical_slots(runner, state, table, i, req_id, computed, qs, qe)
     config = state.config
     prompt = int(runner.input_batch.num_prompt_tokens[i])
     end = computed + (qe - qs)
     physical = end - state.dropped.get(req_id, 0)
-    keep = config.round_keep(prompt, end, physical, qe - qs)
+    bs = table.block_size
+    keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped)
     window = state.pipeline.observation.window
     if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
         state.observe.append((req_id, qs, qe))
+    block_ids = list(runner.requests[req_id].block_ids[0])
+    row = None
+    pages = state.heads.get(req_id)
+    if pages is not None:  # this step's tokens go to every head's own sub-pages
+        pages.sync_blocks(block_ids)
+        row = (i, qs, qe, pages, [pages.append(layer, qe - qs) for layer in range(pages.num_layers)])
     if keep is None:
-        return
-    blocks = torch.tensor(runner.requests[req_id].block_ids[0], dtype=torch.long, device=runner.device)
+        return row
+    blocks = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
+    if config.per_head:
+        kv_heads = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
+        budget = int(config.spec.budget)
+        state.pending.append(
+            PendingEviction(
+                req_id, qs, qe, physical, keep, blocks, head_budget=budget,
+                pages=pages or RequestSubPages(state.model_layers, kv_heads, bs, block_ids[: -(-keep // bs)]),
+                logical_len=end, observed=window > 0, layer_total=kv_heads * budget,
+                head_positions=state.head_positions.get(req_id),
+            )
+        )  # fmt: skip
+        return row
     # LagKV's family: only the partitions past what earlier rounds compressed are scored (derived from ``dropped``)
     done = None if config.lag is None else config.compressed_until(end - physical)
     state.pending.append(
@@ -294,6 +319,7 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
             observed=window > 0, compressed_until=done,
         )
     )
+    return row
 
 
 def _round_near(config: VLLMEvictionConfig, prompt: int, end: int, physical: int, window: int) -> bool:
@@ -422,11 +448,20 @@ def _patch_execute_model(orig):
             for p in state.pending:
                 if state.config.rounds:
                     kept = state.kept_positions.pop(p.req_id)
-                    state.positions[p.req_id] = torch.stack([kept[layer] for layer in sorted(kept)])
+                    n = -(-p.keep // table.block_size)
+                    if p.pages is not None:  # per-head: every layer re-placed its heads in the first n blocks
+                        if not bool(p.pages.placed.all()):
+                            raise RuntimeError(
+                                f"kvtrim: layers {np.flatnonzero(~p.pages.placed).tolist()} kept no entries"
+                            )
+                        p.pages.truncate_blocks(n)
+                        state.heads[p.req_id] = p.pages
+                        state.head_positions[p.req_id] = [kept[layer] for layer in sorted(kept)]
+                    else:
+                        state.positions[p.req_id] = torch.stack([kept[layer] for layer in sorted(kept)])
                     state.rounds += 1
                     state.evictions += p.req_id not in state.dropped
                     state.dropped[p.req_id] = p.logical_len - p.keep
-                    n = -(-p.keep // table.block_size)
                     del self.requests[p.req_id].block_ids[0][n:]
                     table.num_blocks_per_row[self.input_batch.req_id_to_index[p.req_id]] = n
                     continue
@@ -543,7 +578,8 @@ def _patch_forward(orig):
                     if state.config.rounds:
                         state.kept_positions.setdefault(pending.req_id, {})[idx] = kept.cpu()
                     continue
-                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module, scales)
+                kept_out = state.kept_positions.setdefault(pending.req_id, {}) if state.config.rounds else None
+                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module, scales, kept_out)
                 state.ragged_layers += len(set(counts)) > 1
         state.step_layers += 1
         state.layer_evictions += len(state.pending)
