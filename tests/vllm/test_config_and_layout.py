@@ -129,8 +129,8 @@ def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
         ({"method": "kvc_w8", "budget": 64, "params": {"even_layer_evict": 1}}, "(even_layers) must be True or False"),
         ({"method": "kvcompress@every:16", "budget": 64, "params": {"even_layer_evict": True}}, "decoding-time metric"),
         ({"method": "kvcompress@over:0", "budget": 64, "params": {"even_layer_evict": True}}, "is not carried"),
-        ({"method": "kvcompress", "budget": 64, "params": {"even_layer_evict": True}, "between_chunks": True},
-         "between_chunks is not supported with 'kvcompress'"),
+        ({"method": "kvcompress", "ratio": 0.5, "params": {"even_layer_evict": True}, "between_chunks": True},
+         "need 'budget', not 'ratio'"),
         ({"method": "nope", "budget": 8}, "not a kvtrim method"),
         ({"method": "snapkv"}, "exactly one of ratio"),
         ({"method": "snapkv", "ratio": 1.5}, "ratio must be in [0, 1)"),
@@ -187,6 +187,15 @@ def test_per_head_rounds_keep_slots_for_any_split_of_the_budget():
     assert config.round_keep(700, 716, 95 + 16, 1, 32, compressed=True) == 95  # 16 decoded tokens
     assert config.round_keep(700, 717, 95 + 1, 1, 32, compressed=True) is None
     assert config.admission_tokens(1000, 128, 32) == 95 + 128 and config.held_bound(128, 32) == 95 + 128
+    # KV-Compress: each layer keeps ⌈64·3/16⌉ = 12 of its 16-entry blocks, 64 entries per head on average
+    kvc = parse_config(
+        {"method": "kvcompress", "budget": 60, "params": {"even_layer_evict": True}, "between_chunks": True}
+    )
+    assert kvc.round_slots(32, kv_heads=3, length=700) == 64 + 31  # ⌈60·3/16⌉ = 12 blocks of 16: 192 / 3 = 64
+    assert kvc.round_keep(700, 128, 128, 128, 32, kv_heads=3) == 95 and kvc.held_bound(128, 32) is None
+    assert kvc.admission_tokens(1000, 128, 32, kv_heads=3) == 95 + 128
+    with pytest.raises(InvalidParameterError, match="kv_heads is required"):
+        kvc.round_slots(32)
     uniform = parse_config({"method": "snapkv@every:16", "budget": 64, "between_chunks": True})
     assert uniform.round_slots(32) == 64 and uniform.round_keep(700, 80, 80, 80, 32) == 64
     assert uniform.admission_tokens(1000, 128, 32) == 64 + 128

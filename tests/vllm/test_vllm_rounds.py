@@ -55,7 +55,7 @@ def _stepped(llm, prompt, tokens):
     return out, used
 
 
-def _kvtrim_chunked(model, prompt, method, tokens) -> list[int]:
+def _kvtrim_chunked(model, prompt, method, tokens, params: dict | None = None) -> list[int]:
     """kvtrim's own transformers path: ``Prefill.chunked`` (compress between chunks), then greedy decoding."""
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +65,7 @@ def _kvtrim_chunked(model, prompt, method, tokens) -> list[int]:
     from kvtrim.runtime import Prefill, greedy_decode
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    pipeline, spec = get_method(method), BudgetSpec(budget=BUDGET)
+    pipeline, spec = get_method(method, **(params or {})), BudgetSpec(budget=BUDGET)
     ids = torch.tensor([prompt])
     with torch.inference_mode(), kvtrim_attention_enabled(hf):
         pre = Prefill.chunked(hf, ids, torch.ones_like(ids), CHUNK, pipeline, spec)
@@ -104,6 +104,27 @@ def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, m
     assert out == _kvtrim_chunked(model, prompt, method, TOKENS)
     # compressing after prefill only (the whole prompt scored at once) gives other tokens: the chunks mattered
     assert out != transformers_tokens(model, [prompt], method, TOKENS)[0]
+
+
+def test_kvcompress_between_chunks_keeps_its_layer_blocks_and_equals_kvtrims_chunked_path(model, monkeypatch):
+    """KV-Compress (even_layer_evict) after every chunk: each layer keeps ⌈B·H/16⌉ of its 16-entry blocks, split
+    among its heads by its ranking; the request keeps ⌈that/H⌉ + block − 1 slots of vLLM's list."""
+    checked = check_sub_pages(monkeypatch)
+    prompt = token_prompts([700], seed=21)[0]
+    params = {"even_layer_evict": True}
+    llm = _llm(model, {"method": "kvcompress", "budget": BUDGET, "params": params, "between_chunks": True})
+    try:
+        out, used = _stepped(llm, prompt, TOKENS)
+        state = scheduler(llm)._kvtrim_state
+        (peak,) = state.finished_peaks.values()
+        stats = worker_state(llm)
+        assert used[-1] == 0 and state.dropped == {}
+    finally:
+        close(llm)
+    assert state.rounds == stats.rounds == 6 and state.requests_compressed == 1  # one per chunk, none decoding
+    assert peak <= _cdiv(BUDGET + BLOCK - 1 + CHUNK, BLOCK) < _cdiv(len(prompt), BLOCK)
+    assert stats.ragged_layers > 0 and len(checked) > 0
+    assert out == _kvtrim_chunked(model, prompt, "kvcompress", TOKENS, params)
 
 
 def test_budget_above_the_prompt_is_vanilla_and_admission_counts_the_compressed_size(model):

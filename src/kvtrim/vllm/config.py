@@ -14,7 +14,7 @@ AdaKV and CriticalKV-AdaKV (per-head counts) take ``between_chunks`` and ``@ever
 LagKV's family (``lagkv``, ``localkv``, ``lag_knorm``) runs its own recursion (``tail:LAG``, its default) while
 decoding and, with ``between_chunks``, between prefill chunks; ``"lagkv@prefill"`` compresses once.
 KV-Compress (``kvcompress``, ``kvc_w8``, ``kvc_full``) runs with ``"params": {"even_layer_evict": true}`` only
-(:data:`EVEN_LAYER_METHODS`), compressing once after the prompt.
+(:data:`EVEN_LAYER_METHODS`), compressing after the prompt and, with ``between_chunks``, after every prefill chunk.
 """
 
 from __future__ import annotations
@@ -142,12 +142,13 @@ class VLLMEvictionConfig:
                     "between_chunks and decoding schedules (method@every:N) need 'budget', not 'ratio': the kept "
                     "count must not depend on a length the scheduler does not know yet"
                 )
-            if base not in UNIFORM_ROUND_METHODS + HEAD_ROUND_METHODS:
+            if base not in UNIFORM_ROUND_METHODS + HEAD_ROUND_METHODS + EVEN_LAYER_METHODS:
                 raise InvalidParameterError(
                     f"between_chunks and decoding schedules run for {', '.join(UNIFORM_ROUND_METHODS)}, the per-head "
-                    f"{', '.join(HEAD_ROUND_METHODS)} (and LagKV's recursion for {', '.join(LAG_ROUND_METHODS)}) "
-                    f"inside vLLM, not {base!r} (per-layer counts, and per-head counts fixed by an artifact or by "
-                    "whole blocks, are sized once, after the prompt)"
+                    f"{', '.join(HEAD_ROUND_METHODS)}, KV-Compress between chunks "
+                    f"({', '.join(EVEN_LAYER_METHODS)}), and LagKV's recursion ({', '.join(LAG_ROUND_METHODS)}) "
+                    f"inside vLLM, not {base!r} (per-layer counts and per-head counts fixed by an artifact are sized "
+                    "once, after the prompt)"
                 )
             if base in HEAD_ROUND_METHODS and isinstance(pipeline.schedule, OverBudget):
                 raise InvalidParameterError(
@@ -158,7 +159,8 @@ class VLLMEvictionConfig:
                 raise InvalidParameterError(f"method {base!r} accumulates statistics over all queries")
 
     def _check_even_layers(self, pipeline: Pipeline) -> None:
-        """KV-Compress runs with ``even_layer_evict`` and compresses once, after the prompt."""
+        """KV-Compress runs with ``even_layer_evict``, after the prompt (and between chunks), without its
+        decoding-time metric."""
         base = split_schedule(self.method)[0]
         if not pipeline.budget.even_layers:
             raise InvalidParameterError(
@@ -172,12 +174,7 @@ class VLLMEvictionConfig:
             raise InvalidParameterError(
                 f"method {self.method!r}: KV-Compress's decoding-time metric (each decoded query's squared attention "
                 "added to the prefill metric, 'every:N' / 'over:SLACK') is not carried inside vLLM; use "
-                f"{base!r} (compress once, after the prompt)"
-            )
-        if self.rounds:
-            raise InvalidParameterError(
-                f"between_chunks is not supported with {base!r} inside vLLM: per-head counts are not re-sized "
-                "between rounds (compress once, after the prompt)"
+                f"{base!r} (after the prompt, and with between_chunks after every prefill chunk)"
             )
 
     def _check_lag_schedule(self, pipeline: Pipeline) -> None:
@@ -226,12 +223,19 @@ class VLLMEvictionConfig:
         period = schedule.n if isinstance(schedule, EveryNTokens) else schedule.slack + 1
         return self.round_slots(block_size) + max(chunk, period)
 
-    def round_slots(self, block_size: int) -> int:
+    def round_slots(self, block_size: int, kv_heads: int | None = None, length: int | None = None) -> int:
         """Slots of vLLM's uniform block list a request keeps after a round: the budget; per-head methods
-        ``budget + block_size − 1``, enough one-head sub-pages for any split of ``kv_heads · budget`` entries
-        (:mod:`kvtrim.vllm.subpages`)."""
+        ``M + block_size − 1``, enough one-head sub-pages for any split of a layer's ``kv_heads · M`` entries
+        (:mod:`kvtrim.vllm.subpages`), with ``M`` the budget (AdaKV) or KV-Compress's per-layer block bound over
+        ``kv_heads`` at ``length`` entries per head (:meth:`GlobalBlockBudget.layer_bound`; needs ``kv_heads``)."""
         budget = int(self.spec.budget)
-        return budget + block_size - 1 if self.per_head else budget
+        if not self.per_head:
+            return budget
+        if self.block_budget is not None:
+            if kv_heads is None:
+                raise InvalidParameterError(f"kv_heads is required for {self.method!r} (blocks per layer)")
+            budget = -(-self.block_budget.layer_bound(budget, kv_heads, max(length or 0, budget + 1)) // kv_heads)
+        return budget + block_size - 1
 
     def round_keep(
         self,
@@ -241,6 +245,7 @@ class VLLMEvictionConfig:
         step_tokens: int = 1,
         block_size: int = 1,
         compressed: bool = False,
+        kv_heads: int | None = None,
     ) -> int | None:
         """Entries a request keeps after a step of ``step_tokens`` tokens that ends at token ``logical_end``
         holding ``physical_end`` entries, or None: no compression in this step. A function of counts only, so the
@@ -263,7 +268,7 @@ class VLLMEvictionConfig:
         budget = int(self.spec.budget)
         limit = keep = budget
         if self.per_head:
-            slots = self.round_slots(block_size)
+            slots = self.round_slots(block_size, kv_heads, physical_end)
             limit, keep = (slots if compressed else budget), min(slots, physical_end)
         over = physical_end > limit
         if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
@@ -320,12 +325,14 @@ class VLLMEvictionConfig:
         parts = max((logical_end - start) // frame.lag - 1, 0) if gone else 0
         return parts * gone, start + parts * frame.lag
 
-    def admission_tokens(self, num_tokens: int, chunk: int, block_size: int = 1) -> int | None:
+    def admission_tokens(
+        self, num_tokens: int, chunk: int, block_size: int = 1, kv_heads: int | None = None
+    ) -> int | None:
         """With ``between_chunks``: most entries a request of ``num_tokens`` tokens holds at once, compressed after
         every step of at most ``chunk`` tokens (vLLM's full-sequence admission gate counts this), else None.
 
         Uniform methods: the budget plus one chunk (per-head methods: :meth:`round_slots` plus one chunk, which
-        needs the ``block_size``). LagKV's family: before a round, the tail past
+        needs the ``block_size``, and KV-Compress the ``kv_heads``). LagKV's family: before a round, the tail past
         ``compressed_until`` holds under ``2·lag + chunk`` tokens, so with ``c = S + 2·lag − 1 + chunk`` a request at
         ``T`` tokens holds at most ``c + k·⌈(T − c)/lag⌉`` (``k = ⌊r·lag⌋`` per compressed partition), which grows
         with ``T``: the bound at ``num_tokens``.
@@ -333,7 +340,7 @@ class VLLMEvictionConfig:
         if not self.between_chunks:
             return None
         if self.lag is None:
-            return self.round_slots(block_size) + chunk
+            return self.round_slots(block_size, kv_heads, num_tokens) + chunk
         frame = self.lag
         c = frame.sink + 2 * frame.lag - 1 + chunk
         over = max(num_tokens - c, 0)

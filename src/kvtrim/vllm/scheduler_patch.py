@@ -106,6 +106,7 @@ def _patch_init(orig):
                     config.admission_tokens,
                     chunk=int(self.scheduler_config.max_num_batched_tokens),
                     block_size=int(self.cache_config.block_size),
+                    kv_heads=state.kv_heads,
                 )
 
     return __init__
@@ -118,7 +119,7 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
         end = req.num_computed_tokens + n
         physical = end - state.dropped.get(req.request_id, 0)
         compressed = req.request_id in state.dropped
-        keep = state.config.round_keep(prompt, end, physical, n, manager.block_size, compressed)
+        keep = state.config.round_keep(prompt, end, physical, n, manager.block_size, compressed, state.kv_heads)
         return None if keep is None else (physical, keep)
     if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
         # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)

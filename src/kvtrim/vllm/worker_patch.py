@@ -286,7 +286,8 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     end = computed + (qe - qs)
     physical = end - state.dropped.get(req_id, 0)
     bs = table.block_size
-    keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped)
+    kv_heads = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
+    keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped, kv_heads)
     window = state.pipeline.observation.window
     if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
         state.observe.append((req_id, qs, qe))
@@ -300,13 +301,12 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
         return row
     blocks = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
     if config.per_head:
-        kv_heads = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
         budget = int(config.spec.budget)
         state.pending.append(
             PendingEviction(
                 req_id, qs, qe, physical, keep, blocks, head_budget=budget,
                 pages=pages or RequestSubPages(state.model_layers, kv_heads, bs, block_ids[: -(-keep // bs)]),
-                logical_len=end, observed=window > 0, layer_total=kv_heads * budget,
+                logical_len=end, observed=window > 0, layer_total=config.layer_total(physical, kv_heads),
                 head_positions=state.head_positions.get(req_id),
             )
         )  # fmt: skip
