@@ -102,7 +102,7 @@ def test_method_params_reach_the_plugin_configuration(bench):
     modes = bench.plan_modes(
         ["kvcompress"], [128], ["between"], [], engine_full=False, method_params={"kvcompress": even}
     )
-    mode = modes["kvcompress/128/after"]  # per-head in vLLM: no rounds, compressed after prefill
-    assert mode.plugin_config() == {"method": "kvcompress", "budget": 128, "params": even}
-    assert "between_chunks" in mode.refusal
+    mode = modes["kvcompress/128/between"]  # per-head rounds between chunks
+    assert mode.plugin_config() == {"method": "kvcompress", "budget": 128, "params": even, "between_chunks": True}
+    assert mode.refusal is None
     assert "params.even_layer_evict" in bench.rounds_refusal("kvcompress", 128)  # without the flag: refused outright
