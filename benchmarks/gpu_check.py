@@ -83,8 +83,9 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "prefill_chunk": 4096, "ratio": 0.875},
         "step": {"shape": "llama-8b", "context": 2048, "batches": [4, 32], "rate": 8.0, "steps": 20, "warmup": 3,
                  "min_cache_tokens": 128, "protected_window": 32, "prefill_chunk": 512},
-        "throughput": {"shape": "llama-8b", "lengths": [2048], "prompts": [32], "output_tokens": 128, "fit": 4.0,
-                       "rates": [1.0, 4.0, 8.0], "min_cache_tokens": 128, "protected_window": 32},
+        "throughput": {"shape": "llama-8b", "lengths": [2048], "prompts": [64], "output_tokens": 128, "fit": 4.0,
+                       "rates": [1.0, 4.0, 8.0], "min_cache_tokens": 128, "protected_window": 32,
+                       "quant_rate": 8.0, "kv_quant": ["int8", "int4"]},
     },
     "cpu": {
         "dtype": "float32",
@@ -93,7 +94,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "step": {"shape": "tiny", "context": 96, "batches": [1, 3], "rate": 4.0, "steps": 3, "warmup": 1,
                  "min_cache_tokens": 16, "protected_window": 8, "prefill_chunk": 512},
         "throughput": {"shape": "tiny", "lengths": [128], "prompts": [8], "output_tokens": 16, "fit": 2.0,
-                       "rates": [1.0, 4.0, 8.0], "min_cache_tokens": 16, "protected_window": 8},
+                       "rates": [1.0, 4.0, 8.0], "min_cache_tokens": 16, "protected_window": 8,
+                       "quant_rate": 8.0, "kv_quant": ["int8"]},
     },
 }  # fmt: skip
 
@@ -534,25 +536,34 @@ def step_targets(rows: list[dict], steps: int, batches: list[int]) -> list[dict]
 
 # ---------------------------------------------------------------------------------------------------- throughput
 def stage_throughput(args, result: dict, out_dir: Path) -> None:
+    """cr 1 / 4 / 8 with the unquantized pool, then cr 8 with the quantized pool at the same bytes (the fused
+    dequantizing kernel under ``--decode-kernel auto`` on CUDA): one row per (rate, KV format)."""
     import bench_serving_throughput as bench
 
     p = PROFILES[args.device]["throughput"]
-    argv = ["--shape", p["shape"], "--device", args.device, "--dtype", PROFILES[args.device]["dtype"],
+    base = ["--shape", p["shape"], "--device", args.device, "--dtype", PROFILES[args.device]["dtype"],
             "--lengths", *map(str, p["lengths"]), "--prompts", *map(str, p["prompts"]),
-            "--output-tokens", str(p["output_tokens"]), "--fit", str(p["fit"]), "--rates", *map(str, p["rates"]),
+            "--output-tokens", str(p["output_tokens"]), "--fit", str(p["fit"]),
             "--min-cache-tokens", str(p["min_cache_tokens"]), "--protected-window", str(p["protected_window"]),
-            "--decode-kernel", "auto"]  # fmt: skip
-    argv.append("--cuda-graphs" if args.device == "cuda" else "--static-decode")
-    result["settings"] = {"bench_args": argv}
+            "--decode-kernel", "auto", "--cuda-graphs" if args.device == "cuda" else "--static-decode"]  # fmt: skip
+    runs = {"serving_throughput.json": [*base, "--rates", *map(str, p["rates"])]}
+    if p["kv_quant"]:
+        runs["serving_throughput_quant.json"] = [*base, "--rates", str(p["quant_rate"]), "--kv-quant", *p["kv_quant"]]
+    result["settings"] = {"bench_args": list(runs.values())}
     result["shapes"] = {p["shape"]: bench.SHAPES[p["shape"]]}
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        bench.main([*argv, "--out-dir", tmp])
-        result["files"].append(_keep_json(Path(tmp), out_dir))
-    data = json.loads((out_dir / "serving_throughput.json").read_text())
-    keep = ("input_len", "compression_rate", "prompts", "out_tok_per_s_wall", "decode_tok_per_s", "max_decode_batch",
-            "mean_decode_batch", "preemptions", "decode_kernel", "graph_replays", "decode_steps", "wall_s")  # fmt: skip
-    result["rows"] = [{k: r.get(k) for k in keep} for r in data["rows"]]
-    result["targets"] = throughput_targets(data["rows"])
+    rows = []
+    for name, argv in runs.items():
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+            bench.main([*argv, "--out-dir", tmp])
+            (path,) = sorted(Path(tmp).glob("*.json"))
+            (out_dir / name).write_text(path.read_text())
+        result["files"].append(name)
+        rows += json.loads((out_dir / name).read_text())["rows"]
+    keep = ("input_len", "compression_rate", "kv_quant", "prompts", "out_tok_per_s_wall", "decode_tok_per_s",
+            "max_decode_batch", "mean_decode_batch", "preemptions", "decode_kernel", "graph_replays", "decode_steps",
+            "wall_s")  # fmt: skip
+    result["rows"] = [{k: r.get(k) for k in keep} for r in rows]
+    result["targets"] = throughput_targets([r for r in rows if r.get("kv_quant", "none") == "none"])
 
 
 def throughput_targets(rows: list[dict]) -> list[dict]:

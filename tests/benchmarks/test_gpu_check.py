@@ -63,6 +63,20 @@ def test_methods_and_step_stages_run_on_cpu_and_report_targets(gc, tmp_path, cap
     assert "== gpu_check methods: OK" in shown and "== gpu_check step: OK" in shown and "[         met]" in shown
 
 
+def test_throughput_stage_adds_the_quantized_pool_at_cr_8_and_targets_the_unquantized_rows(gc, tmp_path):
+    assert gc.main(["throughput", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
+    result, md = _load(tmp_path, "throughput")
+    assert [(r["compression_rate"], r["kv_quant"]) for r in result["rows"]] == [
+        (1.0, "none"), (4.0, "none"), (8.0, "none"), (8.0, "int8")
+    ]  # fmt: skip
+    assert result["files"][-2:] == ["serving_throughput.json", "serving_throughput_quant.json"]
+    assert all((tmp_path / f).exists() for f in result["files"])
+    (target,) = result["targets"]  # cr 8 / cr 1 of the unquantized pool only
+    tput = {r["compression_rate"]: r["out_tok_per_s_wall"] for r in result["rows"] if r["kv_quant"] == "none"}
+    assert target["value"] == pytest.approx(tput[8.0] / tput[1.0])
+    assert "| 128 | 8 | int8 |" in md
+
+
 def test_kernels_stage_fails_loudly_without_its_script(gc, tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "KERNELS_SCRIPT", tmp_path / "absent.py")
     assert gc.main(["kernels", "--device", "cpu", "--out-dir", str(tmp_path)]) == 1
