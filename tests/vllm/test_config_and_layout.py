@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,7 +142,7 @@ def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
         ({"method": "snapkv", "budget": 8, "between_chunks": 1}, "between_chunks must be true or false"),
         ({"method": "snapkv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
         ({"method": "pyramidkv@every:8", "budget": 8}, "not 'pyramidkv'"),
-        ({"method": "headkv", "budget": 8, "between_chunks": True}, "not 'headkv'"),
+        ({"method": "duo_attention", "budget": 8, "between_chunks": True}, "not 'duo_attention'"),
         ({"method": "adakv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
         ({"method": "adakv@over:8", "budget": 8}, "per-head methods compress while decoding with 'every:N'"),
         ({"method": "lagkv@every:8", "ratio": 0.5}, "compresses by its own recursion inside vLLM"),
@@ -196,6 +197,14 @@ def test_per_head_rounds_keep_slots_for_any_split_of_the_budget():
     assert kvc.admission_tokens(1000, 128, 32, kv_heads=3) == 95 + 128
     with pytest.raises(InvalidParameterError, match="kv_heads is required"):
         kvc.round_slots(32)
+    # HeadKV: the artifact's counts at the request's length, the largest layer's mean per head
+    head = parse_config({"method": "headkv@every:16", "budget": 64, "between_chunks": True})
+    counts = np.array([[10, 200, 30], [64, 64, 64]])  # layer 0 keeps 240 entries: a mean of 80 per head
+    assert head.head_counts_fixed and head.round_slots(32, head_counts=counts) == 80 + 31
+    assert head.round_keep(700, 128, 128, 128, 32, head_counts=counts) == 111 and head.held_bound(128, 32) is None
+    assert head.admission_tokens(1000, 128, 32, counts_at=lambda n: counts) == 111 + 128
+    with pytest.raises(InvalidParameterError, match="head_counts are required"):
+        head.round_slots(32)
     uniform = parse_config({"method": "snapkv@every:16", "budget": 64, "between_chunks": True})
     assert uniform.round_slots(32) == 64 and uniform.round_keep(700, 80, 80, 80, 32) == 64
     assert uniform.admission_tokens(1000, 128, 32) == 64 + 128

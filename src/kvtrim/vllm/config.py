@@ -10,7 +10,7 @@ prompt entries removed, in [0, 1)) or ``budget`` (prompt entries kept per layer 
 are not compressed, default 0) and ``between_chunks`` (compress to the budget after every prefill chunk, and
 admit a request by that compressed size; default false). ``method`` may carry a decoding schedule,
 ``"snapkv@every:64"`` (compress to the budget again every 64 decoded tokens) or ``"snapkv@over:SLACK"``.
-AdaKV and CriticalKV-AdaKV (per-head counts) take ``between_chunks`` and ``@every:N`` too.
+AdaKV, HeadKV and their CriticalKV variants (per-head counts) take ``between_chunks`` and ``@every:N`` too.
 LagKV's family (``lagkv``, ``localkv``, ``lag_knorm``) runs its own recursion (``tail:LAG``, its default) while
 decoding and, with ``between_chunks``, between prefill chunks; ``"lagkv@prefill"`` compresses once.
 KV-Compress (``kvcompress``, ``kvc_w8``, ``kvc_full``) runs with ``"params": {"even_layer_evict": true}`` only
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -80,9 +81,13 @@ UNIFORM_ROUND_METHODS = tuple(
 # LagKV's family: recursive rounds of their own (``tail:LAG``), compressing only the partitions past the part
 # already compressed; the kept count follows from the token counts alone (:meth:`VLLMEvictionConfig.lag_round`).
 LAG_ROUND_METHODS = tuple(name for name in ("lagkv", "localkv", "lag_knorm") if name in SUPPORTED_METHODS)
-# Per-head methods whose scores split each layer's fixed total (kv_heads · budget) among its heads: every round
-# re-scores each head's entries (its kept ones and the tokens since) and re-places them in one-head sub-pages.
-HEAD_ROUND_METHODS = tuple(name for name in ("adakv", "critical_adakv") if name in PER_HEAD_METHODS)
+# Per-head methods whose layer totals are known before scoring (AdaKV: kv_heads · budget split by the scores; HeadKV:
+# per-head counts from its artifact at the request's length): every round re-scores each head's entries (its kept
+# ones and the tokens since) and re-places them in one-head sub-pages. DuoAttention's retrieval heads keep
+# everything, so its requests cannot be bounded by rounds.
+HEAD_ROUND_METHODS = tuple(
+    name for name in ("adakv", "critical_adakv", "headkv", "critical_headkv") if name in PER_HEAD_METHODS
+)
 
 
 @dataclass(frozen=True)
@@ -221,17 +226,36 @@ class VLLMEvictionConfig:
         if not self.between_chunks or schedule is None or isinstance(schedule, TailFull):
             return None
         period = schedule.n if isinstance(schedule, EveryNTokens) else schedule.slack + 1
+        if self.per_head and self.head_counts_fixed:
+            return None  # the artifact's counts depend on the length: vLLM's own start-up check
         return self.round_slots(block_size) + max(chunk, period)
 
-    def round_slots(self, block_size: int, kv_heads: int | None = None, length: int | None = None) -> int:
+    @cached_property
+    def head_counts_fixed(self) -> bool:
+        """Per-head counts fixed by a calibration artifact (HeadKV, DuoAttention), not split by the scores."""
+        return isinstance(self.pipeline().budget, (ArtifactHeadScoreBudget, DuoHeadBudget))
+
+    def round_slots(
+        self,
+        block_size: int,
+        kv_heads: int | None = None,
+        length: int | None = None,
+        head_counts: np.ndarray | None = None,
+    ) -> int:
         """Slots of vLLM's uniform block list a request keeps after a round: the budget; per-head methods
         ``M + block_size − 1``, enough one-head sub-pages for any split of a layer's ``kv_heads · M`` entries
         (:mod:`kvtrim.vllm.subpages`), with ``M`` the budget (AdaKV) or KV-Compress's per-layer block bound over
-        ``kv_heads`` at ``length`` entries per head (:meth:`GlobalBlockBudget.layer_bound`; needs ``kv_heads``)."""
+        ``kv_heads`` at ``length`` entries per head (:meth:`GlobalBlockBudget.layer_bound`; needs ``kv_heads``), or
+        the largest layer's mean of ``head_counts`` ``[layers, kv_heads]`` (HeadKV's counts at the request's length,
+        :meth:`head_counts`; required for it)."""
         budget = int(self.spec.budget)
         if not self.per_head:
             return budget
-        if self.block_budget is not None:
+        if self.head_counts_fixed:
+            if head_counts is None:
+                raise InvalidParameterError(f"head_counts are required for {self.method!r} (counts per head)")
+            budget = -(-int(head_counts.sum(-1).max()) // head_counts.shape[-1])
+        elif self.block_budget is not None:
             if kv_heads is None:
                 raise InvalidParameterError(f"kv_heads is required for {self.method!r} (blocks per layer)")
             budget = -(-self.block_budget.layer_bound(budget, kv_heads, max(length or 0, budget + 1)) // kv_heads)
@@ -246,6 +270,7 @@ class VLLMEvictionConfig:
         block_size: int = 1,
         compressed: bool = False,
         kv_heads: int | None = None,
+        head_counts: np.ndarray | None = None,
     ) -> int | None:
         """Entries a request keeps after a step of ``step_tokens`` tokens that ends at token ``logical_end``
         holding ``physical_end`` entries, or None: no compression in this step. A function of counts only, so the
@@ -268,7 +293,7 @@ class VLLMEvictionConfig:
         budget = int(self.spec.budget)
         limit = keep = budget
         if self.per_head:
-            slots = self.round_slots(block_size, kv_heads, physical_end)
+            slots = self.round_slots(block_size, kv_heads, physical_end, head_counts)
             limit, keep = (slots if compressed else budget), min(slots, physical_end)
         over = physical_end > limit
         if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
@@ -326,21 +351,27 @@ class VLLMEvictionConfig:
         return parts * gone, start + parts * frame.lag
 
     def admission_tokens(
-        self, num_tokens: int, chunk: int, block_size: int = 1, kv_heads: int | None = None
+        self,
+        num_tokens: int,
+        chunk: int,
+        block_size: int = 1,
+        kv_heads: int | None = None,
+        counts_at: Callable[[int], np.ndarray | None] | None = None,
     ) -> int | None:
         """With ``between_chunks``: most entries a request of ``num_tokens`` tokens holds at once, compressed after
         every step of at most ``chunk`` tokens (vLLM's full-sequence admission gate counts this), else None.
 
         Uniform methods: the budget plus one chunk (per-head methods: :meth:`round_slots` plus one chunk, which
-        needs the ``block_size``, and KV-Compress the ``kv_heads``). LagKV's family: before a round, the tail past
-        ``compressed_until`` holds under ``2·lag + chunk`` tokens, so with ``c = S + 2·lag − 1 + chunk`` a request at
-        ``T`` tokens holds at most ``c + k·⌈(T − c)/lag⌉`` (``k = ⌊r·lag⌋`` per compressed partition), which grows
-        with ``T``: the bound at ``num_tokens``.
+        needs the ``block_size``, KV-Compress the ``kv_heads``, HeadKV ``counts_at``: its counts at a length).
+        LagKV's family: before a round, the tail past ``compressed_until`` holds under ``2·lag + chunk`` tokens,
+        so with ``c = S + 2·lag − 1 + chunk`` a request at ``T`` tokens holds at most ``c + k·⌈(T − c)/lag⌉``
+        (``k = ⌊r·lag⌋`` per compressed partition), which grows with ``T``: the bound at ``num_tokens``.
         """
         if not self.between_chunks:
             return None
         if self.lag is None:
-            return self.round_slots(block_size, kv_heads, num_tokens) + chunk
+            counts = None if counts_at is None else counts_at(num_tokens)
+            return min(num_tokens, self.round_slots(block_size, kv_heads, num_tokens, counts) + chunk)
         frame = self.lag
         c = frame.sink + 2 * frame.lag - 1 + chunk
         over = max(num_tokens - c, 0)

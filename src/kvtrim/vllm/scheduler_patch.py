@@ -107,9 +107,15 @@ def _patch_init(orig):
                     chunk=int(self.scheduler_config.max_num_batched_tokens),
                     block_size=int(self.cache_config.block_size),
                     kv_heads=state.kv_heads,
+                    counts_at=functools.partial(_round_counts, state) if config.per_head else None,
                 )
 
     return __init__
+
+
+def _round_counts(state: SchedulerState, length: int):
+    """HeadKV's per-head counts ``[layers, kv_heads]`` at ``length`` tokens (None for the other methods)."""
+    return state.config.head_counts(state.pipeline, length, state.num_layers, state.kv_heads)
 
 
 def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
@@ -119,7 +125,10 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
         end = req.num_computed_tokens + n
         physical = end - state.dropped.get(req.request_id, 0)
         compressed = req.request_id in state.dropped
-        keep = state.config.round_keep(prompt, end, physical, n, manager.block_size, compressed, state.kv_heads)
+        counts = _round_counts(state, end) if state.config.per_head else None
+        keep = state.config.round_keep(
+            prompt, end, physical, n, manager.block_size, compressed, state.kv_heads, counts
+        )
         return None if keep is None else (physical, keep)
     if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
         # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)

@@ -287,7 +287,9 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     physical = end - state.dropped.get(req_id, 0)
     bs = table.block_size
     kv_heads = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
-    keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped, kv_heads)
+    # HeadKV: the artifact's per-head counts at this length (the scheduler computes the same)
+    counts = config.head_counts(state.pipeline, end, state.model_layers, kv_heads) if config.per_head else None
+    keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped, kv_heads, counts)
     window = state.pipeline.observation.window
     if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
         state.observe.append((req_id, qs, qe))
@@ -306,7 +308,8 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
             PendingEviction(
                 req_id, qs, qe, physical, keep, blocks, head_budget=budget,
                 pages=pages or RequestSubPages(state.model_layers, kv_heads, bs, block_ids[: -(-keep // bs)]),
-                logical_len=end, observed=window > 0, layer_total=config.layer_total(physical, kv_heads),
+                logical_len=end, observed=window > 0, head_counts=counts,
+                layer_total=config.layer_total(physical, kv_heads) if counts is None else int(counts.sum(-1).max()),
                 head_positions=state.head_positions.get(req_id),
             )
         )  # fmt: skip
