@@ -201,7 +201,12 @@ def test_per_head_rounds_keep_slots_for_any_split_of_the_budget():
     head = parse_config({"method": "headkv@every:16", "budget": 64, "between_chunks": True})
     counts = np.array([[10, 200, 30], [64, 64, 64]])  # layer 0 keeps 240 entries: a mean of 80 per head
     assert head.head_counts_fixed and head.round_slots(32, head_counts=counts) == 80 + 31
-    assert head.round_keep(700, 128, 128, 128, 32, head_counts=counts) == 111 and head.held_bound(128, 32) is None
+    assert head.round_keep(700, 128, 128, 128, 32, counts_at=lambda n: counts) == 111
+    assert head.held_bound(128, 32) is None
+    asked = []  # a decoding step off the every:16 period asks for no counts (they cost an allocation)
+    assert head.round_keep(700, 717, 112, 1, 32, True, counts_at=lambda n: asked.append(n) or counts) is None
+    assert asked == [] and head.round_keep(700, 716, 112, 1, 32, True, counts_at=lambda n: asked.append(n) or counts)
+    assert asked == [716]
     assert head.admission_tokens(1000, 128, 32, counts_at=lambda n: counts) == 111 + 128
     with pytest.raises(InvalidParameterError, match="head_counts are required"):
         head.round_slots(32)

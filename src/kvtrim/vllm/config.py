@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -270,7 +270,7 @@ class VLLMEvictionConfig:
         block_size: int = 1,
         compressed: bool = False,
         kv_heads: int | None = None,
-        head_counts: np.ndarray | None = None,
+        counts_at: Callable[[int], np.ndarray | None] | None = None,
     ) -> int | None:
         """Entries a request keeps after a step of ``step_tokens`` tokens that ends at token ``logical_end``
         holding ``physical_end`` entries, or None: no compression in this step. A function of counts only, so the
@@ -284,30 +284,33 @@ class VLLMEvictionConfig:
         Per-head methods count slots of the uniform block list: a round keeps :meth:`round_slots` (``budget +
         block_size − 1``, or every slot when fewer), so the heads' mean count is the budget once ``compressed``
         (a round ran before) and the slots exceed the budget by ``block_size − 1``: the threshold is then
-        :meth:`round_slots`, before the first round the budget.
+        :meth:`round_slots`, before the first round the budget. ``counts_at(length)``: HeadKV's counts at a length
+        (:meth:`head_counts`), asked only in a step that may end in a round (not in every decoding step).
         """
         if prompt_len < max(self.min_prompt, 1):
             return None
         if self.lag is not None:
             return self._lag_keep(prompt_len, logical_end, physical_end, step_tokens)
         budget = int(self.spec.budget)
+        if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
+            if not self.between_chunks:
+                return None
+        elif logical_end > prompt_len:
+            schedule = self.decode_schedule
+            if isinstance(schedule, EveryNTokens):
+                due = (logical_end - prompt_len) % schedule.n == 0
+            elif isinstance(schedule, OverBudget):
+                due = physical_end > budget + schedule.slack
+            else:
+                return None
+            if not due:
+                return None
         limit = keep = budget
         if self.per_head:
-            slots = self.round_slots(block_size, kv_heads, physical_end, head_counts)
+            counts = None if counts_at is None else counts_at(logical_end)
+            slots = self.round_slots(block_size, kv_heads, physical_end, counts)
             limit, keep = (slots if compressed else budget), min(slots, physical_end)
-        over = physical_end > limit
-        if logical_end < prompt_len or (self.between_chunks and step_tokens > 1):
-            return keep if self.between_chunks and over else None
-        if logical_end == prompt_len:
-            return keep if over else None
-        schedule = self.decode_schedule
-        if isinstance(schedule, EveryNTokens):
-            due = (logical_end - prompt_len) % schedule.n == 0
-        elif isinstance(schedule, OverBudget):
-            due = physical_end > budget + schedule.slack
-        else:
-            return None
-        return keep if due and over else None
+        return keep if physical_end > limit else None
 
     def _lag_keep(self, prompt_len: int, logical_end: int, physical_end: int, step_tokens: int) -> int | None:
         """LagKV's rounds: a prefill chunk (``between_chunks``), the last prompt chunk, a recomputed chunk past
@@ -463,6 +466,11 @@ class VLLMEvictionConfig:
             ratio=self.spec.ratio,
         )
         return pipeline.budget.allocate(request, [])[0].cpu().numpy()
+
+    def head_counts_at(self, pipeline: Pipeline, num_layers: int, kv_heads: int) -> Callable[[int], np.ndarray | None]:
+        """``length -> head_counts(pipeline, length, num_layers, kv_heads)``, the last length's answer remembered
+        (a round asks twice: whether it is due, then for the counts)."""
+        return lru_cache(maxsize=1)(lambda length: self.head_counts(pipeline, length, num_layers, kv_heads))
 
     def layer_total(self, prompt_len: int, kv_heads: int) -> int:
         """Per-head methods whose counts follow the scores: most entries one layer keeps over its ``kv_heads``

@@ -39,6 +39,7 @@ class SchedulerState:
     requests_compressed: int = 0
     pipeline: object = None  # bound to the checkpoint when the method loads an artifact (HeadKV's counts)
     kv_heads: int = 0  # this rank's KV heads (the per-head counts fixed in advance cover them)
+    counts_at: object = None  # per-head methods: length -> HeadKV's counts (VLLMEvictionConfig.head_counts_at)
     rounds: int = 0  # compressions of any request (between chunks, after prefill, while decoding)
     # request -> most blocks its block list held at the end of a step's allocation (before that step's freeing);
     # finished requests move to ``finished_peaks`` (the last FINISHED_PEAKS of them)
@@ -94,6 +95,7 @@ def _patch_init(orig):
                 vc = self.vllm_config
                 state.pipeline = config.bound_pipeline(vc.model_config.model)
                 state.kv_heads = vc.model_config.get_num_kv_heads(vc.parallel_config)
+                state.counts_at = config.head_counts_at(state.pipeline, state.num_layers, state.kv_heads)
             self._kvtrim_state = state
             # The coordinator consults the same dropped counts.
             coordinator = self.kv_cache_manager.coordinator
@@ -107,15 +109,10 @@ def _patch_init(orig):
                     chunk=int(self.scheduler_config.max_num_batched_tokens),
                     block_size=int(self.cache_config.block_size),
                     kv_heads=state.kv_heads,
-                    counts_at=functools.partial(_round_counts, state) if config.per_head else None,
+                    counts_at=state.counts_at,
                 )
 
     return __init__
-
-
-def _round_counts(state: SchedulerState, length: int):
-    """HeadKV's per-head counts ``[layers, kv_heads]`` at ``length`` tokens (None for the other methods)."""
-    return state.config.head_counts(state.pipeline, length, state.num_layers, state.kv_heads)
 
 
 def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
@@ -125,9 +122,8 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
         end = req.num_computed_tokens + n
         physical = end - state.dropped.get(req.request_id, 0)
         compressed = req.request_id in state.dropped
-        counts = _round_counts(state, end) if state.config.per_head else None
         keep = state.config.round_keep(
-            prompt, end, physical, n, manager.block_size, compressed, state.kv_heads, counts
+            prompt, end, physical, n, manager.block_size, compressed, state.kv_heads, state.counts_at
         )
         return None if keep is None else (physical, keep)
     if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:

@@ -287,9 +287,10 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     physical = end - state.dropped.get(req_id, 0)
     bs = table.block_size
     kv_heads = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
-    # HeadKV: the artifact's per-head counts at this length (the scheduler computes the same)
-    counts = config.head_counts(state.pipeline, end, state.model_layers, kv_heads) if config.per_head else None
-    keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped, kv_heads, counts)
+    # HeadKV: the artifact's per-head counts at this length (as the scheduler computes them), asked for only in a
+    # step that may end in a round, and once
+    counts_at = config.head_counts_at(state.pipeline, state.model_layers, kv_heads)
+    keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped, kv_heads, counts_at)
     window = state.pipeline.observation.window
     if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
         state.observe.append((req_id, qs, qe))
@@ -304,6 +305,7 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     blocks = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
     if config.per_head:
         budget = int(config.spec.budget)
+        counts = counts_at(end)
         state.pending.append(
             PendingEviction(
                 req_id, qs, qe, physical, keep, blocks, head_budget=budget,
