@@ -113,23 +113,27 @@ class BlockLayout:
         flat = cache.view(-1)
         return flat[self._offsets(self.key_index, blocks, count)], flat[self._offsets(self.value_index, blocks, count)]
 
+    def _slot_offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat offsets ``[n, kv_heads, head_dim]`` of the keys and of the values at ``slots`` ``[n]``."""
+        slots = slots.to(self.key_index.device, torch.long)
+        base = (slots // self.block_size).view(-1, 1, 1) * self.block_stride
+        offset = slots % self.block_size
+        return base + self.key_index[offset], base + self.value_index[offset]
+
     def read_slots(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[n, kv_heads, head_dim]`` at ``slots`` ``[n]`` (``block · block_size + offset``), as
         stored."""
         flat = cache.view(-1)
-        slots = slots.to(self.key_index.device, torch.long)
-        block, offset = slots // self.block_size, slots % self.block_size
-        return tuple(flat[block.view(-1, 1, 1) * self.block_stride + index[offset]]  # type: ignore[return-value]
-                     for index in (self.key_index, self.value_index))  # fmt: skip
+        key_at, value_at = self._slot_offsets(slots)
+        return flat[key_at], flat[value_at]
 
     def write_slots(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` (stored elements) at ``slots`` ``[n]``
         (``block · block_size + offset``)."""
         flat = cache.view(-1)
-        slots = slots.to(self.key_index.device, torch.long)
-        block, offset = slots // self.block_size, slots % self.block_size
-        for index, x in ((self.key_index, keys), (self.value_index, values)):
-            flat[block.view(-1, 1, 1) * self.block_stride + index[offset]] = x.to(flat.dtype)
+        key_at, value_at = self._slot_offsets(slots)
+        flat[key_at] = keys.to(flat.dtype)
+        flat[value_at] = values.to(flat.dtype)
 
     def one_head(self) -> BlockLayout:
         """The layout of the cache's one-head sub-pages (head ``h`` of block ``b`` is sub-page ``b·H + h``,

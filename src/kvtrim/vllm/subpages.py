@@ -95,15 +95,17 @@ class RequestSubPages:
             )
         for _ in range(need):
             pages.append(self.free[layer].pop(0))  # in block order
-        pos = np.arange(length, length + n)
         self.lengths[layer, head] = length + n
-        return np.asarray(pages, dtype=np.int64)[pos // bs] * bs + pos % bs
+        return self._slots_at(pages, np.arange(length, length + n))
 
     def slots(self, layer: int, head: int) -> np.ndarray:
         """``[length]`` one-head slots of the entries ``head`` holds in ``layer``, in entry order."""
-        bs, n = self.block_size, int(self.lengths[layer, head])
-        pos = np.arange(n)
-        return np.asarray(self.pages[layer][head], dtype=np.int64)[pos // bs] * bs + pos % bs
+        return self._slots_at(self.pages[layer][head], np.arange(int(self.lengths[layer, head])))
+
+    def _slots_at(self, pages: list[int], pos: np.ndarray) -> np.ndarray:
+        """One-head slots (``sub_page·block_size + offset``) of the entries at ``pos`` of a head's ``pages``."""
+        bs = self.block_size
+        return np.asarray(pages, dtype=np.int64)[pos // bs] * bs + pos % bs
 
     def restart_layer(self, layer: int, num_blocks: int) -> None:
         """Empty ``layer``: no head holds a page, the sub-pages of the first ``num_blocks`` blocks are free (a
