@@ -395,12 +395,14 @@ def stage_kernels(args, result: dict, out_dir: Path) -> None:
         )
 
 
-def _keep_json(bench_dir: Path, out_dir: Path) -> str:
+def _keep_json(bench_dir: Path, out_dir: Path, name: str | None = None) -> str:
     """Copy the one JSON a benchmark wrote to ``bench_dir`` into ``out_dir`` (its markdown and plots stay behind:
-    the stage's markdown holds the rows, and a device run brings back only a few files); returns its name."""
+    the stage's markdown holds the rows, and a device run brings back only a few files), as ``name`` (default: its
+    own name); returns the name."""
     (path,) = sorted(bench_dir.glob("*.json"))
-    (out_dir / path.name).write_text(path.read_text())
-    return path.name
+    name = name or path.name
+    (out_dir / name).write_text(path.read_text())
+    return name
 
 
 # ---------------------------------------------------------------------------------------------------- methods
@@ -555,9 +557,7 @@ def stage_throughput(args, result: dict, out_dir: Path) -> None:
     for name, argv in runs.items():
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
             bench.main([*argv, "--out-dir", tmp])
-            (path,) = sorted(Path(tmp).glob("*.json"))
-            (out_dir / name).write_text(path.read_text())
-        result["files"].append(name)
+            result["files"].append(_keep_json(Path(tmp), out_dir, name))
         rows += json.loads((out_dir / name).read_text())["rows"]
     keep = ("input_len", "compression_rate", "kv_quant", "prompts", "out_tok_per_s_wall", "decode_tok_per_s",
             "max_decode_batch", "mean_decode_batch", "preemptions", "decode_kernel", "graph_replays", "decode_steps",
