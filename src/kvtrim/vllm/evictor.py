@@ -74,9 +74,14 @@ class PendingEviction:
         p, end = self.prompt_len, self.logical_len or self.prompt_len
         if self.positions is None:
             return torch.arange(end - p, end, device=device).view(1, p).expand(kv_heads, p)
-        kept = self.positions[layer_idx].to(device)
-        fresh = torch.arange(end - (p - kept.shape[1]), end, device=device).view(1, -1).expand(kv_heads, -1)
-        return torch.cat([kept, fresh], dim=1)
+        return _kept_then_fresh(self.positions[layer_idx].to(device), p, end)
+
+
+def _kept_then_fresh(kept: torch.Tensor, count: int, end: int) -> torch.Tensor:
+    """Logical positions of ``count`` entries per row: the ``[..., k]`` kept ones of an earlier round, then the
+    tokens since, up to ``end``, in order; ``[..., count]``."""
+    fresh = torch.arange(end - (count - kept.shape[-1]), end, device=kept.device)
+    return torch.cat([kept, fresh.expand(*kept.shape[:-1], -1)], dim=-1)
 
 
 def _subpaged_entries(
@@ -97,9 +102,7 @@ def _subpaged_entries(
             keys = k.new_zeros(width, kv_heads, k.shape[-1])
             values = v.new_zeros(width, kv_heads, v.shape[-1])
         keys[:n, h], values[:n, h] = k[:, 0], v[:, 0]
-        kept = pending.head_positions[layer_idx][h].to(kv_cache.device)
-        fresh = n - kept.shape[0]
-        positions[h, :n] = torch.cat([kept, torch.arange(end - fresh, end, device=kv_cache.device)])
+        positions[h, :n] = _kept_then_fresh(pending.head_positions[layer_idx][h].to(kv_cache.device), n, end)
     return keys, values, positions
 
 
