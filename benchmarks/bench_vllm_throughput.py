@@ -67,7 +67,8 @@ from kvtrim.eval.tasks import generate_task
 
 MODEL_DIR = Path.home() / ".cache" / "kvtrim" / "models" / "smollm2-135m"
 OUT_DIR = Path(__file__).parent / "results" / "bench_vllm_throughput"
-VLLM_BLOCK = 128  # vLLM's CPU block size (tokens), every layer and KV head
+VLLM_BLOCK = 128  # vLLM's CPU block size (tokens, every layer and KV head) unless --block-size says otherwise
+CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
 DTYPE_BYTES = 4  # float32, both engines
 NULL_BLOCKS = 1  # vLLM's BlockPool keeps its first block as the null block (never holds KV entries)
 MAX_NEW = 32  # quality: new tokens per case
@@ -93,27 +94,40 @@ def vllm_block_bytes(config, block_size: int = VLLM_BLOCK, dtype_bytes: int = DT
     return block_size * layers * 2 * kv_heads * head_dim * dtype_bytes
 
 
-def engine_pool(config, blocks: int, engine_block: int, dtype_bytes: int = DTYPE_BYTES) -> dict:
-    """kvtrim's engine pool holding the K/V bytes of vLLM's usable blocks (``blocks`` minus the null block).
+def check_block_size(block_size: int) -> None:
+    """Refuse a vLLM block size its CPU attention does not take (a positive multiple of 32)."""
+    if block_size <= 0 or block_size % CPU_BLOCK_MULTIPLE:
+        raise InvalidParameterError(
+            f"block_size must be a positive multiple of {CPU_BLOCK_MULTIPLE} (vLLM's CPU attention), got {block_size}"
+        )
+
+
+def engine_pool(
+    config, blocks: int, engine_block: int, dtype_bytes: int = DTYPE_BYTES, block_size: int = VLLM_BLOCK
+) -> dict:
+    """kvtrim's engine pool holding the K/V bytes of vLLM's usable blocks (``blocks`` minus the null block) of
+    ``block_size`` tokens.
 
     An engine block is ``engine_block`` tokens of one layer and KV head (``2 × engine_block × head_dim × dtype``
     bytes)."""
     if blocks <= NULL_BLOCKS:
         raise InvalidParameterError(f"blocks must be > {NULL_BLOCKS} (vLLM keeps a null block), got {blocks}")
+    check_block_size(block_size)
     layers, kv_heads, head_dim = kv_shape(config)
     usable = blocks - NULL_BLOCKS
-    kv_bytes = usable * vllm_block_bytes(config, VLLM_BLOCK, dtype_bytes)
+    kv_bytes = usable * vllm_block_bytes(config, block_size, dtype_bytes)
     block_bytes = 2 * engine_block * head_dim * dtype_bytes
     return {
         "vllm_blocks": blocks,
+        "vllm_block_size": block_size,
         "vllm_usable_blocks": usable,
-        "vllm_block_bytes": vllm_block_bytes(config, VLLM_BLOCK, dtype_bytes),
-        "vllm_allocated_bytes": blocks * vllm_block_bytes(config, VLLM_BLOCK, dtype_bytes),
+        "vllm_block_bytes": vllm_block_bytes(config, block_size, dtype_bytes),
+        "vllm_allocated_bytes": blocks * vllm_block_bytes(config, block_size, dtype_bytes),
         "kv_bytes": kv_bytes,
         "engine_block_size": engine_block,
         "engine_block_bytes": block_bytes,
         "engine_blocks": kv_bytes // block_bytes,
-        "tokens_per_table": usable * VLLM_BLOCK,
+        "tokens_per_table": usable * block_size,
         "tables": layers * kv_heads,
     }
 
@@ -233,11 +247,18 @@ def split_list(text: str, cast=str) -> list:
 # vLLM
 
 
-def make_llm(config: dict | None, blocks: int | None, chunk: int | None = None, max_num_seqs: int = 64):
+def make_llm(
+    config: dict | None,
+    blocks: int | None,
+    chunk: int | None = None,
+    max_num_seqs: int = 64,
+    block_size: int = VLLM_BLOCK,
+):
     from vllm import LLM
 
     kwargs = dict(
         model=str(MODEL_DIR),
+        block_size=block_size,
         dtype="float32",
         max_model_len=2048,
         enforce_eager=True,
@@ -274,13 +295,18 @@ def counter(llm, name: str) -> float:
 
 
 def throughput(
-    config: dict | None, prompts: list[list[int]], output_len: int, blocks: int, chunk: int | None = None
+    config: dict | None,
+    prompts: list[list[int]],
+    output_len: int,
+    blocks: int,
+    chunk: int | None = None,
+    block_size: int = VLLM_BLOCK,
 ) -> dict:
     from vllm.inputs import TokensPrompt
 
     from vllm import SamplingParams
 
-    llm = make_llm(config, blocks, chunk)
+    llm = make_llm(config, blocks, chunk, block_size=block_size)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     try:
@@ -400,10 +426,13 @@ def quality(
     chunk: int | None = None,
     pool: dict | None = None,
     configs: dict[str, dict] | None = None,
+    block_size: int = VLLM_BLOCK,
+    context_only: bool = False,
 ) -> dict:
     """Score vanilla and every mode: plugin modes through vLLM and kvtrim's transformers path, engine modes through
     kvtrim's engine. ``configs`` (name -> plugin config, after prefill, no chunking) replaces the plugin modes
-    (``--quality-methods``)."""
+    (``--quality-methods``). ``context_only``: the plugin compresses each prompt's context alone (the request's
+    ``kvtrim_context_tokens``), the transformers path prefills the context, compresses it and feeds the question."""
     from vllm.inputs import TokensPrompt
 
     from vllm import SamplingParams
@@ -413,9 +442,14 @@ def quality(
     for task in tasks:
         for s in generate_task(task, tokenizer, length, samples, seed=7):
             messages = [{"role": "user", "content": s.context + s.question}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = list(tokenizer(text + s.answer_prefix, add_special_tokens=False)["input_ids"])
-            cases.append((task, s, ids))
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + s.answer_prefix
+            if context_only:  # the context's tokens, then the question's (tokenized apart: an exact boundary)
+                cut = text.index(s.context) + len(s.context)
+                head = list(tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
+                ids = head + list(tokenizer(text[cut:], add_special_tokens=False)["input_ids"])
+                cases.append((task, s, ids, len(head)))
+            else:
+                cases.append((task, s, list(tokenizer(text, add_special_tokens=False)["input_ids"]), None))
     if configs is None:
         configs = {m.name: m.plugin_config() for m in modes if m.kind == "vllm"}
         chunks = {m.name: chunk for m in modes if m.kind == "vllm"}
@@ -431,6 +465,8 @@ def quality(
         "tasks": tasks,
         "length": length,
         "samples_per_task": samples,
+        "vllm_block_size": block_size,
+        "context_only": context_only,
         "cases": [],
         "refused": {},
     }
@@ -438,12 +474,18 @@ def quality(
     for name, cfg in runs.items():
         # Chunked, one request at a time: a request shares no step's token budget with another, so its chunks
         # are cut every ``chunk`` tokens from its start, as on the transformers path.
-        llm = make_llm(cfg, None, chunks[name], max_num_seqs=64 if chunks[name] is None else 1)
+        llm = make_llm(cfg, None, chunks[name], 64 if chunks[name] is None else 1, block_size)
         try:
+            params = [
+                SamplingParams(
+                    max_tokens=MAX_NEW,
+                    temperature=0.0,
+                    extra_args=None if cfg is None or n_ctx is None else {"kvtrim_context_tokens": n_ctx},
+                )
+                for *_, n_ctx in cases
+            ]
             outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=ids) for _, _, ids in cases],
-                SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
-                use_tqdm=False,
+                [TokensPrompt(prompt_token_ids=ids) for _, _, ids, _ in cases], params, use_tqdm=False
             )
             outputs[f"vllm_{name}"] = [list(o.outputs[0].token_ids) for o in outs]
         finally:
@@ -451,17 +493,17 @@ def quality(
     eos = tokenizer.eos_token_id
     for name, cfg in runs.items():
         outputs[f"hf_{name}"] = []
-        for _, _, ids in cases:
-            toks = _transformers_generate(model, ids, cfg, chunks[name])
+        for _, _, ids, n_ctx in cases:
+            toks = _transformers_generate(model, ids, cfg, chunks[name], n_ctx)
             outputs[f"hf_{name}"].append(toks[: toks.index(eos) + 1] if eos in toks else toks)
     for mode in engine_modes:
-        toks = _engine_generate(model, tokenizer, mode, [ids for _, _, ids in cases], pool, chunk)
+        toks = _engine_generate(model, tokenizer, mode, [ids for _, _, ids, _ in cases], pool, chunk)
         if isinstance(toks, str):
             results["refused"][mode.name] = toks
         else:
             outputs[f"engine_{mode.name}"] = toks
     scores = {path: [] for path in outputs}
-    for i, (task, s, ids) in enumerate(cases):
+    for i, (task, s, ids, _) in enumerate(cases):
         row = {"task": task, "prompt_tokens": len(ids), "answers": s.answers, "paths_agree_tokens": {}}
         for path in outputs:
             text = tokenizer.decode(outputs[path][i], skip_special_tokens=True)
@@ -481,14 +523,19 @@ def quality(
     return results
 
 
-def _transformers_generate(model, ids: list[int], config: dict | None, chunk: int | None) -> list[int]:
+def _transformers_generate(
+    model, ids: list[int], config: dict | None, chunk: int | None, context_tokens: int | None = None
+) -> list[int]:
     """kvtrim's transformers path for a plugin configuration: full cache, compressed after prefill
-    (``make_cache`` + ``generate``) or between chunks (``Prefill.chunked`` + ``greedy_decode``)."""
+    (``make_cache`` + ``generate``), between chunks (``Prefill.chunked`` + ``greedy_decode``) or, with
+    ``context_tokens``, after the context (``Prefill.plain`` of the context, ``feed`` of the question)."""
     x = torch.tensor([ids])
     with torch.no_grad():
         if config is None:
             return model.generate(x, max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids) :].tolist()
         spec = {k: config[k] for k in ("ratio", "budget") if k in config}
+        if context_tokens is not None:
+            return _context_only_generate(model, x, config, spec, context_tokens)
         if not config.get("between_chunks"):
             cache = kvtrim.make_cache(model, config["method"], **spec, **config.get("params", {}))
             out = model.generate(x, past_key_values=cache, max_new_tokens=MAX_NEW, do_sample=False)
@@ -505,6 +552,24 @@ def _transformers_generate(model, ids: list[int], config: dict | None, chunk: in
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return greedy_decode(model, out.cache, pre.mask, pre.logits, MAX_NEW, eos=eos).tokens[0]
+
+
+def _context_only_generate(model, x: torch.Tensor, config: dict, spec: dict, context_tokens: int) -> list[int]:
+    """Prefill the first ``context_tokens`` of ``x`` ``[1, n]``, compress them, feed the rest, decode greedily."""
+    from kvtrim.compression.compressor import BudgetSpec
+    from kvtrim.integration.attention import kvtrim_attention_enabled
+    from kvtrim.methods import get_method
+    from kvtrim.runtime import Prefill, feed, greedy_decode
+
+    pipeline, budget = get_method(config["method"], **config.get("params", {})), BudgetSpec(**spec)
+    ctx, question = x[:, :context_tokens], x[:, context_tokens:]
+    with torch.inference_mode(), kvtrim_attention_enabled(model):
+        pre = Prefill.plain(model, ctx, torch.ones_like(ctx), pipeline.observation)
+        cache = pre.compressed(pipeline, budget).cache
+        fed = feed(model, cache, pre.mask, question)
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return greedy_decode(model, cache, fed.mask, fed.logits, MAX_NEW, eos=eos).tokens[0]
 
 
 def _engine_generate(model, tokenizer, mode: Mode, prompts: list[list[int]], pool: dict, chunk: int | None):
@@ -585,7 +650,7 @@ def render(report: dict) -> list[str]:
         pool = report.get("throughput_pool") or report.get("pool")
         lines += [
             f"Throughput: {args['requests']} prompts x {args['prompt_len']} tokens, {args['output_len']} output tokens "
-            f"(EOS ignored), {args['blocks']} vLLM blocks of {VLLM_BLOCK} tokens, chunk "
+            f"(EOS ignored), {args['blocks']} vLLM blocks of {args.get('block_size') or VLLM_BLOCK} tokens, chunk "
             f"(max_num_batched_tokens) {args.get('chunk')}.",
         ]
         if pool:
@@ -657,7 +722,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="prompts (default 16; --quick 6)")
     ap.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 640; --quick 400)")
     ap.add_argument("--output-len", type=int, default=None, help="tokens decoded per prompt (default 32; --quick 8)")
-    ap.add_argument("--blocks", type=int, default=25, help="num_gpu_blocks_override (128-token blocks, one is null)")
+    ap.add_argument("--blocks", type=int, default=25, help="num_gpu_blocks_override (--block-size blocks, one is null)")
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=VLLM_BLOCK,
+        help="vLLM's block size in tokens (a multiple of 32; 128 is vLLM's CPU default); per-head methods keep "
+        "block_size − 1 slots of slack per request",
+    )
     ap.add_argument("--tasks", default="passkey,niah_single_1")
     ap.add_argument("--task-length", type=int, default=None, help="quality prompt tokens (default 1024; --quick 512)")
     ap.add_argument("--samples", type=int, default=None, help="quality samples per task (default 4; --quick 1)")
@@ -669,6 +741,17 @@ def main() -> None:
         "lagkv-family ones use --lag-ratio",
     )
     ap.add_argument("--lag-ratio", type=float, default=0.75, help="ratio for lagkv/localkv/lag_knorm")
+    ap.add_argument(
+        "--quality-ratio",
+        type=float,
+        default=None,
+        help="--quality-methods compress this share away (e.g. 0.75) instead of keeping --budget entries",
+    )
+    ap.add_argument(
+        "--context-only",
+        action="store_true",
+        help="quality: compress each prompt's context alone (the request's kvtrim_context_tokens), then the question",
+    )
     ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens, every mode")
     ap.add_argument("--between-chunks", action="store_true", help="older name of --placement both (needs --chunk)")
     ap.add_argument("--no-quality", action="store_true", help="throughput only")
@@ -699,6 +782,7 @@ def main() -> None:
     engine_methods = [] if args.engine_methods == "none" else split_list(args.engine_methods)
     placements = ["after", "between"] if placement == "both" else [placement]
     try:
+        check_block_size(args.block_size)
         for budget in budgets:
             compression_rate(args.prompt_len, budget)
         method_params = json.loads(args.method_params) if args.method_params else {}
@@ -713,7 +797,7 @@ def main() -> None:
             print(m.name + (f"  ({m.note})" if m.note else ""))
         return
     model, tokenizer = kvtrim.load_model("smollm2-135m")
-    pool = engine_pool(model.config, args.blocks, args.engine_block_size)
+    pool = engine_pool(model.config, args.blocks, args.engine_block_size, block_size=args.block_size)
     text_ids = tokenizer(get_haystack("jargon"), add_special_tokens=False)["input_ids"]
     stride = max(1, (len(text_ids) - args.prompt_len) // max(args.requests, 1))
     prompts = [text_ids[i * stride : i * stride + args.prompt_len] for i in range(args.requests)]
@@ -746,7 +830,9 @@ def main() -> None:
             if mode.kind == "engine":
                 row = engine_throughput(model, tokenizer, mode, prompts, args.output_len, pool, args.chunk)
             else:
-                row = throughput(mode.plugin_config(), prompts, args.output_len, args.blocks, args.chunk)
+                row = throughput(
+                    mode.plugin_config(), prompts, args.output_len, args.blocks, args.chunk, args.block_size
+                )
             row = {"mode": mode.name, "kind": mode.kind, "note": mode.note, "plugin_refusal": mode.refusal, **row}
             report["throughput"].append(row)
             print(f"{mode.name}: {json.dumps(row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -760,12 +846,25 @@ def main() -> None:
             configs = {
                 m: {"method": m, "ratio": args.lag_ratio}
                 if m in ("lagkv", "localkv", "lag_knorm")
+                else {"method": m, "ratio": args.quality_ratio}
+                if args.quality_ratio is not None
                 else {"method": m, "budget": args.budget}
                 for m in split_list(args.quality_methods)
             }
+            for m, cfg in configs.items():  # --method-params reach the quality configurations too
+                if method_params.get(m):
+                    cfg["params"] = dict(method_params[m])
         q_modes = [m for m in selected if m.kind != "vanilla"]
         report["quality"] = quality(
-            q_modes, split_list(args.tasks), args.task_length, args.samples, args.chunk, pool, configs
+            q_modes,
+            split_list(args.tasks),
+            args.task_length,
+            args.samples,
+            args.chunk,
+            pool,
+            configs,
+            args.block_size,
+            args.context_only,
         )
     out_json.write_text(json.dumps(report, indent=2))
     lines = render(report)

@@ -34,6 +34,19 @@ def test_engine_pool_has_the_bytes_of_vllms_usable_blocks(bench):
         bench.engine_pool(SMOLLM2, blocks=1, engine_block=16)
 
 
+def test_smaller_vllm_blocks_at_equal_memory_give_the_same_pool(bench):
+    # 16 usable blocks of 128 tokens = 64 usable blocks of 32 tokens: the same bytes, the same engine pool
+    big = bench.engine_pool(SMOLLM2, blocks=17, engine_block=16)
+    small = bench.engine_pool(SMOLLM2, blocks=65, engine_block=16, block_size=32)
+    assert small["vllm_block_size"] == 32 and small["vllm_usable_blocks"] == 64
+    assert small["vllm_block_bytes"] == big["vllm_block_bytes"] // 4
+    for key in ("kv_bytes", "engine_blocks", "tokens_per_table"):
+        assert small[key] == big[key]
+    for bad in (0, 16, 48, -32):
+        with pytest.raises(InvalidParameterError, match="block_size must be a positive multiple of 32"):
+            bench.engine_pool(SMOLLM2, blocks=65, engine_block=16, block_size=bad)
+
+
 def test_the_engine_builds_a_pool_of_exactly_those_bytes(bench):
     model = tiny_model(layers=2, heads=4, kv_heads=2, hidden=64)
     pool = bench.engine_pool(model.config, blocks=3, engine_block=16)

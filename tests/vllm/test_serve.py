@@ -121,3 +121,24 @@ def test_long_prompt_holds_only_the_kept_blocks_while_decoding(server):
     assert max(during) <= 2 / 16 + 1e-6
     time.sleep(1.0)
     assert _usage(server) == 0.0
+
+
+def test_context_tokens_travel_in_vllm_xargs_and_a_bad_value_is_a_400(server):
+    prompt = token_prompts([700], seed=7)[0]
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+
+    def complete(xargs: dict):
+        return client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=8, temperature=0.0, extra_body={"vllm_xargs": xargs}
+        )
+
+    got = complete({"kvtrim_context_tokens": 600})
+    assert got.usage.prompt_tokens == 700 and got.usage.completion_tokens > 0
+    for bad, why in ((701, r"must be an integer in \[1, prompt tokens = 700\]"), ("x", "must be an integer")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            complete({"kvtrim_context_tokens": bad})
+    with pytest.raises(openai.BadRequestError, match="unknown kvtrim settings"):
+        complete({"kvtrim_context": 600})
+    assert complete({}).usage.completion_tokens > 0  # the server keeps serving
+    time.sleep(1.0)
+    assert _usage(server) == 0.0

@@ -46,8 +46,9 @@ def register() -> None:
         logger.warning("kvtrim: vLLM %s is not supported; the kvtrim plugin stays inactive", vllm.__version__)
         return
     load_config(None)  # a malformed KVTRIM_VLLM_CONFIG fails here, in every process, with kvtrim's message
-    from . import runner_check, scheduler_patch, worker_patch
+    from . import request_args, runner_check, scheduler_patch, worker_patch
 
+    request_args.install()
     scheduler_patch.install()
     worker_patch.install()
     _register_head_backend()

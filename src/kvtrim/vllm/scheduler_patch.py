@@ -10,10 +10,13 @@ every chunk and every ``N`` decoded tokens, or by LagKV's recursion,
 :meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep`),
 ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` (token counts of compressed
 requests are physical: logical − dropped; with ``between_chunks`` vLLM's full-sequence admission gate counts
-at most budget + one chunk) and ``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request).
+at most budget + one chunk) and ``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request);
+``Scheduler.add_request`` (refuse a request's invalid ``extra_args["kvtrim"]``) and
+``Scheduler._reserve_prefill_lookahead`` (vLLM's last cut of a step's tokens per request: also end a prefill chunk
+at the request's ``context_tokens``, :mod:`kvtrim.vllm.request_args`).
 
-The number kept depends only on the prompt length and the configuration, so scheduler and workers agree
-without exchanging anything.
+The number kept depends only on the prompt length (or the request's ``context_tokens``) and the configuration,
+so scheduler and workers agree without exchanging anything.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from dataclasses import dataclass, field
 
 from .config import VLLMEvictionConfig, load_config
 from .kv_layout import entry_format
+from .request_args import check_request, request_context_end
 from .wrappers import UnpatchedVLLMError, bypassed, wrap
 
-PATCHED_SCHEDULER_METHODS = ("_update_after_schedule",)  # besides __init__, which runs the check itself
+# besides __init__, which runs the check itself
+PATCHED_SCHEDULER_METHODS = ("_update_after_schedule", "add_request", "_reserve_prefill_lookahead")
 PATCHED_COORDINATOR_METHODS = ("get_num_blocks_to_allocate", "allocate_new_blocks", "free", "pop_blocks_for_free")
 
 
@@ -126,15 +131,44 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
             prompt, end, physical, n, manager.block_size, compressed, state.kv_heads, state.counts_at
         )
         return None if keep is None else (physical, keep)
-    if req.num_output_tokens == 0 and req.num_computed_tokens < prompt == req.num_computed_tokens + n:
+    end = request_context_end(req.sampling_params, prompt)  # the prompt, or the request's context_tokens
+    if req.num_output_tokens == 0 and req.num_computed_tokens < end == req.num_computed_tokens + n:
         # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)
         counts = None
         if state.pipeline is not None:
-            counts = state.config.head_counts(state.pipeline, prompt, state.num_layers, state.kv_heads)
-        keep = state.config.slot_count(prompt, state.num_layers, manager.block_size, counts, state.kv_heads)
-        if keep < prompt:
-            return prompt, keep
+            counts = state.config.head_counts(state.pipeline, end, state.num_layers, state.kv_heads)
+        keep = state.config.slot_count(end, state.num_layers, manager.block_size, counts, state.kv_heads)
+        if keep < end:
+            return end, keep
     return None
+
+
+def _patch_add_request(orig):
+    @functools.wraps(orig)
+    def add_request(self, request):
+        state = getattr(self, "_kvtrim_state", None)
+        if state is not None and request.request_id not in self.requests:
+            # refused before vLLM holds anything of it (vLLM's own add_request raises ValueError likewise)
+            check_request(getattr(request.sampling_params, "extra_args", None), request.num_prompt_tokens,
+                          state.config.rounds)  # fmt: skip
+        return orig(self, request)
+
+    return add_request
+
+
+def _patch_reserve_prefill_lookahead(orig):
+    @functools.wraps(orig)
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        """vLLM's last cut of a request's step; also ends a prefill chunk at the request's ``context_tokens``."""
+        n = orig(self, request, num_computed_tokens, num_new_tokens)
+        if getattr(self, "_kvtrim_state", None) is None or request.num_output_tokens:
+            return n
+        end = request_context_end(request.sampling_params, request.num_prompt_tokens)
+        if num_computed_tokens < end < num_computed_tokens + n:
+            return end - num_computed_tokens
+        return n
+
+    return _reserve_prefill_lookahead
 
 
 def _patch_update_after_schedule(orig):
@@ -266,6 +300,8 @@ def install() -> None:
     core.get_kv_cache_configs = _patch_get_kv_cache_configs(core.get_kv_cache_configs)
     wrap(Scheduler, "__init__", _patch_init)
     wrap(Scheduler, "_update_after_schedule", _patch_update_after_schedule)
+    wrap(Scheduler, "add_request", _patch_add_request)
+    wrap(Scheduler, "_reserve_prefill_lookahead", _patch_reserve_prefill_lookahead)
     wrap(KVCacheCoordinator, "get_num_blocks_to_allocate", _patch_blocks_to_allocate)
     wrap(KVCacheCoordinator, "allocate_new_blocks", _patch_allocate_new_blocks)
     wrap(KVCacheCoordinator, "free", _patch_free)

@@ -53,6 +53,7 @@ import torch
 from .config import VLLMEvictionConfig, load_config
 from .evictor import PendingEviction, evict_layer, evict_layer_heads
 from .kv_layout import BlockLayout, probe_layout
+from .request_args import request_context_end
 from .scheduler_patch import model_num_layers
 from .subpages import RequestSubPages
 from .wrappers import UnpatchedVLLMError, wrap
@@ -207,7 +208,8 @@ def _patch_prepare_inputs(orig):
                     head_rows.append((i, qs, qe, pages, [pages.append(lay, n) for lay in range(pages.num_layers)]))
                 continue
             req = self.requests[req_id]
-            prompt = int(batch.num_prompt_tokens[i])
+            # the prompt, or the tokens the request names as its context (the question after it stays whole)
+            prompt = request_context_end(req.sampling_params, int(batch.num_prompt_tokens[i]))
             if req.output_token_ids or not computed[i] < prompt:
                 continue
             # A prompt prefilled in several steps: the observation window may reach past the last step's rows, so
