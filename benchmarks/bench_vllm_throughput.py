@@ -556,12 +556,12 @@ def _transformers_generate(
 
 def _context_only_generate(model, x: torch.Tensor, config: dict, spec: dict, context_tokens: int) -> list[int]:
     """Prefill the first ``context_tokens`` of ``x`` ``[1, n]``, compress them, feed the rest, decode greedily."""
-    from kvtrim.compression.compressor import BudgetSpec
     from kvtrim.integration.attention import kvtrim_attention_enabled
-    from kvtrim.methods import get_method
-    from kvtrim.runtime import Prefill, feed, greedy_decode
+    from kvtrim.runtime import Prefill, feed, greedy_decode, resolve_method
 
-    pipeline, budget = get_method(config["method"], **config.get("params", {})), BudgetSpec(**spec)
+    # bound to the model: HeadKV and DuoAttention load their calibration artifacts
+    ratio, budget = spec.get("ratio"), spec.get("budget")
+    pipeline, budget = resolve_method(config["method"], ratio, budget, config.get("params"), model)
     ctx, question = x[:, :context_tokens], x[:, context_tokens:]
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         pre = Prefill.plain(model, ctx, torch.ones_like(ctx), pipeline.observation)
@@ -594,7 +594,10 @@ def quality_lines(q: dict) -> list[str]:
     tasks = q["tasks"]
     lines = [
         f"Quality ({', '.join(tasks)}, {q['length']} tokens, {q['samples_per_task']} samples each, greedy, "
-        f"{MAX_NEW} new tokens; the same prompt token ids through every path):",
+        f"{MAX_NEW} new tokens; the same prompt token ids through every path"
+        + ("; context-only: each prompt's context compressed alone, the question kept whole" if q.get("context_only")
+           else "")
+        + "):",
         "",
         f"| configuration | path | mean score | {' | '.join(tasks)} | leading tokens equal (vLLM vs transformers) |",
         "|---|---|---|" + "---|" * len(tasks) + "---|",
