@@ -441,15 +441,7 @@ def quality(
     cases = []
     for task in tasks:
         for s in generate_task(task, tokenizer, length, samples, seed=7):
-            messages = [{"role": "user", "content": s.context + s.question}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + s.answer_prefix
-            if context_only:  # the context's tokens, then the question's (tokenized apart: an exact boundary)
-                cut = text.index(s.context) + len(s.context)
-                head = list(tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
-                ids = head + list(tokenizer(text[cut:], add_special_tokens=False)["input_ids"])
-                cases.append((task, s, ids, len(head)))
-            else:
-                cases.append((task, s, list(tokenizer(text, add_special_tokens=False)["input_ids"]), None))
+            cases.append((task, s, *case_ids(tokenizer, s, context_only)))
     if configs is None:
         configs = {m.name: m.plugin_config() for m in modes if m.kind == "vllm"}
         chunks = {m.name: chunk for m in modes if m.kind == "vllm"}
@@ -521,6 +513,18 @@ def quality(
         for path, v in scores.items()
     }
     return results
+
+
+def case_ids(tokenizer, sample, context_only: bool = False) -> tuple[list[int], int | None]:
+    """A quality case's chat-templated prompt ids and, ``context_only``, how many of them are the context: the text
+    up to the context's end and the rest are tokenized apart, so the boundary falls between two tokens."""
+    messages = [{"role": "user", "content": sample.context + sample.question}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + sample.answer_prefix
+    if not context_only:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), None
+    cut = text.index(sample.context) + len(sample.context)
+    head = list(tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
+    return head + list(tokenizer(text[cut:], add_special_tokens=False)["input_ids"]), len(head)
 
 
 def _transformers_generate(

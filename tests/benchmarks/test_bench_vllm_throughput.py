@@ -119,3 +119,18 @@ def test_method_params_reach_the_plugin_configuration(bench):
     assert mode.plugin_config() == {"method": "kvcompress", "budget": 128, "params": even, "between_chunks": True}
     assert mode.refusal is None
     assert "params.even_layer_evict" in bench.rounds_refusal("kvcompress", 128)  # without the flag: refused outright
+
+
+def test_context_only_cases_split_the_prompt_where_the_context_ends(bench):
+    import kvtrim
+    from kvtrim.eval.tasks import generate_task
+
+    tokenizer = kvtrim.load_tokenizer("smollm2-135m")
+    sample = generate_task("passkey", tokenizer, 512, 1, seed=7)[0]
+    ids, n = bench.case_ids(tokenizer, sample, context_only=True)
+    plain, none = bench.case_ids(tokenizer, sample)
+    assert none is None and 0 < n < len(ids)
+    head, tail = tokenizer.decode(ids[:n]), tokenizer.decode(ids[n:])
+    assert head.endswith(sample.context) and tail.startswith(sample.question)  # the boundary is the context's end
+    assert sample.question not in head
+    assert abs(len(ids) - len(plain)) <= 2  # tokenized apart, the prompt keeps (nearly) its length
