@@ -35,7 +35,7 @@ PATCH_SURFACE: tuple[SurfaceEntry, ...] = (
     SurfaceEntry(_SCHED, "Scheduler._update_after_schedule", "wrapped: frees the evicted blocks"),
     SurfaceEntry("v1/core/sched/async_scheduler.py", "AsyncScheduler._update_after_schedule", "calls the wrapper"),
     SurfaceEntry(_SCHED, "Scheduler.add_request", "wrapped: refuses a request's invalid kvtrim settings"),
-    SurfaceEntry(_SCHED, "Scheduler._reserve_prefill_lookahead", "wrapped: ends a chunk at context_tokens"),
+    SurfaceEntry(_SCHED, "Scheduler._reserve_prefill_lookahead", "wrapped: ends a chunk at a context's end"),
     SurfaceEntry(_SCHED, "Scheduler.schedule", "calls _reserve_prefill_lookahead last for every request"),
     SurfaceEntry("sampling_params.py", "SamplingParams", "extra_args carries a request's kvtrim settings"),
     SurfaceEntry("v1/engine/input_processor.py", "InputProcessor.process_inputs", "wrapped: checks the settings"),

@@ -11,11 +11,11 @@ every chunk and every ``N`` decoded tokens, or by LagKV's recursion,
 ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` (token counts of compressed
 requests are physical: logical − dropped; with ``between_chunks`` vLLM's full-sequence admission gate counts
 at most budget + one chunk) and ``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request);
-``Scheduler.add_request`` (refuse a request's invalid ``extra_args["kvtrim"]``) and
-``Scheduler._reserve_prefill_lookahead`` (vLLM's last cut of a step's tokens per request: also end a prefill chunk
-at the request's ``context_tokens``, :mod:`kvtrim.vllm.request_args`).
+``Scheduler.add_request`` (refuse a request's invalid ``kvtrim_*`` settings in ``extra_args``; the input
+processor refuses them first) and ``Scheduler._reserve_prefill_lookahead`` (vLLM's last cut of a step's tokens per
+request: also end a prefill chunk at the request's ``kvtrim_context_tokens``, :mod:`kvtrim.vllm.request_args`).
 
-The number kept depends only on the prompt length (or the request's ``context_tokens``) and the configuration,
+The number kept depends only on the prompt length (or the request's ``kvtrim_context_tokens``) and the configuration,
 so scheduler and workers agree without exchanging anything.
 """
 
@@ -131,7 +131,7 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
             prompt, end, physical, n, manager.block_size, compressed, state.kv_heads, state.counts_at
         )
         return None if keep is None else (physical, keep)
-    end = request_context_end(req.sampling_params, prompt)  # the prompt, or the request's context_tokens
+    end = request_context_end(req.sampling_params, prompt)  # the prompt, or the request's kvtrim_context_tokens
     if req.num_output_tokens == 0 and req.num_computed_tokens < end == req.num_computed_tokens + n:
         # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)
         counts = None
@@ -148,7 +148,7 @@ def _patch_add_request(orig):
     def add_request(self, request):
         state = getattr(self, "_kvtrim_state", None)
         if state is not None and request.request_id not in self.requests:
-            # refused before vLLM holds anything of it (vLLM's own add_request raises ValueError likewise)
+            # a request that did not pass the input processor's check: refused before vLLM holds anything of it
             check_request(getattr(request.sampling_params, "extra_args", None), request.num_prompt_tokens,
                           state.config.rounds)  # fmt: skip
         return orig(self, request)
@@ -159,7 +159,8 @@ def _patch_add_request(orig):
 def _patch_reserve_prefill_lookahead(orig):
     @functools.wraps(orig)
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
-        """vLLM's last cut of a request's step; also ends a prefill chunk at the request's ``context_tokens``."""
+        """vLLM's last cut of a request's step; also ends a prefill chunk at the request's
+        ``kvtrim_context_tokens``."""
         n = orig(self, request, num_computed_tokens, num_new_tokens)
         if getattr(self, "_kvtrim_state", None) is None or request.num_output_tokens:
             return n
