@@ -544,36 +544,38 @@ def _transformers_generate(
             cache = kvtrim.make_cache(model, config["method"], **spec, **config.get("params", {}))
             out = model.generate(x, past_key_values=cache, max_new_tokens=MAX_NEW, do_sample=False)
             return out[0, len(ids) :].tolist()
-    from kvtrim.compression.compressor import BudgetSpec
     from kvtrim.integration.attention import kvtrim_attention_enabled
-    from kvtrim.methods import get_method
     from kvtrim.runtime import Prefill, greedy_decode
+    from kvtrim.sampling import eos_ids
 
-    pipeline, budget = get_method(config["method"], **config.get("params", {})), BudgetSpec(**spec)
+    pipeline, budget = _bound_method(model, config, spec)
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         pre = Prefill.chunked(model, x, torch.ones_like(x), chunk, pipeline, budget)
         out = pre.compressed(pipeline, budget)
-        eos = model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return greedy_decode(model, out.cache, pre.mask, pre.logits, MAX_NEW, eos=eos).tokens[0]
+        return greedy_decode(model, out.cache, pre.mask, pre.logits, MAX_NEW, eos=eos_ids(model, None)).tokens[0]
+
+
+def _bound_method(model, config: dict, spec: dict):
+    """The configuration's pipeline and budget spec, bound to ``model`` (HeadKV and DuoAttention load their
+    calibration artifacts there)."""
+    from kvtrim.runtime import resolve_method
+
+    return resolve_method(config["method"], spec.get("ratio"), spec.get("budget"), config.get("params"), model)
 
 
 def _context_only_generate(model, x: torch.Tensor, config: dict, spec: dict, context_tokens: int) -> list[int]:
     """Prefill the first ``context_tokens`` of ``x`` ``[1, n]``, compress them, feed the rest, decode greedily."""
     from kvtrim.integration.attention import kvtrim_attention_enabled
-    from kvtrim.runtime import Prefill, feed, greedy_decode, resolve_method
+    from kvtrim.runtime import Prefill, feed, greedy_decode
+    from kvtrim.sampling import eos_ids
 
-    # bound to the model: HeadKV and DuoAttention load their calibration artifacts
-    ratio, budget = spec.get("ratio"), spec.get("budget")
-    pipeline, budget = resolve_method(config["method"], ratio, budget, config.get("params"), model)
+    pipeline, budget = _bound_method(model, config, spec)
     ctx, question = x[:, :context_tokens], x[:, context_tokens:]
     with torch.inference_mode(), kvtrim_attention_enabled(model):
         pre = Prefill.plain(model, ctx, torch.ones_like(ctx), pipeline.observation)
         cache = pre.compressed(pipeline, budget).cache
         fed = feed(model, cache, pre.mask, question)
-        eos = model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return greedy_decode(model, cache, fed.mask, fed.logits, MAX_NEW, eos=eos).tokens[0]
+        return greedy_decode(model, cache, fed.mask, fed.logits, MAX_NEW, eos=eos_ids(model, None)).tokens[0]
 
 
 def _engine_generate(model, tokenizer, mode: Mode, prompts: list[list[int]], pool: dict, chunk: int | None):

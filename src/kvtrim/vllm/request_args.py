@@ -40,7 +40,11 @@ def request_settings(extra_args: dict[str, Any] | None) -> dict[str, Any]:
 def context_end(extra_args: dict[str, Any] | None, prompt_len: int) -> int:
     """The token after which the plugin compresses a ``prompt_len``-token prompt: ``kvtrim_context_tokens`` when
     the request gives it, else ``prompt_len`` (the whole prompt)."""
-    n = request_settings(extra_args).get(CONTEXT_TOKENS)
+    return _context_end(request_settings(extra_args), prompt_len)
+
+
+def _context_end(settings: dict[str, Any], prompt_len: int) -> int:
+    n = settings.get(CONTEXT_TOKENS)
     if n is None:
         return prompt_len
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= prompt_len:
@@ -53,8 +57,9 @@ def context_end(extra_args: dict[str, Any] | None, prompt_len: int) -> int:
 def check_request(extra_args: dict[str, Any] | None, prompt_len: int, rounds: bool) -> int:
     """Validate a request's settings when it arrives; returns its :func:`context_end`. ``rounds``: the
     configuration compresses more than once, which ``kvtrim_context_tokens`` does not take."""
-    end = context_end(extra_args, prompt_len)
-    if rounds and request_settings(extra_args).get(CONTEXT_TOKENS) is not None:
+    settings = request_settings(extra_args)
+    end = _context_end(settings, prompt_len)
+    if rounds and settings.get(CONTEXT_TOKENS) is not None:
         raise InvalidParameterError(
             f"extra_args[{CONTEXT_TOKENS!r}] needs a method that compresses once after the context; this "
             "configuration compresses in rounds (between_chunks, method@every:N or LagKV's recursion)"
@@ -68,12 +73,12 @@ def request_context_end(sampling_params, prompt_len: int) -> int:
 
 
 def _patch_process_inputs(orig):
+    from vllm.exceptions import VLLMValidationError
+
+    from .config import load_config
+
     @functools.wraps(orig)
     def process_inputs(self, *args, **kwargs):
-        from vllm.exceptions import VLLMValidationError
-
-        from .config import load_config
-
         request = orig(self, *args, **kwargs)
         if not hasattr(self, "_kvtrim_config"):
             self._kvtrim_config = load_config(self.vllm_config.additional_config)
