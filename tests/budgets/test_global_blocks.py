@@ -172,3 +172,13 @@ def test_even_layer_evict_through_the_cache_keeps_the_same_blocks_per_layer():
     bound = get_method("kvcompress", even_layer_evict=True).budget.layer_bound(40, heads, 120)
     assert int(counts.sum(-1).max()) <= bound
     assert any(len(set(row.tolist())) > 1 for row in counts) or heads == 1
+
+
+def test_layer_pages_count_the_chunks_a_layer_keeps():
+    budget = GlobalBlockBudget(block_size=32, protected_window=32, even_layers=True)
+    assert budget.layer_pages(128, 3, 1024) == 12  # ⌈128·3/32⌉
+    assert budget.layer_pages(50, 3, 700) == 6  # every head at or under 50 keeps ⌈50/32⌉ = 2 pages: 3·2 > ⌈150/32⌉
+    assert budget.layer_pages(8, 3, 700) == 3  # the protected window: one page per head
+    assert budget.layer_pages(128, 3, 100) == 12  # nothing evicted: every head's 100 entries in 4 pages
+    for keep, length in ((128, 1024), (50, 700), (8, 700)):  # never under the entries' bound in whole pages
+        assert budget.layer_pages(keep, 3, length) * 32 >= budget.layer_bound(keep, 3, length)

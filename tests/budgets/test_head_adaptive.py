@@ -43,3 +43,57 @@ def test_skewed_heads_get_more():
     budgets = HeadAdaptiveBudget(alpha=0.2, window=8).head_budgets(scores, torch.arange(100).expand(2, 100), 40, 100)
     assert budgets[0] > budgets[1] and int(budgets.sum()) == 80
     assert int(budgets[1]) - 8 >= int(0.2 * 32)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    heads=st.integers(1, 6),
+    seq=st.integers(20, 300),
+    keep=st.integers(1, 120),
+    page=st.sampled_from([4, 16, 32]),
+    seed=st.integers(0, 999),
+    ragged=st.booleans(),
+)
+def test_whole_pages_fill_the_uniform_pages_and_stay_near_adakvs_counts(heads, seq, keep, page, seed, ragged):
+    """page_size: counts are whole pages or a head's whole row, the layer holds at most layer_pages pages (the
+    uniform budget's ⌈H·keep/P⌉ when heads are longer), each head keeps its window and moves less than a page."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(heads, seq, generator=g) ** 4
+    lengths = torch.randint(1, seq + 1, (heads,), generator=g) if ragged else torch.full((heads,), seq)
+    positions = torch.full((heads, seq), -1)
+    for h, n in enumerate(lengths.tolist()):
+        positions[h, :n] = torch.arange(seq - n, seq)
+    keep = min(keep, seq)
+    plain = HeadAdaptiveBudget(alpha=0.2, window=8).head_budgets(scores.clone(), positions, keep, seq)
+    paged = HeadAdaptiveBudget(alpha=0.2, window=8, page_size=page)
+    counts = paged.head_budgets(scores.clone(), positions, keep, seq)
+    if keep <= 8:  # a budget within the window: every head keeps the budget, as AdaKV
+        assert torch.equal(counts, plain)
+        return
+    assert bool((counts <= lengths).all())
+    assert bool(((counts % page == 0) | (counts == lengths)).all())  # whole pages, or the whole row
+    pages = -(-counts // page)
+    assert int(pages.sum()) <= paged.layer_pages(keep, heads, int(lengths.max()))
+    assert bool((counts >= torch.minimum(lengths, torch.tensor(8))).all())  # the window stays
+    if not ragged and seq > keep:
+        assert int(pages.sum()) == -(-heads * keep // page)  # the uniform budget's pages, all used
+        assert bool(((counts - plain).abs() < page).all())  # each head within a page of AdaKV's count
+
+
+def test_page_size_one_is_adakv_and_bad_page_sizes_are_refused():
+    import pytest
+
+    from kvtrim.errors import InvalidParameterError
+
+    g = torch.Generator().manual_seed(0)
+    scores, positions = torch.rand(3, 200, generator=g) ** 4, torch.arange(200).expand(3, 200)
+    scores[0] *= 20  # a sharper head wins more of the layer's budget
+    assert torch.equal(
+        HeadAdaptiveBudget(page_size=1).head_budgets(scores, positions, 64, 200),
+        HeadAdaptiveBudget().head_budgets(scores, positions, 64, 200),
+    )
+    counts = HeadAdaptiveBudget(page_size=32).head_budgets(scores, positions, 64, 200)
+    assert int(counts.sum()) == 192 and bool((counts % 32 == 0).all()) and len(set(counts.tolist())) > 1
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(InvalidParameterError, match="page_size must be an integer >= 1"):
+            HeadAdaptiveBudget(page_size=bad)

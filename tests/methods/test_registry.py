@@ -27,7 +27,9 @@ def test_overrides_and_positional_calls_are_recorded_by_name():
     assert pipe.scorer.window == 4 and pipe.budget.beta == 10.0
     direct = method_info("adakv").factory(16, 5)  # the factory itself records its arguments too
     assert direct.name == "adakv"
-    assert direct.params == {"window": 16, "kernel": 5, "pooling": "max", "alpha": 0.2, "rule": "official"}
+    assert direct.params == {
+        "window": 16, "kernel": 5, "pooling": "max", "alpha": 0.2, "rule": "official", "page_size": 1
+    }
 
 
 def test_a_method_built_from_another_gets_its_own_name_and_params():

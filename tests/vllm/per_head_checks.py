@@ -61,12 +61,13 @@ def transformers_tokens(
 
 
 def check_tokens_and_blocks(
-    model, prompts, method: str, params: dict | None = None, min_ragged: int | None = None
+    model, prompts, method: str, params: dict | None = None, min_ragged: int | None = None, slots: int | None = None
 ) -> None:
     """24 greedy tokens equal the transformers path's; blocks freed follow the slot count; heads split (per-head).
 
     ``params``: the method's own parameters, in the plugin's configuration and in ``kvtrim.make_cache``;
-    ``min_ragged``: fewest (request, layer) pairs whose heads keep different counts (None: every pair)."""
+    ``min_ragged``: fewest (request, layer) pairs whose heads keep different counts (None: every pair);
+    ``slots``: the slots each compressed request keeps (None: ``B + block − 1`` per head, ``B`` uniform)."""
     raw = {"method": method, "budget": BUDGET, "params": dict(params or {})}
     config = parse_config(raw)
     llm = make_llm(raw, model=str(model), block_size=BLOCK)
@@ -76,8 +77,9 @@ def check_tokens_and_blocks(
         worker = worker_state(llm)
         assert state.requests_compressed == 2  # the 60-token prompt is under the budget
         # Per-head: the block list keeps B + block − 1 slots, 3 blocks of 32 instead of 10 and 22 (uniform: 2).
+        expected = slots if slots is not None else BUDGET + BLOCK - 1 if config.per_head else BUDGET
         slots = [config.slot_count(len(p), LAYERS, BLOCK, kv_heads=KV_HEADS) for p in prompts[1:]]
-        assert slots == [BUDGET + BLOCK - 1 if config.per_head else BUDGET] * 2
+        assert slots == [expected] * 2
         freed = sum(_cdiv(len(p), BLOCK) - _cdiv(s, BLOCK) for p, s in zip(prompts[1:], slots, strict=True))
         assert state.blocks_freed == freed
         # every layer of both requests split its heads unevenly (per-head methods; at least ``min_ragged`` pairs

@@ -94,6 +94,93 @@ def test_kv_compress_budget_below_the_protected_window_is_sized_by_the_window():
     assert w8.layer_total(700, 3) == 48 and w8.slot_count(700, 4, 32, kv_heads=3) == 16 + 31
 
 
+def test_kv_compress_with_vllms_block_size_keeps_whole_pages_without_slack():
+    """params.block_size equal to vLLM's: the budget's own blocks (no block_size − 1 of slack)."""
+    config = parse_config({"method": "kvcompress", "budget": 128, "params": {**EVEN, "block_size": 32}})
+    assert config.slot_count(1024, 30, 32, kv_heads=3) == 128  # ⌈128·3/32⌉ = 12 pages: 4 blocks, as SnapKV
+    assert config.round_slots(32, 3, 1024) == 128
+    assert config.slot_count(1024, 30, 16, kv_heads=3) == 128 + 15  # other block sizes: the general bound
+    odd = parse_config({"method": "kvcompress", "budget": 50, "params": {**EVEN, "block_size": 32}})
+    assert odd.slot_count(700, 4, 32, kv_heads=3) == 64  # ⌈150/32⌉ = 5 pages (≥ 3·⌈50/32⌉ = 6): 2 blocks
+    small = parse_config({"method": "kvcompress", "budget": 8, "params": {**EVEN, "block_size": 32}})
+    assert small.slot_count(700, 4, 32, kv_heads=3) == 32  # the protected window: one page per head
+    assert config.slot_count(100, 4, 32, kv_heads=3) == 100  # budget ≥ prompt: nothing freed
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_kv_compress_whole_pages_fit_the_slots_and_every_later_token(seed):
+    """Any scores: the ranking's per-head counts fit the blocks of page_slots, and after t more tokens (one per
+    head) the blocks vLLM allocates for page_slots + t, as later rounds' ragged rows do."""
+    from kvtrim.budgets.global_blocks import GlobalBlockBudget
+    from kvtrim.vllm.subpages import RequestSubPages
+
+    rng = np.random.default_rng(seed)
+    heads, bs = int(rng.integers(1, 6)), int(rng.choice([4, 8, 16]))
+    lengths = rng.integers(1, 12 * bs, heads)  # ragged rows (a later round) or equal ones (the first)
+    if seed % 2:
+        lengths[:] = lengths[0]
+    keep = int(rng.integers(1, 6 * bs))
+    window = int(rng.choice([0, 4, 8, 20]))
+    budget = GlobalBlockBudget(block_size=bs, protected_window=window, even_layers=True)
+    width, context = int(lengths.max()), int(lengths.max())
+    positions = torch.full((heads, width), -1)
+    for h, n in enumerate(lengths):
+        positions[h, :n] = torch.arange(context - n, context)
+    scores = torch.from_numpy(rng.random((heads, width))).float()
+    counts = budget.head_counts(scores, positions, keep, context).numpy()
+    config = parse_config({"method": "kvcompress", "budget": keep, "params": {**EVEN, "block_size": bs}})
+    slots = config.page_slots(keep, width, bs)
+    blocks = iter(range(10_000))
+    pages = RequestSubPages(1, heads, bs, [next(blocks) for _ in range(slots // bs)])
+    pages.place(0, counts)
+    for t in range(1, 2 * bs + 2):
+        need = -(-(slots + t) // bs)
+        pages.add_blocks([next(blocks) for _ in range(need - len(pages.blocks))])
+        pages.append(0, 1)
+    pages.check()
+
+
+def test_adakv_in_whole_pages_keeps_the_uniform_slots():
+    config = parse_config({"method": "adakv", "budget": 128, "params": {"page_size": 32}})
+    assert config.page_size == 32 and config.slot_count(1024, 30, 32, kv_heads=3) == 128  # SnapKV's 4 blocks
+    assert config.round_slots(32, 3, 1024) == 128 and config.layer_total(1024, 3) == 384
+    assert config.slot_count(1024, 30, 128, kv_heads=3) == 128 + 127  # pages other than vLLM's blocks: the bound
+    odd = parse_config({"method": "critical_adakv", "budget": 100, "params": {"page_size": 32}})
+    assert odd.slot_count(1024, 30, 32, kv_heads=3) == 128 and odd.layer_total(1024, 3) == 320  # ⌈300/32⌉ = 10
+    assert parse_config({"method": "adakv", "budget": 128}).page_size is None
+    assert config.slot_count(1024, 30, 32) == 128  # no head count needed: ⌈⌈H·x⌉/H⌉ = ⌈x⌉
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_adakv_whole_pages_fit_the_slots_and_every_later_token(seed):
+    """Any scores, first compression (equal rows) or a later round (ragged rows): AdaKV's counts in whole pages fit
+    the blocks of page_slots, and after t more tokens the blocks vLLM allocates for page_slots + t."""
+    from kvtrim.budgets.head_adaptive import HeadAdaptiveBudget
+    from kvtrim.vllm.subpages import RequestSubPages
+
+    rng = np.random.default_rng(seed)
+    heads, bs = int(rng.integers(1, 6)), int(rng.choice([4, 8, 16]))
+    lengths = rng.integers(1, 12 * bs, heads)
+    if seed % 2:
+        lengths[:] = lengths[0]
+    keep = int(rng.integers(9, 6 * bs + 9))
+    width = int(lengths.max())
+    positions = torch.full((heads, width), -1)
+    for h, n in enumerate(lengths):
+        positions[h, :n] = torch.arange(width - n, width)
+    scores = torch.from_numpy(rng.random((heads, width)) ** 4).float()
+    counts = HeadAdaptiveBudget(page_size=bs).head_budgets(scores, positions, keep, width).numpy()
+    config = parse_config({"method": "adakv", "budget": keep, "params": {"page_size": bs}})
+    slots = config.page_slots(keep, width, bs)
+    blocks = iter(range(10_000))
+    pages = RequestSubPages(1, heads, bs, [next(blocks) for _ in range(slots // bs)])
+    pages.place(0, counts)
+    for t in range(1, 2 * bs + 2):
+        pages.add_blocks([next(blocks) for _ in range(-(-(slots + t) // bs) - len(pages.blocks))])
+        pages.append(0, 1)
+    pages.check()
+
+
 def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
     """The per-head eviction on a fake CPU cache: each layer keeps ⌈B·H/16⌉ blocks, heads differ, within the bound."""
     from kvtrim.vllm.evictor import evict_layer_heads
@@ -114,11 +201,15 @@ def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
     pages = RequestSubPages(1, h, bs, blocks[: -(-slots // bs)].tolist())
     pending = PendingEviction("r", 0, p, p, slots, blocks, None, budget, pages, None,
                               layer_total=config.layer_total(p, h))  # fmt: skip
-    calls = []  # vLLM's cache-write op is not needed here: count what each head writes
-    monkeypatch.setattr(evictor, "folded_cache_write", lambda k, v, cache_, slots_, isa: calls.append(len(k)))
+    calls = []  # vLLM's cache-write op is not needed here: record the one write of every head's kept entries
+    monkeypatch.setattr(evictor, "folded_cache_write", lambda k, v, cache_, slots_, isa: calls.append((k, slots_)))
     counts = evict_layer_heads(config.pipeline(), layout, cache, query, pending, 0, 1, d**-0.5, None, "vec")
     assert sum(-(-c // bs) for c in counts) == -(-budget * h // bs)  # ⌈40·3/16⌉ = 8 blocks of the ranking
-    assert sum(counts) <= config.layer_total(p, h) and len(set(counts)) > 1 and calls == counts
+    assert sum(counts) <= config.layer_total(p, h) and len(set(counts)) > 1 and len(calls) == 1
+    written, slots_written = calls[0]
+    assert written.shape == (sum(counts), 1, d)
+    # head by head, each head's kept entries go to its own sub-pages, in entry order
+    assert slots_written.view(-1).tolist() == [s for head in range(h) for s in pages.slots(0, head).tolist()]
 
 
 @pytest.mark.parametrize(

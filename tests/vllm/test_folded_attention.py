@@ -72,11 +72,13 @@ def _vllm_attention(query, kv_cache, qsl, seq_lens, block_table, scale, isa):
 
 
 @pytest.mark.parametrize("block_size", [32, 128])
-def test_equal_head_lengths_give_vllms_own_kernel_result(block_size):
+@pytest.mark.parametrize("q_lens", [[1, 40, 7, 1], [1, 1, 1, 1]], ids=["mixed", "decode"])
+def test_equal_head_lengths_give_vllms_own_kernel_result(block_size, q_lens):
+    """Mixed steps fold the query rows by gathering; decoding steps (one row per request) without a gather."""
     torch.manual_seed(0)
     isa = _get_attn_isa(torch.float32, block_size, DIM)
     seq_lens = torch.tensor([50, 300, 7, 129], dtype=torch.int32)  # decode, chunk, whole prefill, decode
-    q_lens = torch.tensor([1, 40, 7, 1])
+    q_lens = torch.tensor(q_lens)
     qsl = torch.zeros(5, dtype=torch.int32)
     qsl[1:] = q_lens.cumsum(0)
     per_req = [-(-int(s) // block_size) for s in seq_lens]
@@ -96,8 +98,10 @@ def test_equal_head_lengths_give_vllms_own_kernel_result(block_size):
     folded_cache_write(keys, values, ours, default_subpage_slots(slots, KV_HEADS, block_size), isa)
     assert torch.equal(ours, theirs)  # one-head writes land where vLLM's multi-head writes do
 
-    query = torch.randn(int(qsl[-1]), KV_HEADS * GROUP, DIM)
-    expected = _vllm_attention(query, theirs, qsl, seq_lens, table, 0.125, isa)
+    # a view into a wider row, as vLLM's query is (split from the fused QKV projection)
+    qkv = torch.randn(int(qsl[-1]), (KV_HEADS * GROUP + 2 * KV_HEADS) * DIM)
+    query = qkv[:, : KV_HEADS * GROUP * DIM].view(-1, KV_HEADS * GROUP, DIM)
+    expected = _vllm_attention(query.contiguous(), theirs, qsl, seq_lens, table, 0.125, isa)
     got = torch.empty_like(query)
     folded_attention(
         query, ours, got, qsl, seq_lens.repeat_interleave(KV_HEADS), default_subpage_table(table, KV_HEADS), 0.125, isa

@@ -84,3 +84,41 @@ def test_a_round_restarts_each_layer_on_the_first_blocks_and_gives_up_the_rest()
     pages.check()
     with pytest.raises(SubPageError, match="cannot restart layer 0 on 3"):
         pages.restart_layer(0, 3)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_append_all_equals_appending_layer_by_layer(seed):
+    """One pass over every layer gives the slots, pages and lengths that per-layer appends give."""
+    rng = np.random.default_rng(seed)
+    layers, heads, bs = int(rng.integers(1, 5)), int(rng.integers(1, 5)), int(rng.choice([2, 4, 16]))
+    blocks = [int(b) for b in rng.permutation(200)[:6]]
+    a, b = (RequestSubPages(layers, heads, bs, blocks[:3]) for _ in range(2))
+    for layer in range(layers):
+        counts = rng.integers(0, 2 * bs, heads)
+        a.place(layer, counts)
+        b.place(layer, counts)
+    for step, n in enumerate(rng.integers(1, bs + 2, 4)):
+        if step == 2:
+            a.sync_blocks(blocks)
+            b.sync_blocks(blocks)
+        try:
+            expected = np.stack([a.append(layer, int(n)) for layer in range(layers)])
+        except SubPageError:
+            with pytest.raises(SubPageError, match="more sub-pages"):
+                b.append_all(int(n))
+            break
+        assert np.array_equal(b.append_all(int(n)), expected)
+        assert np.array_equal(a.lengths, b.lengths)
+        assert all(a.table(layer) == b.table(layer) for layer in range(layers))
+        b.check()
+
+
+def test_append_all_refuses_before_changing_anything():
+    pages = RequestSubPages(2, 2, 4, [1])
+    pages.place(0, np.array([2, 2]))
+    pages.place(1, np.array([4, 0]))
+    before = (pages.lengths.copy(), [pages.table(layer) for layer in range(2)], [list(f) for f in pages.free])
+    with pytest.raises(SubPageError, match="layer 1 needs 2 more sub-pages for 1 entries per head"):
+        pages.append_all(1)  # layer 1: head 0's page is full and head 1 has none, no sub-page is free
+    assert np.array_equal(pages.lengths, before[0])
+    assert [pages.table(layer) for layer in range(2)] == before[1] and pages.free == before[2]

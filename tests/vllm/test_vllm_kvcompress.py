@@ -56,6 +56,13 @@ def test_even_layer_kv_compress_tokens_equal_the_transformers_path(model, prompt
     assert [sum(-(-c // 16) for c in layer) for layer in counts] == [-(-BUDGET * 3 // 16)] * (2 * LAYERS)
 
 
+def test_kv_compress_on_vllms_blocks_frees_what_snapkv_frees(model, prompts):
+    """``params.block_size`` equal to vLLM's (32): each layer keeps ⌈64·3/32⌉ = 6 one-head pages, so a request keeps
+    2 blocks, SnapKV's count at B = 64 (no block − 1 of slack), through 24 decoded tokens; tokens equal the
+    transformers path with the same parameters."""
+    check_tokens_and_blocks(model, prompts, "kvcompress", {**EVEN, "block_size": BLOCK}, min_ragged=2, slots=BUDGET)
+
+
 def test_sub_pages_hold_and_nothing_leaks_with_aborts_and_budgets_under_the_protected_window(model, monkeypatch):
     """12 requests on a 24-block pool (queueing, preemption), aborts, sub-page invariants checked every step. A
     ratio of 0.9 gives the shorter prompts a mean budget under the protected window (32): their layers keep the

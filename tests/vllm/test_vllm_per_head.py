@@ -41,6 +41,13 @@ def test_adakv_tokens_equal_the_transformers_path_and_heads_keep_different_count
     check_tokens_and_blocks(model, prompts, "adakv")
 
 
+def test_adakv_in_whole_pages_frees_what_snapkv_frees(model, prompts):
+    """``params.page_size`` equal to vLLM's block size (32): each layer's heads share ⌈64·3/32⌉ = 6 one-head pages,
+    so a request keeps 2 blocks, SnapKV's count at B = 64 (no block − 1 of slack), through 24 decoded tokens; the
+    tokens equal the transformers path with the same parameters and differ from AdaKV's per-entry counts."""
+    check_tokens_and_blocks(model, prompts, "adakv", {"page_size": BLOCK}, min_ragged=2, slots=BUDGET)
+
+
 def test_adakv_prompt_within_one_block_of_the_budget_splits_heads_without_freeing_blocks(model):
     """B < prompt <= B + block − 1: the request keeps its blocks, its heads still keep their own counts."""
     prompt = token_prompts([80], seed=9)[0]

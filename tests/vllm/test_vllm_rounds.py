@@ -74,14 +74,22 @@ def _kvtrim_chunked(model, prompt, method, tokens, params: dict | None = None) -
 
 
 @pytest.mark.parametrize(
-    "method",
-    ["snapkv@every:16", "streaming_llm@every:16", "tova@every:16", "adakv@every:16", "critical_adakv@every:16"],
+    ("method", "params"),
+    [
+        ("snapkv@every:16", {}),
+        ("streaming_llm@every:16", {}),
+        ("tova@every:16", {}),
+        ("adakv@every:16", {}),
+        ("critical_adakv@every:16", {}),
+        ("adakv@every:16", {"page_size": BLOCK}),
+    ],
+    ids=["snapkv", "streaming_llm", "tova", "adakv", "critical_adakv", "adakv-whole-pages"],
 )
-def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, method, monkeypatch):
+def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, method, params, monkeypatch):
     per_head = method.startswith(("adakv", "critical_adakv"))
     checked = check_sub_pages(monkeypatch)  # per-head: the sub-page invariants after every step
     prompt = token_prompts([700], seed=21)[0]
-    llm = _llm(model, {"method": method, "budget": BUDGET, "between_chunks": True})
+    llm = _llm(model, {"method": method, "budget": BUDGET, "between_chunks": True, "params": params})
     try:
         out, used = _stepped(llm, prompt, TOKENS)
         state = scheduler(llm)._kvtrim_state
@@ -96,22 +104,28 @@ def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, m
     # methods keep budget + block − 1 slots (95) after a round, so a chunk later the request spans 7 blocks too
     assert peak <= _cdiv(BUDGET + CHUNK, BLOCK) + 1 < _cdiv(len(prompt), BLOCK)
     assert max(used) <= _cdiv(BUDGET + CHUNK, BLOCK) + 1
+    if params:  # whole pages: the uniform method's blocks (budget + one chunk), no block of slack
+        assert peak == _cdiv(BUDGET + CHUNK, BLOCK)
     if per_head:
         assert stats.ragged_layers > 0 and len(checked) > 0  # heads kept different counts; pages were checked
     # decoding rounds return blocks: the count in use falls while the request decodes
     decoding = used[6:]
     assert any(b < a for a, b in itertools.pairwise(decoding))
-    assert out == _kvtrim_chunked(model, prompt, method, TOKENS)
+    assert out == _kvtrim_chunked(model, prompt, method, TOKENS, params)
     # compressing after prefill only (the whole prompt scored at once) gives other tokens: the chunks mattered
-    assert out != transformers_tokens(model, [prompt], method, TOKENS)[0]
+    assert out != transformers_tokens(model, [prompt], method, TOKENS, params)[0]
 
 
-def test_kvcompress_between_chunks_keeps_its_layer_blocks_and_equals_kvtrims_chunked_path(model, monkeypatch):
-    """KV-Compress (even_layer_evict) after every chunk: each layer keeps ⌈B·H/16⌉ of its 16-entry blocks, split
-    among its heads by its ranking; the request keeps ⌈that/H⌉ + block − 1 slots of vLLM's list."""
+@pytest.mark.parametrize("kvc_block", [16, BLOCK], ids=["own-blocks", "vllm-blocks"])
+def test_kvcompress_between_chunks_keeps_its_layer_blocks_and_equals_kvtrims_chunked_path(
+    model, monkeypatch, kvc_block
+):
+    """KV-Compress (even_layer_evict) after every chunk: each layer keeps ⌈B·H/bs⌉ of its blocks, split among its
+    heads by its ranking; the request keeps ⌈B·H/bs⌉/H blocks' worth + block − 1 slots of vLLM's list, or, with
+    KV-Compress's blocks equal to vLLM's, exactly the pages of the ranking (B = 64: 2 blocks, as SnapKV)."""
     checked = check_sub_pages(monkeypatch)
     prompt = token_prompts([700], seed=21)[0]
-    params = {"even_layer_evict": True}
+    params = {"even_layer_evict": True, "block_size": kvc_block}
     llm = _llm(model, {"method": "kvcompress", "budget": BUDGET, "params": params, "between_chunks": True})
     try:
         out, used = _stepped(llm, prompt, TOKENS)
@@ -122,7 +136,8 @@ def test_kvcompress_between_chunks_keeps_its_layer_blocks_and_equals_kvtrims_chu
     finally:
         close(llm)
     assert state.rounds == stats.rounds == 6 and state.requests_compressed == 1  # one per chunk, none decoding
-    assert peak <= _cdiv(BUDGET + BLOCK - 1 + CHUNK, BLOCK) < _cdiv(len(prompt), BLOCK)
+    slack = 0 if kvc_block == BLOCK else BLOCK - 1
+    assert peak <= _cdiv(BUDGET + slack + CHUNK, BLOCK) < _cdiv(len(prompt), BLOCK)
     assert stats.ragged_layers > 0 and len(checked) > 0
     assert out == _kvtrim_chunked(model, prompt, "kvcompress", TOKENS, params)
 

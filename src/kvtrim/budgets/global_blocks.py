@@ -70,6 +70,24 @@ class GlobalBlockBudget(BudgetAllocator):
         bound = max(budget_blocks(keep, kv_heads, self.block_size) * self.block_size, kv_heads * floor)
         return min(bound, kv_heads * length)
 
+    def layer_pages(self, keep: int, kv_heads: int, length: int) -> int:
+        """Most chunks of ``block_size`` entries one layer's ``kv_heads`` heads hold together after the
+        ``even_layers`` ranking at mean budget ``keep`` over at most ``length`` entries per head.
+
+        A head that evicts keeps whole chunks (the hanging one goes first), a head that does not keeps its entries
+        in ``⌈n/block_size⌉`` chunks, so the layer holds at most ``⌈keep·H/block_size⌉`` chunks, or
+        ``H·⌈protected_window/block_size⌉`` when the protected window forces more, or, with every head at or under
+        ``keep``, ``H·⌈keep/block_size⌉``; ``H·⌈length/block_size⌉`` when no head is longer than ``keep``
+        (``length``: every head's entries, the first compression). Where the chunks
+        are the pages of a paged cache (the vLLM plugin with KV-Compress's block size equal to vLLM's), these are
+        the pages the layer needs.
+        """
+        bs = self.block_size
+        if length <= keep:
+            return kv_heads * -(-length // bs)
+        protected = -(-self.protected_window // bs)  # a head's chunks that hold its protected entries, at most
+        return max(budget_blocks(keep, kv_heads, bs), kv_heads * protected, kv_heads * -(-keep // bs))
+
     def head_counts(
         self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int, groups: int = 1
     ) -> torch.Tensor:

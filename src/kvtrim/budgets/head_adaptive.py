@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidParameterError
 from .base import BudgetAllocator, BudgetRequest
 
 RULES = ("official", "kvpress")
@@ -64,9 +65,17 @@ class HeadAdaptiveBudget(BudgetAllocator):
 
     Each head then keeps ``b_h`` entries plus the protected window (capped at what the head holds).
 
+    With ``page_size = P > 1`` the counts come in whole pages of ``P`` entries (a paged cache whose pages hold one
+    head, e.g. the vLLM plugin's one-head sub-pages): the layer keeps :meth:`layer_pages` pages, shared among its
+    heads by largest remainder of ``b_h/P`` (each head at least the pages of its window, at most its row's), and a
+    head keeps ``min(pages·P, its entries)``. The layer then holds as many pages as the uniform method's ``keep``
+    entries per head would (``⌈H·keep/P⌉`` of them), so heads differ in count at no extra memory; each head's
+    count moves by less than one page from ``b_h``.
+
     Args:
         alpha: safeguard fraction α (AdaKV uses 0.2)
         window: the observation window kept on top of the selected entries (scores there do not compete)
+        page_size: entries per page (1: counts in entries, the paper's rule)
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
@@ -76,12 +85,41 @@ class HeadAdaptiveBudget(BudgetAllocator):
     alpha: float = 0.2
     window: int = 8
     rule: str = "official"
+    page_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
+            raise InvalidParameterError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+
+    def layer_pages(self, keep: int, kv_heads: int, length: int) -> int:
+        """Most pages of ``page_size`` entries one layer's ``kv_heads`` heads hold together at mean budget ``keep``
+        over at most ``length`` entries per head: ``max(⌈H·keep/P⌉, H·⌈window/P⌉)``, ``H·⌈length/P⌉`` when no head
+        is longer than ``keep`` (``length``: every head's entries, the first compression)."""
+        p = self.page_size
+        if length <= keep:
+            return kv_heads * -(-length // p)
+        return max(-(-kv_heads * keep // p), kv_heads * -(-self.window // p))
+
+    def _whole_pages(self, counts: torch.Tensor, lengths: torch.Tensor, keep: int, window: int) -> torch.Tensor:
+        """``counts`` ``[heads]`` (window included) moved to whole pages: :meth:`layer_pages` pages shared by
+        largest remainder of ``counts/P``, each head between its window's pages and its row's."""
+        p, heads = self.page_size, counts.numel()
+        cap = -(-lengths // p)
+        floor = torch.minimum(torch.full_like(cap, -(-window // p)), cap)
+        total = min(self.layer_pages(keep, heads, int(lengths.max())), int(cap.sum()))
+        want = counts.double() / p
+        pages = torch.maximum(torch.minimum(want.floor().long(), cap), floor)
+        while int(pages.sum()) > total:  # floors and caps overshot: take from the heads furthest above their want
+            over = (pages - want).masked_fill(pages <= floor, float("-inf"))
+            pages[int(over.argmax())] -= 1
+        while int(pages.sum()) < total:  # then the pages left, largest remainder first
+            short = (want - pages).masked_fill(pages >= cap, float("-inf"))
+            pages[int(short.argmax())] += 1
+        return torch.minimum(pages * p, lengths)
 
     def head_budgets(self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int) -> torch.Tensor:
         """Budgets ``[kv_heads]`` (window included) for one layer of one sequence.
@@ -114,8 +152,10 @@ class HeadAdaptiveBudget(BudgetAllocator):
             weights = counts.double() * (1 - self.alpha)
             floor = torch.full((heads,), floor_n, dtype=torch.long, device=scores.device)
             counts = largest_remainder(weights, total, torch.minimum(floor, available))
-        counts = cap_and_redistribute(counts, available)
-        return counts + window
+        counts = cap_and_redistribute(counts, available) + window
+        if self.page_size > 1:
+            counts = self._whole_pages(counts, (positions >= 0).sum(-1), keep, window)
+        return counts
 
     def allocate(self, request: BudgetRequest, scores: list[torch.Tensor]) -> torch.Tensor:
         if request.positions is None:

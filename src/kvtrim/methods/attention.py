@@ -65,11 +65,16 @@ def adakv(
     pooling: str = SNAPKV.pooling,
     alpha: float = ADAKV_ALPHA,
     rule: str = ADAKV_RULE,
+    page_size: int = 1,
 ) -> Pipeline:
-    """Ada-KV (Feng et al., 2024, arXiv 2407.11550) on SnapKV scores; real per-head memory (ragged storage)."""
+    """Ada-KV (Feng et al., 2024, arXiv 2407.11550) on SnapKV scores; real per-head memory (ragged storage).
+
+    ``page_size > 1``: per-head counts in whole pages of that many entries, a layer keeping ``⌈kv_heads·budget /
+    page_size⌉`` pages (what the uniform budget's entries fill), for paged caches whose pages hold one head (the
+    vLLM plugin with ``page_size`` equal to vLLM's block size frees the uniform method's blocks)."""
     return parts(
         snap_scorer(window, kernel, pooling),
-        HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule),
+        HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule, page_size=page_size),
         TopKSelector(recent=window),
     )
 

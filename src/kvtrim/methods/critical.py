@@ -61,11 +61,13 @@ def critical_adakv(
     eps: float = CRITICAL_EPS,
     safeguard: float = ADAKV_ALPHA,
     rule: str = ADAKV_RULE,
+    page_size: int = 1,
 ) -> Pipeline:
-    """CriticalKV (Feng et al., arXiv 2502.03805) on Ada-KV budgets (arXiv 2407.11550)."""
+    """CriticalKV (Feng et al., arXiv 2502.03805) on Ada-KV budgets (arXiv 2407.11550); ``page_size`` as in
+    :func:`~kvtrim.methods.attention.adakv`."""
     return parts(
         snap_scorer(window, kernel, pooling),
-        HeadAdaptiveBudget(alpha=safeguard, window=window, rule=rule),
+        HeadAdaptiveBudget(alpha=safeguard, window=window, rule=rule, page_size=page_size),
         CriticalSelector(alpha=alpha, eps=eps, recent=window),
     )
 

@@ -247,7 +247,7 @@ class VLLMEvictionConfig:
         (:mod:`kvtrim.vllm.subpages`), with ``M`` the budget (AdaKV) or KV-Compress's per-layer block bound over
         ``kv_heads`` at ``length`` entries per head (:meth:`GlobalBlockBudget.layer_bound`; needs ``kv_heads``), or
         the largest layer's mean of ``head_counts`` ``[layers, kv_heads]`` (HeadKV's counts at the request's length,
-        :meth:`head_counts`; required for it)."""
+        :meth:`head_counts`; required for it). A method whose pages are vLLM's blocks: :meth:`page_slots`."""
         budget = int(self.spec.budget)
         if not self.per_head:
             return budget
@@ -255,11 +255,39 @@ class VLLMEvictionConfig:
             if head_counts is None:
                 raise InvalidParameterError(f"head_counts are required for {self.method!r} (counts per head)")
             budget = -(-int(head_counts.sum(-1).max()) // head_counts.shape[-1])
+        elif self.page_size == block_size:
+            return self.page_slots(budget, max(length or 0, budget + 1), block_size)
         elif self.block_budget is not None:
             if kv_heads is None:
                 raise InvalidParameterError(f"kv_heads is required for {self.method!r} (blocks per layer)")
-            budget = -(-self.block_budget.layer_bound(budget, kv_heads, max(length or 0, budget + 1)) // kv_heads)
+            length = max(length or 0, budget + 1)
+            budget = -(-self.block_budget.layer_bound(budget, kv_heads, length) // kv_heads)
         return budget + block_size - 1
+
+    @cached_property
+    def page_size(self) -> int | None:
+        """Entries per page of a per-head method that counts in whole pages (KV-Compress: its ``block_size``;
+        AdaKV and CriticalKV-AdaKV: ``params.page_size`` when above 1), or None. When it equals vLLM's block size
+        the kept entries fill whole one-head sub-pages: :meth:`page_slots`."""
+        budget = self.pipeline().budget
+        if isinstance(budget, GlobalBlockBudget):
+            return budget.block_size
+        if isinstance(budget, HeadAdaptiveBudget) and budget.page_size > 1:
+            return budget.page_size
+        return None
+
+    def page_slots(self, budget: int, length: int, block_size: int) -> int:
+        """A per-head method whose pages are vLLM's blocks (:attr:`page_size` equal to vLLM's block size): slots of
+        the uniform block list that hold a layer's kept entries, ``block_size · ⌈P/H⌉`` with ``P`` the most pages
+        one layer's ``H`` heads keep (``layer_pages`` of :class:`GlobalBlockBudget` / :class:`HeadAdaptiveBudget`),
+        no slack: ``⌈B/block_size⌉`` blocks, the uniform method's, whenever the budget is above the protected
+        window. ``P`` is a maximum of terms ``⌈H·x⌉`` and ``H·⌈x⌉``, so ``⌈P/H⌉`` does not depend on ``H``
+        (computed with one head): the scheduler needs no head count.
+
+        Every head keeps whole pages or its whole row, so after ``t`` more tokens the layer needs at most
+        ``P + H·⌈t/block_size⌉`` one-head pages: the blocks vLLM allocates for ``slots + t`` tokens.
+        """
+        return block_size * self.pipeline().budget.layer_pages(budget, 1, length)
 
     def round_keep(
         self,
@@ -480,6 +508,9 @@ class VLLMEvictionConfig:
         budget = self.head_budget(prompt_len)
         if self.block_budget is not None:
             return self.block_budget.layer_bound(budget, kv_heads, prompt_len)
+        if self.page_size is not None:  # AdaKV in whole pages: the layer's pages may hold a little more than H·B
+            return min(self.pipeline().budget.layer_pages(budget, kv_heads, prompt_len) * self.page_size,
+                       kv_heads * prompt_len)  # fmt: skip
         return kv_heads * budget
 
     def slot_count(
@@ -496,7 +527,8 @@ class VLLMEvictionConfig:
         (:func:`kvtrim.vllm.subpages.slots_for_head_budget`) with ``M`` the largest layer's mean count per head
         (``B`` when every layer keeps ``kv_heads · B``; ``⌈layer_total / kv_heads⌉`` for KV-Compress, whose
         ``kv_heads`` is then required; from ``head_counts`` ``[layers, kv_heads]`` when they are fixed in advance),
-        enough one-head sub-pages for the layer's split, now and after every decoded token.
+        enough one-head sub-pages for the layer's split, now and after every decoded token. A method whose pages are
+        vLLM's blocks (:attr:`page_size`) keeps whole pages: :meth:`page_slots`, no slack.
         """
         if self.per_head:
             budget = self.head_budget(prompt_len)
@@ -504,6 +536,8 @@ class VLLMEvictionConfig:
                 return prompt_len
             if head_counts is not None:
                 budget = -(-int(head_counts.sum(-1).max()) // head_counts.shape[-1])
+            elif self.page_size == block_size:
+                return min(self.page_slots(budget, prompt_len, block_size), prompt_len)
             elif self.block_budget is not None:
                 if kv_heads is None:
                     raise InvalidParameterError(f"kv_heads is required for {self.method!r} (blocks per layer)")

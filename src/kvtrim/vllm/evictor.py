@@ -90,18 +90,18 @@ def _subpaged_entries(
     """A per-head request's entries in this layer read from its one-head sub-pages, padded to the longest head:
     keys and values ``[width, kv_heads, d]`` as stored, logical positions ``[kv_heads, width]`` (``-1``: padding)."""
     pages, end = pending.pages, pending.logical_len
-    one = layout.one_head()
-    lengths = pages.lengths[layer_idx]
-    kv_heads, width = len(lengths), int(lengths.max())
-    keys = values = None
+    lengths = torch.from_numpy(pages.lengths[layer_idx])
+    kv_heads, width = lengths.numel(), int(lengths.max())
+    slots = np.concatenate([pages.slots(layer_idx, h) for h in range(kv_heads)])
+    k, v = layout.one_head().read_slots(kv_cache, torch.from_numpy(slots))  # [Σ lengths, 1, d], one gather
+    head = torch.repeat_interleave(torch.arange(kv_heads), lengths).to(kv_cache.device)
+    row = (torch.arange(lengths.sum()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)).to(head.device)
+    keys = k.new_zeros(width, kv_heads, k.shape[-1])
+    values = v.new_zeros(width, kv_heads, v.shape[-1])
+    keys[row, head], values[row, head] = k[:, 0], v[:, 0]
     positions = torch.full((kv_heads, width), -1, dtype=torch.long, device=kv_cache.device)
     for h in range(kv_heads):
         n = int(lengths[h])
-        k, v = one.read_slots(kv_cache, torch.from_numpy(pages.slots(layer_idx, h)))  # [n, 1, d]
-        if keys is None:
-            keys = k.new_zeros(width, kv_heads, k.shape[-1])
-            values = v.new_zeros(width, kv_heads, v.shape[-1])
-        keys[:n, h], values[:n, h] = k[:, 0], v[:, 0]
         positions[h, :n] = _kept_then_fresh(pending.head_positions[layer_idx][h].to(kv_cache.device), n, end)
     return keys, values, positions
 
@@ -262,26 +262,22 @@ def evict_layer_heads(
     if pending.head_positions is not None:  # entries read (copies) above: their sub-pages may be reused now
         pending.pages.restart_layer(layer_idx, -(-pending.keep // pending.pages.block_size))
     slots = pending.pages.place(layer_idx, counts)
-    sub_pages = layout.one_head() if layout.entry.fp8 is not None else None
     kept: list[torch.Tensor] = []
+    rows, heads = [], []
     for h in range(kv_heads):
         index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
         kept.append(positions[h, index].cpu())
         if bool((kept[-1] < 0).any()):
             raise RuntimeError(f"kvtrim: {pipeline.name} kept a padding slot of head {h} in layer {layer_idx}")
-        if not counts[h]:
-            continue
-        if sub_pages is not None:  # fp8: move the stored bytes
-            head_slots = torch.from_numpy(slots[h]).to(keys.device)
-            sub_pages.write_slots(kv_cache, head_slots, keys[index, h].unsqueeze(1), values[index, h].unsqueeze(1))
-            continue
-        folded_cache_write(
-            keys[index, h].unsqueeze(1),
-            values[index, h].unsqueeze(1),
-            kv_cache,
-            torch.from_numpy(slots[h]).view(-1, 1),
-            isa,
-        )
+        rows.append(index)
+        heads.append(torch.full_like(index, h))
+    index, head = torch.cat(rows), torch.cat(heads)
+    head_slots = torch.from_numpy(np.concatenate(slots)).to(keys.device)  # every head's kept entries, in head order
+    new_keys, new_values = keys[index, head].unsqueeze(1), values[index, head].unsqueeze(1)  # [Σ counts, 1, d]
+    if index.numel() and layout.entry.fp8 is not None:  # fp8: move the stored bytes
+        layout.one_head().write_slots(kv_cache, head_slots, new_keys, new_values)
+    elif index.numel():
+        folded_cache_write(new_keys, new_values, kv_cache, head_slots.view(-1, 1), isa)
     if kept_positions is not None:
         kept_positions[layer_idx] = kept
     return counts.tolist()

@@ -11,6 +11,7 @@ sub-pages (``block·H + h``) gives exactly vLLM's own result (tests/vllm/test_fo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -52,6 +53,36 @@ def default_subpage_slots(slot_mapping: torch.Tensor, kv_heads: int, block_size:
     heads = torch.arange(kv_heads, device=sl.device).view(1, -1)
     folded = ((sl // block_size) * kv_heads + heads) * block_size + sl % block_size
     return torch.where(sl >= 0, folded, torch.full_like(folded, -1))
+
+
+def per_head_tables(
+    table: torch.Tensor, seq_lens: torch.Tensor, rows: list[tuple[int, object]], num_layers: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's folded sub-page table and lengths for one step, built once for all layers.
+
+    Args:
+        table: ``[R·H, P]`` the step's default sub-page table (:func:`default_subpage_table`, CPU)
+        seq_lens: ``[R·H]`` the step's default lengths (vLLM's, repeated per KV head)
+        rows: ``(batch index, sub-pages)`` of the requests whose heads hold their own sub-pages
+            (:class:`~kvtrim.vllm.subpages.RequestSubPages`)
+    Returns:
+        ``[layers, R·H, W]`` int32 tables (``W`` the longest page list; unused entries 0) and ``[layers, R·H]``
+        int32 lengths; row ``i·H + h`` of layer ``l`` is head ``h`` of request ``i`` in that layer.
+    """
+    rh, width = table.shape
+    counts = {i: pages.page_counts() for i, pages in rows}
+    width = max([width, *(int(c.max(initial=0)) for c in counts.values())])
+    out = np.zeros((num_layers, rh, width), dtype=np.int32)
+    out[:, :, : table.shape[1]] = table.to(torch.int32).numpy()
+    lens = np.repeat(seq_lens.to(torch.int32).numpy()[None], num_layers, axis=0)
+    for i, pages in rows:
+        h = pages.kv_heads
+        w = min(width, pages.page_ids.shape[-1])
+        held = np.arange(w) < counts[i][..., None]  # [layers, heads, w]
+        out[:, i * h : (i + 1) * h] = 0
+        out[:, i * h : (i + 1) * h, :w] = np.where(held, pages.page_ids[..., :w], 0)
+        lens[:, i * h : (i + 1) * h] = pages.lengths
+    return torch.from_numpy(out), torch.from_numpy(lens)
 
 
 def _subpage_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +134,7 @@ def folded_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     kv_cache_dtype: str = "auto",
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each (request, KV head) over its own sub-pages; writes and returns ``output``.
 
@@ -114,6 +146,7 @@ def folded_attention(
         seq_lens: ``[R·H]`` entries of each (request, head) after this step's writes
         subpage_table: ``[R·H, P]`` int32 sub-page ids of each (request, head), in entry order
         k_scale, v_scale, kv_cache_dtype: an fp8 cache's format and the layer's scales (as vLLM passes them)
+        rows: :func:`folded_rows` of ``query_start_loc`` when the caller has them (one step's layers share them)
     """
     from vllm import _custom_ops as ops
     from vllm import envs
@@ -121,8 +154,12 @@ def folded_attention(
     n, q_heads, dim = query.shape
     kv_heads = kv_cache.shape[1]
     group = q_heads // kv_heads
-    token, head, folded_qsl = folded_rows(query_start_loc, kv_heads)
-    q = query.view(n, kv_heads, group, dim)[token, head].contiguous()  # [N·H, G, D]
+    token, head, folded_qsl = folded_rows(query_start_loc, kv_heads) if rows is None else rows
+    one_row_each = folded_qsl.numel() == n * kv_heads + 1 and bool((folded_qsl.diff() == 1).all())
+    if one_row_each:  # one query row per request (decoding): the folded order is the tokens' own
+        q = query.reshape(n * kv_heads, group, dim).contiguous()
+    else:
+        q = query.view(n, kv_heads, group, dim)[token, head].contiguous()  # [N·H, G, D]
     out = torch.empty_like(q)
     seq_lens = seq_lens.to(torch.int32).contiguous()
     metadata = ops.cpu_attn_get_scheduler_metadata(
@@ -159,5 +196,8 @@ def folded_attention(
         v_scale=v_scale,
         kv_cache_dtype=kv_cache_dtype,
     )
-    output.view(n, kv_heads, group, dim)[token, head] = out
+    if one_row_each:
+        output.view(n, kv_heads, group, dim).copy_(out.view(n, kv_heads, group, dim))
+    else:
+        output.view(n, kv_heads, group, dim)[token, head] = out
     return output

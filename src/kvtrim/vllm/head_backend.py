@@ -18,13 +18,18 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from . import worker_patch
-from .folded_attention import default_subpage_slots, default_subpage_table, folded_attention, folded_cache_write
+from .folded_attention import folded_attention, folded_cache_write
+
+_LAYER_INDEX: dict[str, int] = {}
 
 
 def _layer_index(layer) -> int:
-    from vllm.model_executor.models.utils import extract_layer_index
+    index = _LAYER_INDEX.get(layer.layer_name)
+    if index is None:
+        from vllm.model_executor.models.utils import extract_layer_index
 
-    return extract_layer_index(layer.layer_name)
+        index = _LAYER_INDEX[layer.layer_name] = extract_layer_index(layer.layer_name)
+    return index
 
 
 def _format(impl, layer) -> tuple[float, float, str]:
@@ -53,11 +58,8 @@ class HeadFoldingCPUAttentionImpl(CPUAttentionBackendImpl):
         step = self._folding()
         if step is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        layer_idx = _layer_index(layer)
         n = slot_mapping.shape[0]
-        slots = default_subpage_slots(slot_mapping, kv_cache.shape[1], kv_cache.shape[2])  # [n, H]
-        for _, qs, qe, _, per_layer in step.rows:
-            slots[qs:qe] = torch.from_numpy(per_layer[layer_idx]).to(slots.device)
+        slots = step.write_slots(slot_mapping, kv_cache.shape[1], kv_cache.shape[2])[_layer_index(layer)]  # [n, H]
         folded_cache_write(key[:n], value[:n], kv_cache, slots, layer.isa, *_format(self, layer))
 
     def forward(
@@ -82,26 +84,21 @@ class HeadFoldingCPUAttentionImpl(CPUAttentionBackendImpl):
         n = attn_metadata.num_actual_tokens
         qsl = attn_metadata.query_start_loc
         num_reqs = qsl.numel() - 1
-        table = default_subpage_table(attn_metadata.block_table[:num_reqs].to(torch.int32), kv_heads)
-        seq_lens = attn_metadata.seq_lens[:num_reqs].to(torch.int32).repeat_interleave(kv_heads)
-        width = max(len(p) for *_, pages, _ in step.rows for p in pages.table(layer_idx))
-        if width > table.shape[1]:
-            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-        for i, _, _, pages, _ in step.rows:
-            for h, head_pages in enumerate(pages.table(layer_idx)):
-                table[i * kv_heads + h, : len(head_pages)] = torch.tensor(head_pages, dtype=torch.int32)
-                seq_lens[i * kv_heads + h] = int(pages.lengths[layer_idx, h])
+        tables, lengths = step.attention_tables(
+            attn_metadata.block_table[:num_reqs], attn_metadata.seq_lens[:num_reqs], kv_heads
+        )
         folded_attention(
             query[:n].view(n, self.num_heads, self.head_size),
             kv_cache,
             output[:n].view(n, self.num_heads, self.head_size),
             qsl,
-            seq_lens,
-            table,
+            lengths[layer_idx],
+            tables[layer_idx],
             self.scale,
             layer.isa,
             self.logits_soft_cap,
             *_format(self, layer),
+            rows=step.rows_of(qsl, kv_heads),
         )
         return output
 

@@ -64,11 +64,51 @@ class HeadStep:
     """This step's requests whose heads hold their own sub-pages (per-head methods).
 
     Attributes:
-        rows: ``(batch index, query start, query end, sub-pages, slots)`` per request, ``slots[layer]``
-            ``[n, kv_heads]`` the one-head slots of the request's ``n`` new tokens in that layer
+        rows: ``(batch index, query start, query end, sub-pages, slots)`` per request, ``slots``
+            ``[layers, n, kv_heads]`` the one-head slots of the request's ``n`` new tokens in every layer
+        prepared: what the step's attention layers share, built by the first layer that needs it
+            (:meth:`write_slots`, :meth:`attention_tables`, :meth:`rows_of`)
     """
 
-    rows: list[tuple[int, int, int, RequestSubPages, list[np.ndarray]]]
+    rows: list[tuple[int, int, int, RequestSubPages, np.ndarray]]
+    prepared: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def write_slots(self, slot_mapping: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+        """``[layers, N, kv_heads]`` one-head slots of the step's ``N`` tokens in every layer: vLLM's placement
+        (:func:`~kvtrim.vllm.folded_attention.default_subpage_slots`) except the rows' own sub-pages."""
+        slots = self.prepared.get("slots")
+        if slots is None:
+            from .folded_attention import default_subpage_slots
+
+            base = default_subpage_slots(slot_mapping, kv_heads, block_size)  # [N, H]
+            slots = base.unsqueeze(0).repeat(self.rows[0][3].num_layers, 1, 1)
+            for _, qs, qe, _, new in self.rows:
+                slots[:, qs:qe] = torch.from_numpy(new).to(slots.device)
+            self.prepared["slots"] = slots
+        return slots
+
+    def attention_tables(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kv_heads: int):
+        """``([layers, R·H, W], [layers, R·H])`` int32 sub-page tables and lengths of every layer
+        (:func:`~kvtrim.vllm.folded_attention.per_head_tables`) from vLLM's ``[R, P]`` block table and ``[R]``
+        lengths."""
+        tables = self.prepared.get("tables")
+        if tables is None:
+            from .folded_attention import default_subpage_table, per_head_tables
+
+            table = default_subpage_table(block_table.to(torch.int32), kv_heads)
+            lens = seq_lens.to(torch.int32).repeat_interleave(kv_heads)
+            rows = [(i, pages) for i, _, _, pages, _ in self.rows]
+            tables = self.prepared["tables"] = per_head_tables(table, lens, rows, self.rows[0][3].num_layers)
+        return tables
+
+    def rows_of(self, query_start_loc: torch.Tensor, kv_heads: int):
+        """:func:`~kvtrim.vllm.folded_attention.folded_rows` of the step's query rows (the same in every layer)."""
+        rows = self.prepared.get("rows")
+        if rows is None:
+            from .folded_attention import folded_rows
+
+            rows = self.prepared["rows"] = folded_rows(query_start_loc, kv_heads)
+        return rows
 
 
 @dataclass
@@ -205,7 +245,7 @@ def _patch_prepare_inputs(orig):
                     pages = state.heads[req_id]
                     pages.sync_blocks(list(self.requests[req_id].block_ids[0]))
                     n = qe - qs
-                    head_rows.append((i, qs, qe, pages, [pages.append(lay, n) for lay in range(pages.num_layers)]))
+                    head_rows.append((i, qs, qe, pages, pages.append_all(n)))
                 continue
             req = self.requests[req_id]
             # the prompt, or the tokens the request names as its context (the question after it stays whole)
@@ -301,7 +341,7 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     pages = state.heads.get(req_id)
     if pages is not None:  # this step's tokens go to every head's own sub-pages
         pages.sync_blocks(block_ids)
-        row = (i, qs, qe, pages, [pages.append(layer, qe - qs) for layer in range(pages.num_layers)])
+        row = (i, qs, qe, pages, pages.append_all(qe - qs))
     if keep is None:
         return row
     blocks = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
