@@ -626,3 +626,38 @@ def test_one_head_sub_pages_of_a_head_major_layout(impl_class):
     k, v = layout.read(cache, torch.tensor([2]), bs)  # block 2 = sub-pages 6, 7, 8: head 1 holds two of them
     assert torch.equal(k[1:3, 1], keys[:2, 0]) and torch.equal(v[1:3, 1], values[:2, 0])
     assert int((cache != 0).sum()) == 5 * 2 * d
+
+
+def test_affine_layouts_read_and_write_through_strided_views_as_the_offsets_do():
+    """vLLM's CPU layout (keys [head, channel, slot], values [head, slot, channel] per block) is a strided view:
+    reads and writes use it and land on the probed offsets; a layout that is no strided view gathers offsets."""
+    from kvtrim.vllm.kv_layout import BlockLayout
+
+    h, d, bs = 3, 8, 4
+    layout = probe_layout(_TransposedImpl(h, d, bs), None, torch.zeros(6, h, bs, 2 * d))
+    assert layout._strides[0] == (0, (1, 2 * bs * d, bs)) and layout._strides[1] == (bs * d, (d, 2 * bs * d, 1))
+    assert layout.one_head()._strides[0] == (0, (1, 0, bs)) and layout.one_head() is layout.one_head()
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(6, h, bs, 2 * d, generator=g)
+    flat = cache.view(-1)
+    slots = torch.tensor([21, 3, 8, 9, 0])
+    k, v = layout.read_slots(cache, slots)
+    key_at, value_at = layout._slot_offsets(slots)
+    assert torch.equal(k, flat[key_at]) and torch.equal(v, flat[value_at])
+    blocks = torch.tensor([5, 1])
+    k, v = layout.read(cache, blocks, 6)
+    assert torch.equal(k, flat[layout._offsets(layout.key_index, blocks, 6)])
+    new_k, new_v = torch.randn(6, h, d, generator=g), torch.randn(6, h, d, generator=g)
+    layout.write(cache, blocks, new_k, new_v)
+    assert torch.equal(flat[layout._offsets(layout.key_index, blocks, 6)], new_k)
+    assert torch.equal(flat[layout._offsets(layout.value_index, blocks, 6)], new_v)
+    layout.write_slots(cache, slots, new_k[:5], new_v[:5])
+    key_at, value_at = layout._slot_offsets(slots)
+    assert torch.equal(flat[key_at], new_k[:5]) and torch.equal(flat[value_at], new_v[:5])
+    # a scrambled block (no strided view): the flat offsets, and the same round trip
+    perm = torch.randperm(bs * h * 2 * d, generator=g)
+    scrambled = BlockLayout(perm[: bs * h * d].view(bs, h, d), perm[bs * h * d :].view(bs, h, d), bs * h * 2 * d)
+    assert scrambled._strides == (None, None)
+    scrambled.write_slots(cache, slots, new_k[:5], new_v[:5])
+    k, v = scrambled.read_slots(cache, slots)
+    assert torch.equal(k, new_k[:5]) and torch.equal(v, new_v[:5])

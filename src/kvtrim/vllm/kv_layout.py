@@ -3,8 +3,9 @@
 vLLM's CPU backend stores keys transposed inside a block for its vector kernels, AMX packs them differently
 again, and GPU backends use other layouts. Rather than re-implement each, :func:`probe_layout` writes index
 patterns with the backend's own cache-update op into a two-block scratch cache once per layer geometry and
-learns where every (slot, head, channel) of keys and values lands. Reads and writes are then one gather/scatter.
-The probe checks itself on random data and refuses layouts that are not a plain permutation.
+learns where every (slot, head, channel) of keys and values lands. Reads and writes are then one gather/scatter:
+through a strided view of the cache when the map is affine inside a block (vLLM's layouts are), else through flat
+offsets. The probe checks itself on random data and refuses layouts that are not a plain permutation.
 
 Entries are held either in a float dtype (``kv_cache_dtype="auto"``, ``"float16"``, ``"bfloat16"``) or as fp8
 (``"fp8"`` = ``"fp8_e4m3"``, ``"fp8_e5m2"``): one byte per element in a ``uint8`` cache, the bit pattern of the
@@ -19,6 +20,7 @@ packed 4-bit codes, MLA latent caches) are refused by :func:`entry_format`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -65,6 +67,24 @@ class EntryFormat:
         return torch.tensor(float("nan")).to(self.fp8).view(torch.uint8)
 
 
+def _affine(index: torch.Tensor) -> tuple[int, tuple[int, int, int]] | None:
+    """``(o, (a, b, d))`` when ``index`` ``[block_size, kv_heads, head_dim]`` is ``o + slot·a + head·b +
+    channel·d`` everywhere (the block is a strided view, e.g. vLLM's CPU keys stored ``[head, channel, slot]``),
+    else None."""
+    o = int(index[0, 0, 0])
+    strides = tuple(
+        int(index.narrow(dim, 1, 1).flatten()[0]) - o if index.shape[dim] > 1 else 0 for dim in range(3)
+    )
+    grid = torch.tensor(o, dtype=index.dtype, device=index.device)
+    for dim, stride in enumerate(strides):
+        shape = [1, 1, 1]
+        shape[dim] = index.shape[dim]
+        grid = grid + torch.arange(index.shape[dim], dtype=index.dtype, device=index.device).view(shape) * stride
+    if min(strides) < 0 or not torch.equal(grid, index):
+        return None
+    return o, strides
+
+
 def entry_format(kv_cache_dtype: str, fnuz: bool = False) -> EntryFormat:
     """The :class:`EntryFormat` of vLLM's ``kv_cache_dtype`` (``fnuz``: the platform's fp8 is the ``fnuz``
     variant, as on ROCm); raises :class:`InvalidParameterError` for a format the plugin cannot compact."""
@@ -102,14 +122,43 @@ class BlockLayout:
     def block_size(self) -> int:
         return self.key_index.shape[0]
 
+    @cached_property
+    def _strides(self) -> tuple[tuple[int, tuple[int, int, int]] | None, tuple[int, tuple[int, int, int]] | None]:
+        """Keys' and values' ``(offset, (slot, head, channel) strides)`` inside a block when each map is affine
+        (:func:`_affine`: vLLM's CPU and GPU layouts are), else None for that map."""
+        return _affine(self.key_index), _affine(self.value_index)
+
+    def _views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values as strided views ``[num_blocks, block_size, kv_heads, head_dim]`` of ``cache`` (no
+        copy), or None when a map is not affine (reads and writes then gather flat offsets)."""
+        key, value = self._strides
+        if key is None or value is None:
+            return None
+        flat = cache.view(-1)
+        num_blocks = flat.numel() // self.block_stride
+        size = (num_blocks, *self.key_index.shape)
+        return tuple(
+            flat.as_strided(size, (self.block_stride, *strides), flat.storage_offset() + offset)
+            for offset, strides in (key, value)
+        )
+
     def _offsets(self, index: torch.Tensor, blocks: torch.Tensor, count: int) -> torch.Tensor:
         """``[count, kv_heads, head_dim]`` flat offsets of the first ``count`` slots of ``blocks``."""
         per_block = blocks.to(index.device, torch.long).view(-1, 1, 1, 1) * self.block_stride + index
         return per_block.reshape(-1, *index.shape[1:])[:count]
 
+    def _first_slots(self, blocks: torch.Tensor, count: int) -> torch.Tensor:
+        """Slots ``[count]`` (``block · block_size + offset``) of the first ``count`` entries of ``blocks``."""
+        i = torch.arange(count, device=blocks.device)
+        return blocks.to(torch.long)[i // self.block_size] * self.block_size + i % self.block_size
+
     def read(self, cache: torch.Tensor, blocks: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[count, kv_heads, head_dim]`` of slots ``0 … count-1`` of a request's ``blocks``, as
         stored (fp8: the ``uint8`` codes)."""
+        views = self._views(cache)
+        if views is not None:
+            blocks = blocks.to(cache.device, torch.long)
+            return tuple(v[blocks].reshape(-1, *v.shape[2:])[:count] for v in views)
         flat = cache.view(-1)
         return flat[self._offsets(self.key_index, blocks, count)], flat[self._offsets(self.value_index, blocks, count)]
 
@@ -123,6 +172,11 @@ class BlockLayout:
     def read_slots(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[n, kv_heads, head_dim]`` at ``slots`` ``[n]`` (``block · block_size + offset``), as
         stored."""
+        views = self._views(cache)
+        if views is not None:
+            slots = slots.to(cache.device, torch.long)
+            block, offset = slots // self.block_size, slots % self.block_size
+            return views[0][block, offset], views[1][block, offset]
         flat = cache.view(-1)
         key_at, value_at = self._slot_offsets(slots)
         return flat[key_at], flat[value_at]
@@ -130,6 +184,13 @@ class BlockLayout:
     def write_slots(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` (stored elements) at ``slots`` ``[n]``
         (``block · block_size + offset``)."""
+        views = self._views(cache)
+        if views is not None:
+            slots = slots.to(cache.device, torch.long)
+            block, offset = slots // self.block_size, slots % self.block_size
+            views[0][block, offset] = keys.to(cache.dtype)
+            views[1][block, offset] = values.to(cache.dtype)
+            return
         flat = cache.view(-1)
         key_at, value_at = self._slot_offsets(slots)
         flat[key_at] = keys.to(flat.dtype)
@@ -139,6 +200,9 @@ class BlockLayout:
         """The layout of the cache's one-head sub-pages (head ``h`` of block ``b`` is sub-page ``b·H + h``,
         :mod:`kvtrim.vllm.folded_attention`): head 0's map, at ``block_stride / H``. Raises
         :class:`UnsupportedModelError` unless every head's slice of a block is laid out alike (head-major)."""
+        cached = self.__dict__.get("_one_head")  # built once per layout (the scorers ask at every round)
+        if cached is not None:
+            return cached
         heads = self.key_index.shape[1]
         stride = self.block_stride // heads
         shift = torch.arange(heads, device=self.key_index.device).view(1, -1, 1) * stride
@@ -147,11 +211,14 @@ class BlockLayout:
             if self.block_stride % heads or not torch.equal(local, local[:, :1].expand_as(local)):
                 raise UnsupportedModelError("the cache's blocks are not head-major: no one-head sub-pages")
         key_index, value_index = self.key_index[:, :1].contiguous(), self.value_index[:, :1].contiguous()
-        return BlockLayout(key_index, value_index, stride, self.entry)
+        self.__dict__["_one_head"] = BlockLayout(key_index, value_index, stride, self.entry)
+        return self.__dict__["_one_head"]
 
     def write(self, cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` (as :meth:`read` returns them: stored elements) in
         slots ``0 … n-1`` of ``blocks``."""
+        if self._views(cache) is not None:
+            return self.write_slots(cache, self._first_slots(blocks.to(cache.device), keys.shape[0]), keys, values)
         flat = cache.view(-1)
         n = keys.shape[0]
         flat[self._offsets(self.key_index, blocks, n)] = keys.to(flat.dtype)
