@@ -661,3 +661,14 @@ def test_affine_layouts_read_and_write_through_strided_views_as_the_offsets_do()
     scrambled.write_slots(cache, slots, new_k[:5], new_v[:5])
     k, v = scrambled.read_slots(cache, slots)
     assert torch.equal(k, new_k[:5]) and torch.equal(v, new_v[:5])
+
+
+def test_the_page_hint_names_the_parameter_that_keeps_the_uniform_blocks():
+    adakv = parse_config({"method": "adakv", "budget": 128})
+    assert "params.page_size = 32" in adakv.page_hint(32) and "single entries" in adakv.page_hint(32)
+    assert parse_config({"method": "adakv", "budget": 128, "params": {"page_size": 32}}).page_hint(32) is None
+    assert "pages of 16" in parse_config({"method": "adakv", "budget": 128, "params": {"page_size": 16}}).page_hint(32)
+    kvc = parse_config({"method": "kvcompress", "budget": 128, "params": EVEN})
+    assert "params.block_size = 32" in kvc.page_hint(32) and "blocks of 16 entries" in kvc.page_hint(32)
+    assert kvc.page_hint(16) is None
+    assert parse_config({"method": "snapkv", "budget": 128}).page_hint(32) is None  # uniform: nothing to gain

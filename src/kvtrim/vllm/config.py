@@ -276,6 +276,24 @@ class VLLMEvictionConfig:
             return budget.page_size
         return None
 
+    def page_hint(self, block_size: int) -> str | None:
+        """What to pass so that a per-head method holds the uniform method's blocks with vLLM's ``block_size``
+        (counts in whole pages of it, :meth:`page_slots`), or None: already so, or not a method that can."""
+        if not self.per_head or self.page_size == block_size:
+            return None
+        budget = self.pipeline().budget
+        if isinstance(budget, GlobalBlockBudget):
+            key, unit = "block_size", f"blocks of {budget.block_size} entries"
+        elif isinstance(budget, HeadAdaptiveBudget):
+            key, unit = "page_size", "single entries" if self.page_size is None else f"pages of {self.page_size}"
+        else:
+            return None
+        return (
+            f"kvtrim: {self.method} counts its heads' entries in {unit} while vLLM's blocks hold {block_size}: a "
+            f"request keeps up to {block_size - 1} slots more than the uniform method; params.{key} = {block_size} "
+            "counts in whole pages of vLLM's blocks and keeps the uniform method's blocks"
+        )
+
     def page_slots(self, budget: int, length: int, block_size: int) -> int:
         """A per-head method whose pages are vLLM's blocks (:attr:`page_size` equal to vLLM's block size): slots of
         the uniform block list that hold a layer's kept entries, ``block_size · ⌈P/H⌉`` with ``P`` the most pages

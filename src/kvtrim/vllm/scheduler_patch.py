@@ -22,6 +22,7 @@ so scheduler and workers agree without exchanging anything.
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ from .config import VLLMEvictionConfig, load_config
 from .kv_layout import entry_format
 from .request_args import check_request, request_context_end
 from .wrappers import UnpatchedVLLMError, bypassed, wrap
+
+logger = logging.getLogger("vllm.kvtrim")
 
 # besides __init__, which runs the check itself
 PATCHED_SCHEDULER_METHODS = ("_update_after_schedule", "add_request", "_reserve_prefill_lookahead")
@@ -101,6 +104,9 @@ def _patch_init(orig):
                 state.pipeline = config.bound_pipeline(vc.model_config.model)
                 state.kv_heads = vc.model_config.get_num_kv_heads(vc.parallel_config)
                 state.counts_at = config.head_counts_at(state.pipeline, state.num_layers, state.kv_heads)
+                hint = config.page_hint(int(self.cache_config.block_size))
+                if hint is not None:
+                    logger.info(hint)
             self._kvtrim_state = state
             # The coordinator consults the same dropped counts.
             coordinator = self.kv_cache_manager.coordinator
