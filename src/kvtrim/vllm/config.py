@@ -265,16 +265,22 @@ class VLLMEvictionConfig:
         return budget + block_size - 1
 
     @cached_property
-    def page_size(self) -> int | None:
-        """Entries per page of a per-head method that counts in whole pages (KV-Compress: its ``block_size``;
-        AdaKV and CriticalKV-AdaKV: ``params.page_size`` when above 1), or None. When it equals vLLM's block size
-        the kept entries fill whole one-head sub-pages: :meth:`page_slots`."""
+    def page_budget(self) -> GlobalBlockBudget | HeadAdaptiveBudget | None:
+        """The allocator of a per-head method that counts in whole pages (KV-Compress; AdaKV and CriticalKV-AdaKV
+        with ``params.page_size`` above 1), built once: :meth:`page_slots` asks it in every step, or None."""
         budget = self.pipeline().budget
-        if isinstance(budget, GlobalBlockBudget):
-            return budget.block_size
-        if isinstance(budget, HeadAdaptiveBudget) and budget.page_size > 1:
-            return budget.page_size
+        if isinstance(budget, GlobalBlockBudget) or (isinstance(budget, HeadAdaptiveBudget) and budget.page_size > 1):
+            return budget
         return None
+
+    @property
+    def page_size(self) -> int | None:
+        """Entries per page of :attr:`page_budget` (KV-Compress: its ``block_size``; AdaKV: ``params.page_size``),
+        or None. When it equals vLLM's block size the kept entries fill whole one-head sub-pages: :meth:`page_slots`."""
+        budget = self.page_budget
+        if budget is None:
+            return None
+        return budget.block_size if isinstance(budget, GlobalBlockBudget) else budget.page_size
 
     def page_hint(self, block_size: int) -> str | None:
         """What to pass so that a per-head method holds the uniform method's blocks with vLLM's ``block_size``
@@ -305,7 +311,7 @@ class VLLMEvictionConfig:
         Every head keeps whole pages or its whole row, so after ``t`` more tokens the layer needs at most
         ``P + H·⌈t/block_size⌉`` one-head pages: the blocks vLLM allocates for ``slots + t`` tokens.
         """
-        return block_size * self.pipeline().budget.layer_pages(budget, 1, length)
+        return block_size * self.page_budget.layer_pages(budget, 1, length)
 
     def round_keep(
         self,
@@ -527,7 +533,7 @@ class VLLMEvictionConfig:
         if self.block_budget is not None:
             return self.block_budget.layer_bound(budget, kv_heads, prompt_len)
         if self.page_size is not None:  # AdaKV in whole pages: the layer's pages may hold a little more than H·B
-            return min(self.pipeline().budget.layer_pages(budget, kv_heads, prompt_len) * self.page_size,
+            return min(self.page_budget.layer_pages(budget, kv_heads, prompt_len) * self.page_size,
                        kv_heads * prompt_len)  # fmt: skip
         return kv_heads * budget
 

@@ -276,7 +276,7 @@ def evict_layer_heads(
     new_keys, new_values = keys[index, head].unsqueeze(1), values[index, head].unsqueeze(1)  # [Σ counts, 1, d]
     if index.numel() and layout.entry.fp8 is not None:  # fp8: move the stored bytes
         layout.one_head().write_slots(kv_cache, head_slots, new_keys, new_values)
-    elif index.numel():
+    elif index.numel():  # vLLM's own cache write, one head per slot
         folded_cache_write(new_keys, new_values, kv_cache, head_slots.view(-1, 1), isa)
     if kept_positions is not None:
         kept_positions[layer_idx] = kept

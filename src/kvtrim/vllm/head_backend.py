@@ -20,16 +20,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from . import worker_patch
 from .folded_attention import folded_attention, folded_cache_write
 
-_LAYER_INDEX: dict[str, int] = {}
-
 
 def _layer_index(layer) -> int:
-    index = _LAYER_INDEX.get(layer.layer_name)
-    if index is None:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        index = _LAYER_INDEX[layer.layer_name] = extract_layer_index(layer.layer_name)
-    return index
+    return worker_patch._layer_index(layer.layer_name)
 
 
 def _format(impl, layer) -> tuple[float, float, str]:

@@ -587,7 +587,9 @@ def _fp8_fnuz() -> bool:
     return bool(current_platform.is_fp8_fnuz())
 
 
+@functools.cache
 def _layer_index(name: str) -> int:
+    """The decoder layer of an attention layer's name (parsed once per name: asked by every layer in every step)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     return extract_layer_index(name)
