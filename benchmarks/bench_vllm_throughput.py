@@ -151,6 +151,7 @@ class Mode:
     note: str | None = None  # why the mode is not what was asked (e.g. the plugin refused between_chunks)
     refusal: str | None = None  # the refusal behind the note
     params: str = ""  # the method's own parameters in the plugin's configuration (JSON; "" for none)
+    reserve: int = 0  # the plugin's decode_reserve (between chunks only; 0: vLLM's admission)
 
     def plugin_config(self) -> dict | None:
         if self.kind != "vllm":
@@ -158,7 +159,9 @@ class Mode:
         config = {"method": self.method, "budget": self.budget}
         if self.params:
             config["params"] = json.loads(self.params)
-        return {**config, "between_chunks": True} if self.between else config
+        if not self.between:
+            return config
+        return {**config, "between_chunks": True, **({"decode_reserve": self.reserve} if self.reserve else {})}
 
 
 def _rates(requests: int, tokens: int, wall: float, cpu: float, most: int) -> dict:
@@ -192,9 +195,12 @@ def plan_modes(
     engine_methods: list[str],
     engine_full: bool,
     method_params: dict[str, dict] | None = None,
+    reserves: list[int] | None = None,
 ) -> dict[str, Mode]:
     """Every mode the arguments describe, by name, in a default order (vanilla, plugin, engine).
-    ``method_params``: each plugin method's own parameters (e.g. ``{"kvcompress": {"even_layer_evict": true}}``)."""
+    ``method_params``: each plugin method's own parameters (e.g. ``{"kvcompress": {"even_layer_evict": true}}``);
+    ``reserves``: the plugin's ``decode_reserve`` values for the modes between chunks (0, the default, is vLLM's
+    admission; another value ``R`` adds the mode ``method/budget/between/reserve:R``)."""
     modes = {"vanilla": Mode("vanilla", "vanilla")}
     method_params = method_params or {}
     for method in methods:
@@ -208,8 +214,11 @@ def plan_modes(
                     note = f"the plugin refuses between_chunks for {method}: compressed after prefill"
                 name = f"{method}/{budget}/{placement}"
                 encoded = json.dumps(params) if params else ""
-                mode = Mode(name, "vllm", method, budget, placement == "between", note, refusal, encoded)
-                modes.setdefault(name, mode)
+                between = placement == "between"
+                for reserve in (reserves or [0]) if between else [0]:
+                    full = f"{name}/reserve:{reserve}" if reserve else name
+                    mode = Mode(full, "vllm", method, budget, between, note, refusal, encoded, reserve)
+                    modes.setdefault(full, mode)
     if engine_full:
         modes["engine/full"] = Mode("engine/full", "engine")
     for method in dict.fromkeys([*methods, *engine_methods]):
@@ -777,6 +786,12 @@ def main() -> None:
         default=None,
         help='JSON object of the plugin methods\' own parameters, e.g. \'{"kvcompress": {"even_layer_evict": true}}\'',
     )
+    ap.add_argument(
+        "--decode-reserves",
+        default="0",
+        help="comma-separated decode_reserve values for the modes between chunks (0: vLLM's admission; R adds "
+        "method/budget/between/reserve:R, admitted with room for R decoded tokens per request)",
+    )
     ap.add_argument("--list-modes", action="store_true", help="print the modes the arguments give and exit")
     ap.add_argument("--name", default=None, help="result file stem (default: results, or quick with --quick)")
     args = ap.parse_args()
@@ -797,7 +812,12 @@ def main() -> None:
         method_params = json.loads(args.method_params) if args.method_params else {}
         if not isinstance(method_params, dict) or not all(isinstance(v, dict) for v in method_params.values()):
             raise InvalidParameterError("--method-params must be a JSON object of method -> object of parameters")
-        modes = plan_modes(methods, budgets, placements, engine_methods, not args.no_engine_full, method_params)
+        reserves = split_list(args.decode_reserves, int)
+        if any(r < 0 for r in reserves):
+            raise InvalidParameterError(f"--decode-reserves must be integers >= 0, got {args.decode_reserves!r}")
+        modes = plan_modes(
+            methods, budgets, placements, engine_methods, not args.no_engine_full, method_params, reserves
+        )
         selected = select_modes(modes, args.order)
     except InvalidParameterError as exc:
         ap.error(str(exc))

@@ -6,34 +6,42 @@ the change against the unquantized folder (``none``) in brackets, and the KV MiB
 
     PYTHONPATH=src python benchmarks/kvquant_table.py benchmarks/results/kvquant_harness_1k \
         --formats none,int8,int4,int4_group64,fp8
+
+``--pool ROOT2,ROOT3`` adds the records of the same formats from other draws of prompts (``kvtrim eval --seed``),
+so each row averages every prompt any draw ran for it (a ``prompts`` column counts them), written to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 from kvtrim.eval.report import macro_averages
 from kvtrim.eval.runner import load_records
 
 
-def build(root: Path, formats: list[str]) -> str:
-    records = {fmt: load_records(root / fmt) for fmt in formats}
+def build(root: Path, formats: list[str], pool: list[Path] | None = None) -> str:
+    roots = [root, *(pool or [])]
+    records = {fmt: [r for d in roots for r in load_records(d / fmt)] for fmt in formats}
     data = {fmt: macro_averages(recs) for fmt, recs in records.items() if recs}
+    counts = {fmt: Counter((r["mode"], r["method"], r["ratio"]) for r in recs) for fmt, recs in records.items()}
     all_tasks = max((n for rows in data.values() for *_, n in rows.values()), default=0)
     keys = sorted(
         {k for rows in data.values() for k in rows},
         key=lambda k: (k[0], k[1] != "full", k[1], k[2] if k[2] is not None else -1),
     )
     cols = list(data)
+    title = root.name if not pool else f"{root.name} pooled with {', '.join(p.name for p in pool)}"
     lines = [
-        f"# {root.name}: average score (×100) over {all_tasks} tasks per entry format",
+        f"# {title}: average score (×100) over {all_tasks} tasks per entry format",
         "",
         "In brackets: the change against the same row with unquantized entries (`none`). `*`: a task is missing",
         "from that cell (the sweep did not reach it). `KV MiB`: mean key + value bytes held after compression.",
         "",
-        "| mode | method | ratio | " + " | ".join(cols) + " | " + " | ".join(f"KV MiB {c}" for c in cols) + " |",
-        "|---|---|---|" + "---:|" * (2 * len(cols)),
+        "| mode | method | ratio | " + " | ".join(cols) + " | " + " | ".join(f"KV MiB {c}" for c in cols) + " |"
+        + (" prompts (" + " / ".join(cols) + ") |" if pool else ""),
+        "|---|---|---|" + "---:|" * (2 * len(cols) + bool(pool)),
     ]
     for key in keys:
         mode, method, ratio = key
@@ -51,7 +59,9 @@ def build(root: Path, formats: list[str]) -> str:
             cells.append(f"{avg:.1f}{star}{delta}")
             mibs.append(f"{mb:.2f}")
         ratio_s = "-" if ratio is None else f"{ratio:g}"
-        lines.append(f"| {mode} | {method} | {ratio_s} | " + " | ".join(cells) + " | " + " | ".join(mibs) + " |")
+        prompts = " " + " / ".join(str(counts[fmt][key]) for fmt in cols) + " |" if pool else ""
+        row = f"| {mode} | {method} | {ratio_s} | " + " | ".join(cells) + " | " + " | ".join(mibs) + " |"
+        lines.append(row + prompts)
     return "\n".join(lines) + "\n"
 
 
@@ -59,9 +69,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="folder holding one sweep folder per format")
     parser.add_argument("--formats", default="none,int8,int4,fp8", help="comma-separated folder names")
+    parser.add_argument("--pool", default="", help="comma-separated folders of other draws to pool in")
+    parser.add_argument("--out", type=Path, default=None, help="output file (default: ROOT/comparison.md)")
     args = parser.parse_args()
-    text = build(args.root, [f for f in args.formats.split(",") if f])
-    (args.root / "comparison.md").write_text(text, encoding="utf-8")
+    pool = [Path(p) for p in args.pool.split(",") if p]
+    text = build(args.root, [f for f in args.formats.split(",") if f], pool)
+    (args.out or args.root / "comparison.md").write_text(text, encoding="utf-8")
     print(text)
 
 

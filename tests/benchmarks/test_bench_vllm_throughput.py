@@ -121,6 +121,16 @@ def test_method_params_reach_the_plugin_configuration(bench):
     assert "params.even_layer_evict" in bench.rounds_refusal("kvcompress", 128)  # without the flag: refused outright
 
 
+def test_decode_reserves_add_modes_between_chunks_only(bench):
+    modes = bench.plan_modes(["snapkv"], [128], ["after", "between"], [], engine_full=False, reserves=[0, 64])
+    assert list(modes) == ["vanilla", "snapkv/128/after", "snapkv/128/between", "snapkv/128/between/reserve:64"]
+    assert modes["snapkv/128/between/reserve:64"].plugin_config() == {
+        "method": "snapkv", "budget": 128, "between_chunks": True, "decode_reserve": 64,
+    }  # fmt: skip
+    assert "decode_reserve" not in modes["snapkv/128/between"].plugin_config()
+    assert "decode_reserve" not in modes["snapkv/128/after"].plugin_config()
+
+
 def test_context_only_cases_split_the_prompt_where_the_context_ends(bench):
     import kvtrim
     from kvtrim.eval.tasks import generate_task

@@ -232,6 +232,10 @@ def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
         ({"method": "snapkv", "budget": 8, "min_prompt": -1}, "min_prompt"),
         ({"method": "snapkv", "budget": 8, "between_chunks": 1}, "between_chunks must be true or false"),
         ({"method": "snapkv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
+        ({"method": "snapkv", "budget": 8, "between_chunks": True, "decode_reserve": -1}, "decode_reserve must be"),
+        ({"method": "snapkv", "budget": 8, "between_chunks": True, "decode_reserve": True}, "decode_reserve must be"),
+        ({"method": "snapkv", "budget": 8, "between_chunks": True, "decode_reserve": 2.5}, "decode_reserve must be"),
+        ({"method": "snapkv", "budget": 8, "decode_reserve": 16}, "decode_reserve needs between_chunks"),
         ({"method": "pyramidkv@every:8", "budget": 8}, "not 'pyramidkv'"),
         ({"method": "duo_attention", "budget": 8, "between_chunks": True}, "not 'duo_attention'"),
         ({"method": "adakv", "ratio": 0.5, "between_chunks": True}, "need 'budget', not 'ratio'"),
@@ -672,3 +676,57 @@ def test_the_page_hint_names_the_parameter_that_keeps_the_uniform_blocks():
     assert "params.block_size = 32" in kvc.page_hint(32) and "blocks of 16 entries" in kvc.page_hint(32)
     assert kvc.page_hint(16) is None
     assert parse_config({"method": "snapkv", "budget": 128}).page_hint(32) is None  # uniform: nothing to gain
+
+
+def _request(rid, prompt, computed, outputs, max_tokens):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        request_id=rid, num_prompt_tokens=prompt, num_computed_tokens=computed, num_output_tokens=outputs,
+        num_tokens=prompt + outputs, max_tokens=max_tokens,
+    )  # fmt: skip
+
+
+def test_decode_reserve_admits_by_the_projected_peak_of_the_pool():
+    """The admission count with ``decode_reserve``: every running request and the new one projected forward one
+    decoded token per step until its reserve is decoded (blocks of 32, budget 64, chunk 128, reserve 96)."""
+    import functools
+    import weakref
+    from types import SimpleNamespace
+
+    from kvtrim.vllm.scheduler_patch import SchedulerState, _growth, _with_reserve
+
+    config = parse_config({"method": "snapkv", "budget": 64, "between_chunks": True, "decode_reserve": 96})
+    state = SchedulerState(config)
+    running = [
+        _request("a", 700, 700, 1, 200),  # 64 kept entries (2 blocks), 95 tokens to go: 159 entries (5 blocks)
+        _request("b", 700, 779, 80, 96),  # 143 entries (5 blocks), 16 tokens to go: 159 entries (5 blocks)
+    ]
+    state.dropped.update(a=636, b=636, c=236)
+    new = _request("n", 40, 0, 0, 500)  # a short prompt: 2 blocks now, 40 + 96 entries (5 blocks) at the end
+    held = {"a": [0] * 2, "b": [0] * 5, "c": [0] * 2}
+    manager = SimpleNamespace(block_size=32, req_to_blocks=held)
+
+    class Scheduler(SimpleNamespace):  # weakly referable, as vLLM's
+        pass
+
+    scheduler = Scheduler(
+        _kvtrim_state=state,
+        running=running,
+        requests={r.request_id: r for r in [*running, new, _request("c", 300, 300, 1, 96)]},
+        kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=[manager])),
+    )
+    slots = functools.partial(config.admission_tokens, chunk=0, block_size=32)
+    assert slots(900) == 64 and slots(40) == 40
+    grow = functools.partial(_growth, state, manager, slots, 128)
+    assert grow(_request("p", 700, 256, 0, 40)) == (4, 6, 64, 40)  # 3.5 chunks to go, holding 64 + one chunk
+    assert grow(running[0]) == (0, 2, 64, 95) and grow(running[1]) == (0, 5, 143, 16)
+    assert grow(new) == (1, 2, 40, 96)
+    # preempted after 50 decoded tokens: recomputes 749 tokens in 6 chunks, kept to 64, 46 more to decode
+    assert grow(_request("q", 700, 0, 50, 96)) == (6, 6, 64, 46)
+    reserve = functools.partial(_with_reserve, weakref.ref(scheduler), slots, 128)
+    # in use at step 0: 2 + 5 + 2; at 16 (b's last): 3 + 5 + 2; at 95 (a's last): 5 + 5 (b done): peak 10, 7 held
+    assert reserve("n", 2) == 3
+    assert reserve("n", 8) == 8  # vLLM's own count when it is larger
+    scheduler.running.append(scheduler.requests["c"])  # 64 entries, 95 to go: at 95, 5 + 5 + 5 of 9 held
+    assert reserve("n", 2) == 15 - 9

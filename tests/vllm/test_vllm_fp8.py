@@ -30,6 +30,12 @@ from kvtrim.vllm.runner_check import worker_stats
 from kvtrim.vllm.subpages import RequestSubPages
 from vllm import SamplingParams
 
+# vLLM's CPU backend (cpu_attn._get_attn_isa) takes an fp8 cache only on x86 with AVX-512 or AMX.
+pytestmark = pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vLLM's CPU backend runs an fp8 KV cache only on x86 with AVX-512 or AMX; this CPU has neither",
+)
+
 LENGTHS = [60, 300, 700]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 H, D, BS = 3, 64, 32  # SmolLM2's KV heads and head_dim; the CPU backend's blocks are multiples of 32

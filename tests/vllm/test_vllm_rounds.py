@@ -177,6 +177,43 @@ def test_budget_above_the_prompt_is_vanilla_and_admission_counts_the_compressed_
         close(llm)
 
 
+@pytest.mark.parametrize("method", ["snapkv", "adakv"])
+def test_decode_reserve_admits_with_room_for_the_decoded_tokens(model, monkeypatch, method):
+    """Admitted by their compressed size, six 400-token requests outgrow a 16-block pool while decoding 96 tokens
+    and vLLM preempts some (each recomputes its prompt); with ``decode_reserve`` 96 a request is admitted only when
+    it and the running requests have room for their reserved decoded tokens: no preemption, still batched."""
+    preempted = vllm_helpers.count_preemptions(monkeypatch)
+    prompts = token_prompts([400] * 6, seed=31)
+    tokens = 96
+    runs = {}
+    for reserve in (0, tokens):
+        config = {"method": method, "budget": BUDGET, "between_chunks": True, "decode_reserve": reserve}
+        if method == "adakv":
+            config["params"] = {"page_size": BLOCK}  # the uniform method's blocks (whole pages)
+        llm = _llm(model, config, num_gpu_blocks_override=17, max_model_len=512)  # one whole request fits
+        try:
+            engine = llm.llm_engine
+            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), params)
+            done, running = {}, []
+            for _ in range(3000):
+                for o in engine.step():
+                    if o.finished:
+                        done[o.request_id] = list(o.outputs[0].token_ids)
+                running.append(len(scheduler(llm).running))
+                if not engine.has_unfinished_requests():
+                    break
+            assert sorted(done) == [str(i) for i in range(6)] and {len(t) for t in done.values()} == {tokens}
+            assert used_blocks(llm) == 0
+            runs[reserve] = (len(preempted), max(running))
+            preempted.clear()
+        finally:
+            close(llm)
+    assert runs[0][0] > 0, "without a reserve no request was preempted: the pool is too large for this test"
+    assert runs[tokens][0] == 0 and runs[tokens][1] >= 2, runs
+
+
 @pytest.mark.parametrize("method", ["snapkv@every:200", "adakv@every:200"])
 def test_rounds_leak_nothing_under_preemption_and_aborts(tmp_path, monkeypatch, method):
     """Rounds in every phase on a pool that forces preemptions (recomputed requests are compressed again); AdaKV:

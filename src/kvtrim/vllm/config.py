@@ -101,6 +101,10 @@ class VLLMEvictionConfig:
         min_prompt: prompts shorter than this keep every entry
         between_chunks: compress to the budget after every prefill chunk (chunked prefill), not only after the
             last one; the scheduler then admits a request by its compressed size
+        decode_reserve: with ``between_chunks``, admit a waiting request only when the pool holds the projected
+            peak of every request growing one entry per decoded token until it has decoded this many tokens (at
+            most its ``max_tokens``); 0: vLLM's admission, which reserves nothing for decoding, so admitted
+            requests may outgrow the pool and be preempted
     """
 
     method: str
@@ -108,6 +112,7 @@ class VLLMEvictionConfig:
     params: dict = field(default_factory=dict)
     min_prompt: int = 0
     between_chunks: bool = False
+    decode_reserve: int = 0
 
     def __post_init__(self) -> None:
         base, schedule = split_schedule(self.method)
@@ -120,6 +125,12 @@ class VLLMEvictionConfig:
             raise InvalidParameterError(f"min_prompt must be an integer >= 0, got {self.min_prompt!r}")
         if not isinstance(self.between_chunks, bool):
             raise InvalidParameterError(f"between_chunks must be true or false, got {self.between_chunks!r}")
+        if isinstance(self.decode_reserve, bool) or not isinstance(self.decode_reserve, int) or self.decode_reserve < 0:
+            raise InvalidParameterError(f"decode_reserve must be an integer >= 0 (tokens), got {self.decode_reserve!r}")
+        if self.decode_reserve and not self.between_chunks:
+            raise InvalidParameterError(
+                "decode_reserve needs between_chunks = true: without it vLLM admits a request by its whole prompt"
+            )
         pipeline = self.pipeline()  # raises on bad params
         pipeline.check(self.spec.ratio, self.spec.budget)
         if isinstance(pipeline.budget, GlobalBlockBudget):
@@ -612,6 +623,7 @@ class VLLMEvictionConfig:
             "params": dict(self.params),
             "min_prompt": self.min_prompt,
             "between_chunks": self.between_chunks,
+            "decode_reserve": self.decode_reserve,
         }
 
 
@@ -619,11 +631,11 @@ def parse_config(raw: dict) -> VLLMEvictionConfig:
     """Validate a configuration dict (the JSON object of either source)."""
     if not isinstance(raw, dict):
         raise InvalidParameterError(f"the kvtrim vLLM configuration must be a JSON object, got {type(raw).__name__}")
-    unknown = set(raw) - {"method", "ratio", "budget", "params", "min_prompt", "between_chunks"}
+    unknown = set(raw) - {"method", "ratio", "budget", "params", "min_prompt", "between_chunks", "decode_reserve"}
     if unknown:
         raise InvalidParameterError(
             f"unknown kvtrim vLLM configuration keys {sorted(unknown)}; allowed: method, ratio, budget, params, "
-            "min_prompt, between_chunks"
+            "min_prompt, between_chunks, decode_reserve"
         )
     if "method" not in raw:
         raise InvalidParameterError("the kvtrim vLLM configuration needs 'method'")
@@ -632,7 +644,12 @@ def parse_config(raw: dict) -> VLLMEvictionConfig:
         raise InvalidParameterError(f"params must be a JSON object, got {params!r}")
     spec = BudgetSpec(ratio=raw.get("ratio"), budget=raw.get("budget"))
     return VLLMEvictionConfig(
-        str(raw["method"]), spec, dict(params), raw.get("min_prompt", 0), raw.get("between_chunks", False)
+        str(raw["method"]),
+        spec,
+        dict(params),
+        raw.get("min_prompt", 0),
+        raw.get("between_chunks", False),
+        raw.get("decode_reserve", 0),
     )
 
 

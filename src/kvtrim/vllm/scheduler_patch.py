@@ -10,7 +10,8 @@ every chunk and every ``N`` decoded tokens, or by LagKV's recursion,
 :meth:`~kvtrim.vllm.config.VLLMEvictionConfig.round_keep`),
 ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` (token counts of compressed
 requests are physical: logical − dropped; with ``between_chunks`` vLLM's full-sequence admission gate counts
-at most budget + one chunk) and ``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request);
+at most budget + one chunk, and with ``decode_reserve`` the pool's projected peak, :func:`_with_reserve`) and
+``KVCacheCoordinator.free`` / ``pop_blocks_for_free`` (forget the request);
 ``Scheduler.add_request`` (refuse a request's invalid ``kvtrim_*`` settings in ``extra_args``; the input
 processor refuses them first) and ``Scheduler._reserve_prefill_lookahead`` (vLLM's last cut of a step's tokens per
 request: also end a prefill chunk at the request's ``kvtrim_context_tokens``, :mod:`kvtrim.vllm.request_args`).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -122,8 +124,67 @@ def _patch_init(orig):
                     kv_heads=state.kv_heads,
                     counts_at=state.counts_at,
                 )
+                if config.decode_reserve:
+                    coordinator._kvtrim_reserve = functools.partial(
+                        _with_reserve,
+                        weakref.ref(self),
+                        functools.partial(
+                            config.admission_tokens,
+                            chunk=0,
+                            block_size=int(self.cache_config.block_size),
+                            kv_heads=state.kv_heads,
+                            counts_at=state.counts_at,
+                        ),
+                        int(self.scheduler_config.max_num_batched_tokens),
+                    )
 
     return __init__
+
+
+def _with_reserve(scheduler_ref, prompt_slots, chunk: int, request_id: str, blocks: int) -> int:
+    """Blocks the admission of ``request_id`` must find free with ``decode_reserve``: vLLM's count ``blocks`` (the
+    request's prompt at its compressed size, plus one chunk), or more if the pool's projected peak needs it.
+
+    Every running request and the new one are projected forward one token per engine step
+    (:func:`_growth`): a request in prefill holds its prompt's kept slots plus one chunk until its remaining chunks
+    are done, then its kept slots; from then on it gains one entry per decoded token until its reserve
+    (``decode_reserve`` capped at its ``max_tokens``) is decoded, when it finishes and frees its blocks. The
+    largest sum of blocks over that future, less what the running requests hold now, must be free."""
+    scheduler = scheduler_ref()
+    state = scheduler._kvtrim_state
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    grow = functools.partial(_growth, state, manager, prompt_slots, chunk)
+    others = [r for r in scheduler.running if r.request_id != request_id]
+    plans = [grow(r) for r in [*others, scheduler.requests[request_id]]]
+    held = sum(len(manager.req_to_blocks.get(r.request_id, ())) for r in others)
+    bs = manager.block_size
+
+    def in_use(t: int) -> int:
+        total = 0
+        for start, early, entries, decoded in plans:
+            if t < start:
+                total += early
+            elif t <= start + decoded:
+                total += -(-(entries + t - start) // bs)
+        return total
+
+    # sizes only grow while a request runs: the peak is at a request's last step, or before any has finished
+    peak = max(in_use(t) for t in {0, *(start + decoded for start, _, _, decoded in plans)})
+    return max(blocks, peak - held)
+
+
+def _growth(state: SchedulerState, manager, prompt_slots, chunk: int, req) -> tuple[int, int, int, int]:
+    """``(start, early, entries, decoded)``: ``req`` starts decoding in ``start`` engine steps holding ``entries``,
+    holds ``early`` blocks until then, and decodes ``decoded`` tokens more within its reserve."""
+    held = len(manager.req_to_blocks.get(req.request_id, ()))
+    decoded = max(0, min(state.config.decode_reserve, req.max_tokens) - req.num_output_tokens)
+    end = max(req.num_prompt_tokens, req.num_tokens - 1)  # a preempted request recomputes its output too
+    if req.num_computed_tokens < end:
+        entries = prompt_slots(end)
+        early = max(held, -(-min(end, entries + chunk) // manager.block_size))
+        return -(-(end - req.num_computed_tokens) // chunk), early, entries, decoded
+    entries = req.num_computed_tokens - state.dropped.get(req.request_id, 0)
+    return 0, held, entries, decoded
 
 
 def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
@@ -233,7 +294,7 @@ def _patch_blocks_to_allocate(orig):
             cap = admission(num_tokens)
             num_tokens = min(num_tokens, max(cap + d, total_computed_tokens))
             num_tokens_main_model = min(num_tokens_main_model, num_tokens)
-        return orig(
+        blocks = orig(
             self,
             request_id,
             num_tokens - d,
@@ -245,6 +306,10 @@ def _patch_blocks_to_allocate(orig):
             *args,
             **kwargs,
         )
+        reserve = getattr(self, "_kvtrim_reserve", None)
+        if reserve is not None and kwargs.get("apply_admission_cap"):
+            blocks = reserve(request_id, blocks)  # decode_reserve: room for decoded tokens, this and running requests'
+        return blocks
 
     return get_num_blocks_to_allocate
 

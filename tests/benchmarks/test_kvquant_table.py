@@ -1,0 +1,48 @@
+"""benchmarks/kvquant_table.py: one column per entry format, and draws of prompts pooled, on hand-made records."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from script_loader import load_script
+
+
+@pytest.fixture(scope="module")
+def table():
+    return load_script("benchmarks/kvquant_table.py")
+
+
+def _record(method, task, score, ratio=0.875):
+    return {"mode": "context-only", "method": method, "ratio": ratio, "task": task, "score": score,
+            "kv_bytes_after": 2**20, "kept_fraction": 1 - ratio}  # fmt: skip
+
+
+def _draw(root: pathlib.Path, formats: dict[str, list[dict]]) -> pathlib.Path:
+    for fmt, records in formats.items():
+        (root / fmt).mkdir(parents=True)
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        (root / fmt / "records.jsonl").write_text(text, encoding="utf-8")
+    return root
+
+
+def _row(text: str, method: str) -> list[str]:
+    line = next(x for x in text.splitlines() if x.startswith(f"| context-only | {method} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_pooled_draws_average_every_prompt_of_each_task(table, tmp_path):
+    # task a: 1, 0 in the first draw and 1, 1 in the second; task b: 0 then 1 (unquantized)
+    def scores(*values):
+        return [_record("kvzip", task, v) for task, v in zip("aab", values, strict=True)]
+
+    first = _draw(tmp_path / "d1", {"none": scores(1, 0, 0), "int8": scores(0, 0, 0)})
+    second = _draw(tmp_path / "d2", {"none": scores(1, 1, 1), "int8": scores(1, 1, 1)})
+    alone = _row(table.build(first, ["none", "int8"]), "kvzip")
+    assert alone[3:5] == ["25.0", "0.0 (-25.0)"] and len(alone) == 7  # (50 + 0) / 2 and 0: no prompts column
+    pooled = table.build(first, ["none", "int8"], [second])
+    assert "d1 pooled with d2" in pooled
+    # none: a = 3/4, b = 1/2 → 62.5; int8: a = 2/4, b = 1/2 → 50.0; six prompts each
+    assert _row(pooled, "kvzip")[3:5] == ["62.5", "50.0 (-12.5)"] and _row(pooled, "kvzip")[-1] == "6 / 6"
