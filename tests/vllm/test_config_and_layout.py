@@ -716,15 +716,15 @@ def test_decode_reserve_admits_by_the_projected_peak_of_the_pool():
         requests={r.request_id: r for r in [*running, new, _request("c", 300, 300, 1, 96)]},
         kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=[manager])),
     )
-    slots = functools.partial(config.admission_tokens, chunk=0, block_size=32)
-    assert slots(900) == 64 and slots(40) == 40
-    grow = functools.partial(_growth, state, manager, slots, 128)
+    admission = functools.partial(config.admission_tokens, chunk=128, block_size=32)  # as the scheduler builds it
+    assert admission(900, chunk=0) == 64 and admission(40, chunk=0) == 40 and admission(900) == 64 + 128
+    grow = functools.partial(_growth, state, manager, admission, 128)
     assert grow(_request("p", 700, 256, 0, 40)) == (4, 6, 64, 40)  # 3.5 chunks to go, holding 64 + one chunk
     assert grow(running[0]) == (0, 2, 64, 95) and grow(running[1]) == (0, 5, 143, 16)
     assert grow(new) == (1, 2, 40, 96)
     # preempted after 50 decoded tokens: recomputes 749 tokens in 6 chunks, kept to 64, 46 more to decode
     assert grow(_request("q", 700, 0, 50, 96)) == (6, 6, 64, 46)
-    reserve = functools.partial(_with_reserve, weakref.ref(scheduler), slots, 128)
+    reserve = functools.partial(_with_reserve, weakref.ref(scheduler), admission, 128)
     # in use at step 0: 2 + 5 + 2; at 16 (b's last): 3 + 5 + 2; at 95 (a's last): 5 + 5 (b done): peak 10, 7 held
     assert reserve("n", 2) == 3
     assert reserve("n", 8) == 8  # vLLM's own count when it is larger

@@ -128,20 +128,14 @@ def _patch_init(orig):
                     coordinator._kvtrim_reserve = functools.partial(
                         _with_reserve,
                         weakref.ref(self),
-                        functools.partial(
-                            config.admission_tokens,
-                            chunk=0,
-                            block_size=int(self.cache_config.block_size),
-                            kv_heads=state.kv_heads,
-                            counts_at=state.counts_at,
-                        ),
+                        coordinator._kvtrim_admission_tokens,
                         int(self.scheduler_config.max_num_batched_tokens),
                     )
 
     return __init__
 
 
-def _with_reserve(scheduler_ref, prompt_slots, chunk: int, request_id: str, blocks: int) -> int:
+def _with_reserve(scheduler_ref, admission, chunk: int, request_id: str, blocks: int) -> int:
     """Blocks the admission of ``request_id`` must find free with ``decode_reserve``: vLLM's count ``blocks`` (the
     request's prompt at its compressed size, plus one chunk), or more if the pool's projected peak needs it.
 
@@ -149,11 +143,14 @@ def _with_reserve(scheduler_ref, prompt_slots, chunk: int, request_id: str, bloc
     (:func:`_growth`): a request in prefill holds its prompt's kept slots plus one chunk until its remaining chunks
     are done, then its kept slots; from then on it gains one entry per decoded token until its reserve
     (``decode_reserve`` capped at its ``max_tokens``) is decoded, when it finishes and frees its blocks. The
-    largest sum of blocks over that future, less what the running requests hold now, must be free."""
+    largest sum of blocks over that future, less what the running requests hold now, must be free.
+
+    ``admission``: the gate's bound (:meth:`~kvtrim.vllm.config.VLLMEvictionConfig.admission_tokens` with vLLM's
+    ``chunk``); with ``chunk=0`` it gives the slots a prompt keeps after its last round."""
     scheduler = scheduler_ref()
     state = scheduler._kvtrim_state
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    grow = functools.partial(_growth, state, manager, prompt_slots, chunk)
+    grow = functools.partial(_growth, state, manager, admission, chunk)
     others = [r for r in scheduler.running if r.request_id != request_id]
     plans = [grow(r) for r in [*others, scheduler.requests[request_id]]]
     held = sum(len(manager.req_to_blocks.get(r.request_id, ())) for r in others)
@@ -173,15 +170,16 @@ def _with_reserve(scheduler_ref, prompt_slots, chunk: int, request_id: str, bloc
     return max(blocks, peak - held)
 
 
-def _growth(state: SchedulerState, manager, prompt_slots, chunk: int, req) -> tuple[int, int, int, int]:
+def _growth(state: SchedulerState, manager, admission, chunk: int, req) -> tuple[int, int, int, int]:
     """``(start, early, entries, decoded)``: ``req`` starts decoding in ``start`` engine steps holding ``entries``,
-    holds ``early`` blocks until then, and decodes ``decoded`` tokens more within its reserve."""
+    holds ``early`` blocks until then (the admission gate's bound), and decodes ``decoded`` tokens more within its
+    reserve."""
     held = len(manager.req_to_blocks.get(req.request_id, ()))
     decoded = max(0, min(state.config.decode_reserve, req.max_tokens) - req.num_output_tokens)
     end = max(req.num_prompt_tokens, req.num_tokens - 1)  # a preempted request recomputes its output too
     if req.num_computed_tokens < end:
-        entries = prompt_slots(end)
-        early = max(held, -(-min(end, entries + chunk) // manager.block_size))
+        entries = admission(end, chunk=0)
+        early = max(held, -(-admission(end) // manager.block_size))
         return -(-(end - req.num_computed_tokens) // chunk), early, entries, decoded
     entries = req.num_computed_tokens - state.dropped.get(req.request_id, 0)
     return 0, held, entries, decoded
