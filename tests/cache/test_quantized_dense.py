@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtrim.cache.dense import INVALID, DenseStore
 from kvtrim.cache.quant import KVQuant, dequantize_keys, quantize_keys, resolve_kv_quant
@@ -26,9 +28,11 @@ def _filled(fmt, b=2, h=2, n=37, d=16, seed=0, step=5):
     return store, keys, values
 
 
-def _expected_bytes(fmt: KVQuant, b, h, nq, w, d, dtype_bytes=4):
+def _expected_bytes(fmt: KVQuant, b, h, nq, w, d, dtype_bytes=4, groups=None):
+    """Bytes of ``nq`` quantized entries in ``groups`` key groups (default: whole groups only) and ``w`` in the
+    window."""
     codes = 2 * b * h * nq * d * fmt.bits // 8
-    key_scales = b * h * (nq // fmt.group_size) * d * 2 * 2
+    key_scales = b * h * (nq // fmt.group_size if groups is None else groups) * d * 2 * 2
     value_scales = b * h * nq * (d // fmt.value_group_for(d)) * 2 * 2
     return codes + key_scales + value_scales + 2 * b * h * w * d * dtype_bytes
 
@@ -120,27 +124,85 @@ def test_keep_moves_value_codes_and_regroups_keys(name):
     idx[..., -1] = 42  # the newest entry survives (from the window)
     idx = idx.sort(-1).values
     store.keep(idx)
-    assert (store.length, store.quantized_length, store.window_length) == (20, 16, 4)
+    # 20 kept, residual 0: two whole key groups of 8 and one partial group of 4, nothing in full precision
+    assert (store.length, store.quantized_length, store.window_length) == (20, 20, 0)
+    assert store.partial_group == (16, 4) and store._ks.shape[2] == 3
     # values quantized before keep the very same codes and scales
-    src = idx[:, :, :16]
-    from_q = src < 40
-    moved_vc = torch.gather(old_vc, 2, src.clamp(max=39)[..., None].expand(-1, -1, -1, old_vc.shape[-1]))
-    moved_vs = torch.gather(old_vs, 2, src.clamp(max=39)[..., None].expand(-1, -1, -1, 1))
+    from_q = idx < 40
+    moved_vc = torch.gather(old_vc, 2, idx.clamp(max=39)[..., None].expand(-1, -1, -1, old_vc.shape[-1]))
+    moved_vs = torch.gather(old_vs, 2, idx.clamp(max=39)[..., None].expand(-1, -1, -1, 1))
     assert torch.equal(store._vc[from_q], moved_vc[from_q]) and torch.equal(store._vs[from_q], moved_vs[from_q])
     k, v = store.dequantized()
     gather = lambda t: torch.gather(t, 2, idx[..., None].expand(-1, -1, -1, 16))  # noqa: E731
-    assert torch.allclose(v[:, :, :16][from_q], gather(before_v)[:, :, :16][from_q], atol=1e-3)
-    # regrouped keys: within half a step of their new group (the scales of the store's key groups); fp8: within
-    # 2^-4 of each element (3 mantissa bits), or half a subnormal step (2^-9 of the scale) near zero
-    step = store._ks.float().repeat_interleave(8, dim=2)
-    want = gather(before_k)[:, :, :16]
-    err = (k[:, :, :16] - want).abs()
-    bound = want.abs() * 2**-4 + step * 2**-10 if fmt.is_float else step / 2
-    assert (err <= bound * 1.01 + 1e-3).all()
+    assert torch.allclose(v[from_q], gather(before_v)[from_q], atol=1e-3)
+    _assert_keys_within_their_groups(store, k, gather(before_k))
     assert torch.equal(store.positions, idx)
-    assert store.nbytes() == _expected_bytes(fmt, 2, 2, 16, 4, 16)
-    store.keep(torch.arange(16).expand(2, 2, 16))  # whole groups only: the window empties
+    assert store.nbytes() == _expected_bytes(fmt, 2, 2, 20, 0, 16, groups=3)
+    store.keep(torch.arange(16).expand(2, 2, 16))  # whole groups only: no partial group
+    assert store.partial_group == (0, 0)
     assert store.window_length == 0 and store.nbytes() == _expected_bytes(fmt, 2, 2, 16, 0, 16)
+
+
+def _group_steps(store: QuantizedDenseStore) -> torch.Tensor:
+    """``[batch, kv_heads, nq, key_dim]``: the scale of each quantized key's own group (the partial one included)."""
+    g = store.kv_quant.group_size
+    start, size = store.partial_group
+    sizes = [g] * (store._ks.shape[2])
+    if size:
+        sizes[start // g] = size
+    return store._ks.float().repeat_interleave(torch.tensor(sizes, dtype=torch.long), dim=2)
+
+
+def _assert_keys_within_their_groups(store: QuantizedDenseStore, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Quantized keys within half a step of their group (its scale); fp8: within 2^-4 of each element (3 mantissa
+    bits), or half a subnormal step (2^-10 of the scale) near zero. The window exactly."""
+    nq = store.quantized_length
+    step = _group_steps(store)
+    err = (got[:, :, :nq] - want[:, :, :nq]).abs()
+    bound = want[:, :, :nq].abs() * 2**-4 + step * 2**-10 if store.kv_quant.is_float else step / 2
+    assert (err <= bound * 1.01 + 1e-3).all()
+    assert torch.equal(got[:, :, nq:], want[:, :, nq:])
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize(("kept", "residual"), [(21, 0), (21, 3), (24, 0), (27, 3), (2, 3)])
+def test_compaction_quantizes_all_but_the_newest_residual_entries(name, kept, residual):
+    """After keep(), exactly ``min(residual, kept)`` entries stay in full precision: the rest are whole key groups
+    and at most one partial group with its own scales. Appends then quantize whole groups after the partial one,
+    leaving the entries already quantized untouched, and attention reads what :attr:`keys` shows."""
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8)
+    store, _, _ = _filled(fmt, n=50, seed=5)
+    before_k, _ = store.dequantized()
+    g = torch.Generator().manual_seed(9)
+    idx = torch.stack([torch.randperm(50, generator=g)[:kept].sort().values for _ in range(4)]).view(2, 2, kept)
+    store.keep(idx)
+    nq = max(kept - residual, 0)
+    whole, partial = nq // 8 * 8, nq % 8
+    assert (store.quantized_length, store.window_length) == (nq, kept - nq)
+    assert store.partial_group == ((whole, partial) if partial else (0, 0))
+    groups = whole // 8 + (partial > 0)
+    assert store.nbytes() == _expected_bytes(fmt, 2, 2, nq, kept - nq, 16, groups=groups)
+    k_after, _ = store.dequantized()
+    _assert_keys_within_their_groups(store, k_after, torch.gather(before_k, 2, idx[..., None].expand(-1, -1, -1, 16)))
+    # decoding: 20 appended tokens; whole groups leave the window after the partial group
+    new_k, new_v = _kv(2, 2, 20, 16, seed=6)
+    for t in range(20):
+        pos = torch.full((2, 1), 50 + t)
+        store.append(new_k[:, :, t : t + 1], new_v[:, :, t : t + 1], pos, padded=False)
+        w = store.window_length
+        assert residual <= w < residual + 8 or store.length < residual + 8
+        assert store.partial_group == ((whole, partial) if partial else (0, 0))
+    n_after = store.quantized_length
+    assert (n_after - nq) % 8 == 0
+    assert store.nbytes() == _expected_bytes(
+        fmt, 2, 2, n_after, store.length - n_after, 16, groups=groups + (n_after - nq) // 8
+    )
+    k_end, v_end = store.dequantized()
+    assert torch.equal(k_end[:, :, :nq], k_after[:, :, :nq])  # the compacted, quantized keys are untouched
+    q = torch.randn(2, 4, 1, 16)
+    qpos = torch.full((2, 1), 70)
+    ref = DenseStore(k_end.clone(), v_end.clone(), store.positions.clone(), store.length)
+    assert torch.allclose(store.attend(q, qpos, 0.25, False), ref.attend(q, qpos, 0.25, False), atol=1e-6)
 
 
 def test_keep_mask_empties_slots_and_stats_follow():
@@ -153,6 +215,33 @@ def test_keep_mask_empties_slots_and_stats_follow():
     assert store.positions.tolist() == [[[0, 5, 9, 11], [1, 2, INVALID, INVALID]]]
     assert store.stat("acc").tolist() == [[[0, 5, 9, 11], [1, 2, 3, 4]]]
     assert store.entries_per_head().tolist() == [[4, 2]] and not store.all_valid
+
+
+@pytest.mark.parametrize("to", [39, 37, 35, 31, 29, 27, 22, 21, 18, 16, 10, 0])
+@pytest.mark.parametrize("residual", [0, 2])
+def test_truncate_across_the_partial_group(to, residual):
+    """A compacted store (two whole groups of 8, a partial group of 5, then two whole groups appended after it, and
+    ``residual`` entries in the window): truncating keeps every group that ends at or before ``to - residual``,
+    returns the rest to the window, and forgets the partial group once its end is cut."""
+    fmt = KVQuant("int8", group_size=8, residual=residual)
+    store, _, _ = _filled(fmt, n=40)
+    store.keep(torch.arange(21 + residual).expand(2, 2, -1))
+    extra_k, extra_v = _kv(2, 2, 25, 16, seed=2)
+    store.append(extra_k[:, :, :16], extra_v[:, :, :16], torch.arange(40, 56).expand(2, -1), padded=False)
+    assert (store.partial_group, store.quantized_length, store.length) == ((16, 5), 37, 37 + residual)
+    if to > store.length:
+        return
+    before = store.keys
+    store.truncate(to)
+    bounds = (0, 8, 16, 21, 29, 37)
+    nq = 37 if to >= 37 else max(b for b in bounds if b <= max(to - residual, 0))
+    assert (store.length, store.quantized_length) == (to, nq)
+    assert store.partial_group == ((16, 5) if nq >= 21 else (0, 0))
+    assert torch.allclose(store.keys, before[:, :, :to])
+    groups = nq // 8 + (nq >= 21)
+    assert store.nbytes() == _expected_bytes(fmt, 2, 2, nq, to - nq, 16, groups=groups)
+    store.append(extra_k[:, :, 16:], extra_v[:, :, 16:], torch.arange(to, to + 9).expand(2, -1), padded=False)
+    assert torch.allclose(store.keys[:, :, :nq], before[:, :, :nq]) and store.length == to + 9
 
 
 @pytest.mark.parametrize("to", [37, 30, 16, 5, 0])
@@ -208,7 +297,7 @@ LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM = 32768, 4096, 128
     ("spec", "nq", "window"),
     [
         ("int4", 4064, 32),  # the default: groups of 32, a 32-entry window
-        ("int4:group_size=64", 4032, 64),
+        ("int4:group_size=64", 4064, 32),  # 63 whole groups of 64 and a partial group of 32
         ("int4:group_size=64,residual=0", 4096, 0),
         ("int4:residual=0", 4096, 0),
     ],
@@ -216,7 +305,7 @@ LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM = 32768, 4096, 128
 def test_bytes_after_keeping_an_eighth_of_a_long_context_against_1_28(spec, nq, window):
     """Bytes held after a compaction to 1/8 of 32,768 float16 entries (head_dim 128), from the tensors: int4's
     default (key groups of 32 at 148 B per quantized entry, plus a 32-entry float16 window) holds 1/27.15 of the
-    float16 full cache, above 1/28; key groups of 64 reach 1/28 (1/28.09 with the default window, 1/29.26
+    float16 full cache, above 1/28; key groups of 64 reach 1/28 (1/28.65 with the default window, 1/29.26
     without). docs/quantization.md states these fractions."""
     fmt = resolve_kv_quant(spec)
     n, kept, d = LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM
@@ -227,8 +316,60 @@ def test_bytes_after_keeping_an_eighth_of_a_long_context_against_1_28(spec, nq, 
     store.keep(torch.randperm(n, generator=g)[:kept].sort().values.view(1, 1, kept))
     assert (store.quantized_length, store.window_length) == (nq, window)
     held = store.nbytes()
-    assert held == _expected_bytes(fmt, 1, 1, nq, window, d, dtype_bytes=2)
-    assert held == nq * fmt.entry_bytes(d) + window * 2 * d * 2
+    groups = -(-nq // fmt.group_size)
+    assert held == _expected_bytes(fmt, 1, 1, nq, window, d, dtype_bytes=2, groups=groups)
+    if nq % fmt.group_size == 0:
+        assert held == nq * fmt.entry_bytes(d) + window * 2 * d * 2
     full_fp16 = n * 2 * d * 2
     meets = fmt.group_size == 64
     assert (held * 28 <= full_fp16) == meets, full_fp16 / held
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(1, 19)),
+        st.tuples(st.just("keep"), st.floats(0.0, 1.0)),
+        st.tuples(st.just("truncate"), st.floats(0.0, 1.0)),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS, residual=st.integers(0, 10), name=st.sampled_from(["int8", "int4", "fp8"]), seed=st.integers(0, 99))
+def test_any_sequence_of_appends_compactions_and_truncations_keeps_the_layout(ops, residual, name, seed):
+    """Whatever ran before: the key scales cover the quantized part in whole groups plus at most one partial group;
+    the window holds less than ``residual + group_size`` entries (exactly ``residual`` right after a compaction of
+    at least that many); the bytes are the codes, the scales and the window; attention reads what ``keys`` shows;
+    entries already quantized keep their values across appends."""
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8)
+    store, _, _ = _filled(fmt, b=1, h=2, n=30, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    for op, arg in ops:
+        n, nq = store.length, store.quantized_length
+        before = store.keys
+        if op == "append":
+            k, v = _kv(1, 2, arg, 16, seed=seed + n)
+            store.append(k, v, torch.arange(n, n + arg)[None], padded=False)
+            assert torch.equal(store.keys[:, :, :nq], before[:, :, :nq])
+        elif op == "keep":
+            kept = round(arg * n)
+            idx = torch.stack([torch.randperm(n, generator=g)[:kept].sort().values for _ in range(2)])[None]
+            store.keep(idx)
+            assert store.window_length == min(residual, kept)
+        else:
+            store.truncate(round(arg * n))
+            assert torch.allclose(store.keys, before[:, :, : store.length])
+        start, size = store.partial_group
+        nq, w = store.quantized_length, store.window_length
+        assert nq + w == store.length and w < residual + 8
+        assert (0 < size < 8 and start % 8 == 0 and (nq - start - size) % 8 == 0) or (size == 0 and nq % 8 == 0)
+        groups = nq // 8 + (size > 0)
+        assert store._ks.shape[2] == groups == store._groups_before(nq)
+        assert store.nbytes() == _expected_bytes(fmt, 1, 2, nq, w, 16, groups=groups)
+        if store.length:
+            q = torch.randn(1, 4, 1, 16, generator=g)
+            qpos = torch.full((1, 1), 1000)
+            ref = DenseStore(store.keys.clone(), store.values.clone(), store.positions.clone(), store.length)
+            assert torch.allclose(store.attend(q, qpos, 0.25, False), ref.attend(q, qpos, 0.25, False), atol=1e-5)

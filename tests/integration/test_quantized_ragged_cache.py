@@ -93,8 +93,7 @@ def test_nothing_evicted_int8_matches_the_unquantized_cache(llama, tokenizer):
 
 def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tokenizer):
     """The bytes of the entries AdaKV keeps, int4 packed (no window) in the ragged store, against the same entries
-    held padded in the quantized dense store (every head padded to the longest, a full-precision window up to a
-    group)."""
+    held padded in the quantized dense store (every head padded to the longest)."""
     ids = tokenizer(CTX, return_tensors="pt").input_ids
     spec, d = "int4:residual=0", 16
     fmt = resolve_kv_quant(spec)
@@ -107,8 +106,8 @@ def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tok
     assert isinstance(padded.layers[0].store, QuantizedDenseStore)
     assert padded.stats().entries == cache.stats().entries
     unquantized = _prefill(llama, ids, None, "adakv", 0.875).kv_nbytes()
-    # measured: 3,264 bytes ragged, 13,824 padded, 18,432 unquantized ragged (float32)
-    assert ragged * 4 < padded.kv_nbytes() and ragged * 4 < unquantized, (ragged, padded.kv_nbytes(), unquantized)
+    # measured: 3,264 bytes ragged, 4,792 padded, 18,432 unquantized ragged (float32)
+    assert ragged * 1.25 < padded.kv_nbytes() and ragged * 4 < unquantized, (ragged, padded.kv_nbytes(), unquantized)
 
 
 def test_int4_default_window_holds_each_rows_newest_kept_entries_in_full_precision(llama, tokenizer):

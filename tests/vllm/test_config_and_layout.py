@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from vllm_helpers import MODEL_DIR
 
 from kvtrim.budgets.pyramid import pyramid_layer_budgets
 from kvtrim.errors import InvalidParameterError, UnsupportedModelError
@@ -354,13 +355,39 @@ def test_lagkv_admission_bound_covers_every_step(chunk):
     assert parse_config({"method": "lagkv", "ratio": 0.5}).admission_tokens(1000, 64) is None
 
 
-@pytest.mark.parametrize("method", PER_HEAD_METHODS + EVEN_LAYER_METHODS)
-def test_per_head_methods_refuse_tensor_parallelism(method):
+FIXED_COUNT_METHODS = ("headkv", "critical_headkv", "duo_attention")  # per-head counts from an artifact
+SPLIT_BY_SCORE = [m for m in PER_HEAD_METHODS if m not in FIXED_COUNT_METHODS] + list(EVEN_LAYER_METHODS)
+
+
+@pytest.mark.parametrize("method", SPLIT_BY_SCORE)
+def test_per_head_methods_split_by_score_refuse_tensor_parallelism(method):
     params = EVEN if method in EVEN_LAYER_METHODS else {}
     config = parse_config({"method": method, "budget": 64, "params": params})
     config.check_tensor_parallel(1)
     with pytest.raises(InvalidParameterError, match=f"tensor_parallel_size=2 is not supported with {method}"):
         config.check_tensor_parallel(2)
+
+
+@pytest.mark.parametrize("method", FIXED_COUNT_METHODS)
+def test_per_head_counts_from_an_artifact_split_by_tensor_parallel_rank(method):
+    """HeadKV and DuoAttention under tensor parallelism: the counts are the whole model's (the artifact's), one row
+    per (layer, rank) holding that rank's heads; the block list is sized by the largest row mean, never less than
+    without tensor parallelism, and every rank's split fits it."""
+    assert method in PER_HEAD_METHODS
+    config = parse_config({"method": method, "budget": 128})
+    config.check_tensor_parallel(3, total_kv_heads=3)
+    with pytest.raises(InvalidParameterError, match=r"tensor_parallel_size=4 is not supported .* 2 KV heads do not"):
+        config.check_tensor_parallel(4, total_kv_heads=2)  # vLLM would replicate each head on two ranks
+    pipeline = config.bound_pipeline(str(MODEL_DIR))  # the embedded SmolLM2: 30 layers, 3 KV heads
+    whole = config.head_counts(pipeline, 900, 30, 3)
+    assert whole.shape == (30, 3) and len(set(whole.flatten().tolist())) > 1
+    rows = config.head_counts(pipeline, 900, 30, 1, tp_size=3)  # one KV head per rank
+    assert rows.shape == (90, 1) and np.array_equal(rows.reshape(30, 3), whole)
+    for rank in range(3):
+        assert np.array_equal(config.rank_rows(rows, 3, rank), whole[:, rank : rank + 1])
+    single, split = config.slot_count(900, 30, 32, whole), config.slot_count(900, 30, 32, rows)
+    assert split == min(int(whole.max()) + 31, 900) and split >= single
+    assert config.head_counts_at(pipeline, 30, 1, 3)(900).shape == (90, 1)
 
 
 def test_uniform_and_per_layer_methods_accept_tensor_parallelism():

@@ -1,4 +1,5 @@
-"""Tensor parallelism on vLLM's CPU backend: each rank compacts its own KV heads; per-head methods are refused."""
+"""Tensor parallelism on vLLM's CPU backend: each rank compacts its own KV heads; per-head methods whose counts
+come from an artifact take their rank's heads' counts; those split by score are refused."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
 from vllm.inputs import TokensPrompt
-from vllm_helpers import close, head_sliced_model, make_llm, scheduler, token_prompts, used_blocks
+from vllm_helpers import MODEL_DIR, close, head_sliced_model, make_llm, scheduler, token_prompts, used_blocks
 
+from kvtrim.artifacts.kinds import DUO_KIND, HEADKV_KIND
+from kvtrim.artifacts.store import load_artifact, save_artifact
 from kvtrim.errors import InvalidParameterError
+from kvtrim.vllm.checkpoint_model import checkpoint_stand_in
+from kvtrim.vllm.config import parse_config
 from kvtrim.vllm.runner_check import worker_stats
 from vllm import SamplingParams
 
@@ -36,6 +41,22 @@ def _cdiv(a: int, b: int) -> int:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return head_sliced_model(tmp_path_factory.mktemp("tp") / "smollm2-2kv", layers=LAYERS, kv_heads=KV_HEADS)
+
+
+@pytest.fixture(scope="module")
+def artifacts_home(model, tmp_path_factory):
+    """A ``KVTRIM_HOME`` holding the sliced model's ``headkv`` and ``duo`` artifacts: the embedded SmolLM2's, cut to
+    the same layers, KV heads and query heads (keyed by the sliced checkpoint, as vLLM's processes look them up)."""
+    home = tmp_path_factory.mktemp("kvtrim_home")
+    full, cut = checkpoint_stand_in(str(MODEL_DIR)), checkpoint_stand_in(str(model))
+    q_heads = cut.config.num_attention_heads  # the KV heads' query groups, first in SmolLM2's order
+    head = load_artifact(HEADKV_KIND, full).tensors
+    scores = {n: head[n][:LAYERS, :q_heads] for n in ("retrieval", "retrieval_reasoning")}
+    save_artifact(HEADKV_KIND, cut, scores, {"settings": {"cut_from": "smollm2-135m"}}, home / "artifacts")
+    duo = load_artifact(DUO_KIND, full).tensors
+    gates = {n: duo[n][:LAYERS, :KV_HEADS] for n in ("gates", "deviation")}
+    save_artifact(DUO_KIND, cut, gates, {"settings": {"cut_from": "smollm2-135m"}}, home / "artifacts")
+    return home
 
 
 def _llm(config, model, tp: int, monkeypatch):
@@ -79,6 +100,47 @@ def test_snapkv_at_two_ranks_keeps_the_single_rank_tokens_and_blocks(model, monk
         assert s["kv_heads"] == 1 and s["requests_compressed"] == 2 and s["layer_evictions"] == 2 * LAYERS
     assert two == single
     assert single != vanilla  # compression changed the tokens: the equality says something
+
+
+@pytest.mark.parametrize(("method", "budget"), [("headkv", BUDGET), ("duo_attention", 256)])
+def test_artifact_per_head_methods_at_two_ranks_keep_the_single_rank_tokens(
+    model, artifacts_home, method, budget, monkeypatch
+):
+    """HeadKV and DuoAttention fix every head's count from the artifact: rank r keeps head r's count of the whole
+    model's split and selects what one rank selects for that head. The block list is sized by the largest
+    (layer, rank) mean: with one head per rank, the largest head count (DuoAttention: a retrieval head keeps the
+    whole prompt, so its requests free nothing)."""
+    monkeypatch.setenv("KVTRIM_HOME", str(artifacts_home))  # read by this process and the spawned ranks
+    config = {"method": method, "budget": budget}
+    parsed = parse_config(config)
+    pipeline = parsed.bound_pipeline(str(model))
+    rows = {n: parsed.head_counts(pipeline, n, LAYERS, 1, tp_size=2) for n in LENGTHS}
+    assert any(len(set(r.flatten().tolist())) > 1 for r in rows.values())  # the heads keep different counts
+    llm = _llm(config, model, 1, monkeypatch)
+    try:
+        single = _generate(llm)
+        single_freed = scheduler(llm)._kvtrim_state.blocks_freed
+    finally:
+        close(llm)
+    llm = _llm(config, model, 2, monkeypatch)
+    try:
+        two = _generate(llm)
+        state = scheduler(llm)._kvtrim_state
+        stats = llm.collective_rpc(worker_stats)
+        long = [n for n in LENGTHS if n > budget]
+        slots = {n: parsed.slot_count(n, LAYERS, BLOCK, rows[n], 1) for n in long}
+        cut = [n for n in long if slots[n] < n]  # the scheduler shortens these block lists
+        freed = sum(_cdiv(n, BLOCK) - _cdiv(slots[n], BLOCK) for n in cut)
+        assert state.requests_compressed == len(cut) and state.blocks_freed == freed <= single_freed
+        assert (len(cut), freed > 0) == ((2, True) if method == "headkv" else (0, False))
+        assert used_blocks(llm) == 0
+    finally:
+        close(llm)
+    assert sorted(s["tp_rank"] for s in stats) == [0, 1]
+    for s in stats:  # each rank holds one KV head and compacted every long prompt in every layer (its own count)
+        assert s["kv_heads"] == 1 and s["requests_compressed"] == len(long)
+        assert s["layer_evictions"] == len(long) * LAYERS
+    assert two == single
 
 
 def test_a_per_head_method_refuses_two_ranks(model, monkeypatch):

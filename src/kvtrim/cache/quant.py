@@ -314,9 +314,11 @@ def _codes_into(
 
 # ---------------------------------------------------------------------------------------------------- keys
 def quantize_keys(
-    x: torch.Tensor, fmt: KVQuant, valid: torch.Tensor | None = None
+    x: torch.Tensor, fmt: KVQuant, valid: torch.Tensor | None = None, group_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel quantization of keys ``[..., n, d]`` in groups of ``fmt.group_size`` tokens (``n`` a multiple).
+    """Per-channel quantization of keys ``[..., n, d]`` in groups of ``group_size`` tokens (default
+    ``fmt.group_size``; ``n`` a multiple). A store passes a smaller ``group_size`` for the one partial group a
+    compaction leaves (``n`` tokens in one group).
 
     ``valid`` ``[..., n]`` (optional) marks the tokens whose range counts: padding slots, never attended to, do not
     widen their group's steps (their own codes are clamped to the range of the others).
@@ -325,7 +327,7 @@ def quantize_keys(
         codes ``[..., n, ceil(d * bits / 8)]`` uint8 (``d`` may be odd: keys pruned to some channels), scale and zero
         ``[..., n / group_size, d]`` float16
     """
-    n, g = x.shape[-2], fmt.group_size
+    n, g = x.shape[-2], fmt.group_size if group_size is None else group_size
     if n % g:
         raise InvalidParameterError(f"keys to quantize must fill whole groups: {n} tokens, group_size={g}")
     xg = x.float().unflatten(-2, (n // g, g))  # [..., groups, g, d]

@@ -4,9 +4,10 @@ Every KV head holds the same number of slots, as in :class:`~kvtrim.cache.dense.
 in two parts that together hold ``length`` entries, oldest first (``d`` is ``head_dim``; keys pruned to
 ``key_dim < head_dim`` channels, ThinK, have ``key_dim`` wherever a key shape below says ``d``):
 
-* the quantized part: ``nq`` slots (a multiple of ``group_size``), key codes ``[batch, kv_heads, nq, d*bits/8]``
-  with per-channel scales and zero points ``[batch, kv_heads, nq/group_size, d]``, value codes of the same shape
-  with per-token scales and zero points ``[batch, kv_heads, nq, d/value_group]``;
+* the quantized part: ``nq`` slots, key codes ``[batch, kv_heads, nq, d*bits/8]`` with per-channel scales and
+  zero points ``[batch, kv_heads, groups, d]`` (one per key group: ``group_size`` consecutive slots, except at most
+  one partial group that a compaction leaves, below), value codes of the same shape with per-token scales and zero
+  points ``[batch, kv_heads, nq, d/value_group]``;
 * the full-precision window: the newest ``length - nq`` entries ``[batch, kv_heads, w, d]`` in the model's dtype.
   Appends land in the window; whenever it holds at least ``residual + group_size`` entries, its oldest whole groups
   are quantized and move to the quantized part.
@@ -20,7 +21,10 @@ their scales: a key scale is shared by ``group_size`` tokens, and after eviction
 few to amortise it (at 1/8 kept and groups of 64, about 8 per group: the scales would outweigh the int4 codes).
 The kept keys are therefore regrouped: dequantized, and quantized again in groups of ``group_size`` consecutive
 kept entries. The added error of a key is at most half a step of its new group, whose range lies within the
-range of the old groups it came from (docs/quantization.md).
+range of the old groups it came from (docs/quantization.md). Every kept entry but the newest ``residual`` is
+quantized: when their count is not a multiple of ``group_size``, the last ones form one partial key group with its
+own scales (as the ragged store's rows do), so a compaction leaves exactly ``residual`` entries in full precision
+and later appends quantize whole groups after the partial one.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class QuantizedDenseStore(SlotBookkeeping):
         self._vs, self._vz = empty(b, h, 0, vgroups, dtype=torch.float16), empty(b, h, 0, vgroups, dtype=torch.float16)
         self._wk, self._wv = empty(b, h, 0, dk, dtype=dtype), empty(b, h, 0, d, dtype=dtype)
         self._pos = empty(b, h, 0, dtype=torch.long)
+        # (start, size) of the partial key group a compaction left in the quantized part; size 0: none
+        self._partial = (0, 0)
         self.length = 0
         self._stats: dict[str, torch.Tensor] = {}
         self.all_valid = True
@@ -118,8 +124,34 @@ class QuantizedDenseStore(SlotBookkeeping):
     # ------------------------------------------------------------------ views
     @property
     def quantized_length(self) -> int:
-        """Slots in the quantized part (a multiple of ``group_size``)."""
+        """Slots in the quantized part (whole key groups, and at most one partial group left by a compaction)."""
         return self._kc.shape[2]
+
+    @property
+    def partial_group(self) -> tuple[int, int]:
+        """``(start, size)``: the quantized part's partial key group, slots ``[start, start + size)``; ``size`` 0
+        when every key group is whole."""
+        return self._partial
+
+    def _key_segments(self) -> list[tuple[int, int, int, int]]:
+        """``(first slot, end slot, first group, end group)`` runs of the quantized part whose key groups all have
+        the same size: the whole groups before the partial one, the partial group, the whole groups after it."""
+        g, nq = self.kv_quant.group_size, self.quantized_length
+        start, size = self._partial
+        if not size:
+            return [(0, nq, 0, nq // g)] if nq else []
+        before = start // g
+        runs = [(0, start, 0, before), (start, start + size, before, before + 1)]
+        runs.append((start + size, nq, before + 1, before + 1 + (nq - start - size) // g))
+        return [r for r in runs if r[1] > r[0]]
+
+    def _groups_before(self, slot: int) -> int:
+        """Key groups wholly before ``slot``, a group boundary of the quantized part."""
+        g = self.kv_quant.group_size
+        start, size = self._partial
+        if not size or slot <= start:
+            return slot // g
+        return start // g + 1 + (slot - start - size) // g
 
     @property
     def window_length(self) -> int:
@@ -160,7 +192,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         fmt, nq = self.kv_quant, self.quantized_length
         if nq == 0:
             return self._wk, self._wv
-        if self.window_length == 0:
+        if self.window_length == 0 and not self._partial[1]:
             k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype)
             return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype)
         # dequantize straight into the layer's buffer, the window after it (no concatenation copy)
@@ -175,8 +207,12 @@ class QuantizedDenseStore(SlotBookkeeping):
         ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the quantized part
         dequantized, then the window."""
         fmt, nq = self.kv_quant, self.quantized_length
+        for s0, s1, g0, g1 in self._key_segments():
+            dequantize_keys(
+                self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], fmt, self.dtype,
+                out=keys[:, :, s0:s1],
+            )  # fmt: skip
         if nq:
-            dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, out=keys[:, :, :nq])
             dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, :nq])
         if self.window_length:
             keys[:, :, nq:] = self._wk
@@ -250,11 +286,16 @@ class QuantizedDenseStore(SlotBookkeeping):
         kept_k = torch.gather(keys, 2, idx.expand(-1, -1, -1, self.key_dim))
         kept_v = torch.gather(values, 2, idx.expand(-1, -1, -1, self.head_dim))
         del keys, values
-        nq = max(k - fmt.residual, 0) // fmt.group_size * fmt.group_size
+        nq = max(k - fmt.residual, 0)  # every kept entry but the newest ``residual``
+        whole = nq // fmt.group_size * fmt.group_size
         pos = torch.gather(self.positions, 2, indices)
         if keep_mask is not None:
             pos = pos.masked_fill(~keep_mask, INVALID)
-        kc, ks, kz = quantize_keys(kept_k[:, :, :nq], fmt, pos[:, :, :nq] >= 0)
+        valid = pos >= 0
+        kc, ks, kz = quantize_keys(kept_k[:, :, :whole], fmt, valid[:, :, :whole])
+        if nq > whole:  # the last kept entries form one partial group with its own scales
+            parts = quantize_keys(kept_k[:, :, whole:nq], fmt, valid[:, :, whole:nq], group_size=nq - whole)
+            kc, ks, kz = (torch.cat([a, p], dim=2) for a, p in zip((kc, ks, kz), parts, strict=True))
         vc, vs, vz = quantize_values(kept_v[:, :, :nq], fmt)  # first quantization of entries from the window
         if nq and old_nq:
             src = indices[:, :, :nq]
@@ -266,6 +307,7 @@ class QuantizedDenseStore(SlotBookkeeping):
 
             vc, vs, vz = move(self._vc, vc), move(self._vs, vs), move(self._vz, vz)
         self._kc, self._ks, self._kz, self._vc, self._vs, self._vz = kc, ks, kz, vc, vs, vz
+        self._partial = (whole, nq - whole) if nq > whole else (0, 0)
         # clones, not views: an empty slice would keep (and count) the whole gathered layer
         self._wk, self._wv = kept_k[:, :, nq:].clone(), kept_v[:, :, nq:].clone()
         self._pos = pos.contiguous()
@@ -290,7 +332,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         out._ks, out._kz = (torch.gather(t, 3, index(t.shape[2])) for t in (self._ks, self._kz))
         out._wk = torch.gather(self._wk, 3, index(self.window_length))
         out._vc, out._vs, out._vz, out._wv = self._vc, self._vs, self._vz, self._wv
-        out._pos, out.length, out.all_valid = self._pos, self.length, self.all_valid
+        out._pos, out.length, out.all_valid, out._partial = self._pos, self.length, self.all_valid, self._partial
         out._stats = dict(self._stats)
         return out
 
@@ -306,13 +348,20 @@ class QuantizedDenseStore(SlotBookkeeping):
             raise ValueError(f"cannot truncate to {length} slots, store has {self.length}")
         fmt, nq = self.kv_quant, self.quantized_length
         if length < nq:
-            keep_q = max(length - fmt.residual, 0) // fmt.group_size * fmt.group_size
+            # the last group boundary at or before ``length - residual`` (the partial group's ends are boundaries)
+            limit, g = max(length - fmt.residual, 0), fmt.group_size
+            start, size = self._partial
+            keep_q = limit // g * g
+            if size and limit >= start:
+                keep_q = start if limit < start + size else start + size + (limit - start - size) // g * g
             keys, values = self.dequantized()
             self._wk, self._wv = keys[:, :, keep_q:length].clone(), values[:, :, keep_q:length].clone()
-            g = keep_q // fmt.group_size
+            groups = self._groups_before(keep_q)
+            if keep_q < start + size:
+                self._partial = (0, 0)
             self._kc, self._vc = self._kc[:, :, :keep_q].clone(), self._vc[:, :, :keep_q].clone()
             self._vs, self._vz = self._vs[:, :, :keep_q].clone(), self._vz[:, :, :keep_q].clone()
-            self._ks, self._kz = self._ks[:, :, :g].clone(), self._kz[:, :, :g].clone()
+            self._ks, self._kz = self._ks[:, :, :groups].clone(), self._kz[:, :, :groups].clone()
         else:
             self._wk, self._wv = self._wk[:, :, : length - nq].clone(), self._wv[:, :, : length - nq].clone()
         self._pos[:, :, length : self.length] = INVALID
@@ -330,7 +379,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         )
         out._kc, out._ks, out._kz, out._vc, out._vs, out._vz, out._wk, out._wv = (t.clone() for t in self._tensors())
         out._pos = self.positions.clone()
-        out.length = self.length
+        out.length, out._partial = self.length, self._partial
         out._stats = {n: s[:, :, : self.length].clone() for n, s in self._stats.items()}
         out.all_valid = self.all_valid
         return out

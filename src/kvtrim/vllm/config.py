@@ -466,21 +466,34 @@ class VLLMEvictionConfig:
         stores each head in its own sub-pages."""
         return self.capabilities.budgets == BUDGET_KINDS["head"]
 
-    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
-        """Refuse tensor parallelism for per-head methods (:data:`PER_HEAD_METHODS`, KV-Compress).
+    def check_tensor_parallel(self, tensor_parallel_size: int, total_kv_heads: int | None = None) -> None:
+        """Refuse tensor parallelism for per-head methods whose counts follow the scores (AdaKV, CriticalKV-AdaKV,
+        KV-Compress).
 
         Each tensor-parallel rank holds and scores only its own KV heads. Uniform and per-layer methods keep a
         count that follows from the prompt length alone, so every rank keeps the same slots and selects per head
-        as one rank would. A per-head method splits a layer's ``kv_heads · B`` entries among *all* its KV heads
-        by score (AdaKV, KV-Compress's blocks), or takes counts for all heads of the model from a calibration artifact
-        (HeadKV, DuoAttention): a rank would split among its own heads only, which is not the single-rank selection.
+        as one rank would. Methods whose per-head counts a calibration artifact fixes (HeadKV, CriticalKV-HeadKV,
+        DuoAttention) compute the counts of every head of the model and each rank keeps its own heads' counts
+        (:meth:`head_counts`), so they select as one rank would too. AdaKV and KV-Compress split a layer's
+        ``kv_heads · B`` entries among *all* its KV heads by score: a rank would split among its own heads only,
+        which is not the single-rank selection. ``total_kv_heads`` (the model's): ranks that replicate KV heads
+        (more ranks than heads) are refused for the artifact-count methods, whose rows assume each rank holds its
+        own slice of the heads.
         """
-        if self.per_head and tensor_parallel_size > 1:
+        if self.per_head and not self.head_counts_fixed and tensor_parallel_size > 1:
             raise InvalidParameterError(
                 f"tensor_parallel_size={tensor_parallel_size} is not supported with {self.method}: its per-head "
-                "counts are split among all KV heads of a layer (or fixed for all heads by a calibration artifact), "
-                "and each tensor-parallel rank holds only its own heads. Use tensor_parallel_size=1, or a uniform "
-                "or per-layer method (e.g. snapkv, pyramidkv), which support tensor parallelism"
+                "counts are split by score among all KV heads of a layer, and each tensor-parallel rank holds only "
+                "its own heads. Use tensor_parallel_size=1, a method whose per-head counts come from a calibration "
+                "artifact (headkv, critical_headkv, duo_attention), or a uniform or per-layer method (e.g. snapkv, "
+                "pyramidkv), which support tensor parallelism"
+            )
+        if self.per_head and total_kv_heads is not None and total_kv_heads % tensor_parallel_size:
+            raise InvalidParameterError(
+                f"tensor_parallel_size={tensor_parallel_size} is not supported with {self.method}: the model's "
+                f"{total_kv_heads} KV heads do not divide among the ranks (vLLM replicates them), and the per-head "
+                "counts are kept per rank's own slice of the heads; use a tensor_parallel_size that divides "
+                f"{total_kv_heads}"
             )
 
     def pipeline(self) -> Pipeline:
@@ -515,25 +528,41 @@ class VLLMEvictionConfig:
             pipeline.bind(checkpoint_stand_in(model_path))
         return pipeline
 
-    def head_counts(self, pipeline: Pipeline, prompt_len: int, num_layers: int, kv_heads: int) -> np.ndarray | None:
-        """Per-head counts ``[num_layers, kv_heads]`` fixed before any score exists (HeadKV and DuoAttention: from
-        the artifact's head scores or gates, the budget and the prompt length), or None (AdaKV: the scores split
-        each layer's total)."""
+    def head_counts(
+        self, pipeline: Pipeline, prompt_len: int, num_layers: int, kv_heads: int, tp_size: int = 1
+    ) -> np.ndarray | None:
+        """Per-head counts fixed before any score exists (HeadKV and DuoAttention: from the artifact's head scores
+        or gates, the budget and the prompt length), or None (AdaKV: the scores split each layer's total).
+
+        ``kv_heads`` is what one tensor-parallel rank holds; the counts are those of all ``kv_heads · tp_size``
+        heads of the model (the artifact's), one row per (layer, rank): ``[num_layers · tp_size, kv_heads]``, row
+        ``layer · tp_size + rank`` the rank's heads of that layer (``[num_layers, kv_heads]`` without tensor
+        parallelism). Every sizing rule reads the largest row mean, so the scheduler and every rank size the
+        request's blocks alike, enough for each rank's own split; a rank compacts with :meth:`rank_rows`."""
         if not isinstance(pipeline.budget, (ArtifactHeadScoreBudget, DuoHeadBudget)):
             return None
         request = BudgetRequest(
             keep=torch.tensor([self.head_budget(prompt_len)]),
             context_lengths=torch.tensor([prompt_len]),
             num_layers=num_layers,
-            kv_heads=kv_heads,
+            kv_heads=kv_heads * tp_size,
             ratio=self.spec.ratio,
         )
-        return pipeline.budget.allocate(request, [])[0].cpu().numpy()
+        counts = pipeline.budget.allocate(request, [])[0].cpu().numpy()  # [num_layers, kv_heads · tp_size]
+        return counts.reshape(num_layers * tp_size, kv_heads)
 
-    def head_counts_at(self, pipeline: Pipeline, num_layers: int, kv_heads: int) -> Callable[[int], np.ndarray | None]:
-        """``length -> head_counts(pipeline, length, num_layers, kv_heads)``, the last length's answer remembered
-        (a round asks twice: whether it is due, then for the counts)."""
-        return lru_cache(maxsize=1)(lambda length: self.head_counts(pipeline, length, num_layers, kv_heads))
+    @staticmethod
+    def rank_rows(counts: np.ndarray, tp_size: int, rank: int) -> np.ndarray:
+        """``[num_layers, kv_heads]``: the rows of :meth:`head_counts` that hold tensor-parallel rank ``rank``'s
+        heads (all of them when ``tp_size`` is 1)."""
+        return counts[rank::tp_size]
+
+    def head_counts_at(
+        self, pipeline: Pipeline, num_layers: int, kv_heads: int, tp_size: int = 1
+    ) -> Callable[[int], np.ndarray | None]:
+        """``length -> head_counts(pipeline, length, num_layers, kv_heads, tp_size)``, the last length's answer
+        remembered (a round asks twice: whether it is due, then for the counts)."""
+        return lru_cache(maxsize=1)(lambda length: self.head_counts(pipeline, length, num_layers, kv_heads, tp_size))
 
     def layer_total(self, prompt_len: int, kv_heads: int) -> int:
         """Per-head methods whose counts follow the scores: most entries one layer keeps over its ``kv_heads``

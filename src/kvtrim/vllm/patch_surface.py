@@ -63,6 +63,7 @@ PATCH_SURFACE: tuple[SurfaceEntry, ...] = (
     SurfaceEntry("v1/attention/backends/flash_attn.py", "FlashAttentionImpl.forward", "wrapped on CUDA: evicts"),
     SurfaceEntry("v1/attention/backends/flash_attn.py", "FlashAttentionImpl.do_kv_cache_update", "layout probe"),
     SurfaceEntry("model_executor/models/utils.py", "extract_layer_index", "layer index from a layer name"),
+    SurfaceEntry("distributed/parallel_state.py", "get_tensor_model_parallel_rank", "which heads' counts a rank keeps"),
     # per-head budgets on a CPU (head_backend.py, folded_attention.py)
     SurfaceEntry(_CPU_ATTN, "CPUAttentionBackend", "subclassed: get_impl_cls; cache [blocks, H, bs, 2D]"),
     SurfaceEntry(_CPU_ATTN, "CPUAttentionBackendImpl.__init__", "num_kv_heads, scale, sinks, sliding_window read"),

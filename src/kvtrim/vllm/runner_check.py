@@ -166,6 +166,7 @@ def worker_stats(worker) -> dict:
     later rounds included), ``num_layers`` (attention layers on this worker; 0 before the first step),
     ``kv_cache_dtypes`` (the ``kv_cache_dtype`` of every block layout the worker probed, sorted), ``kv_heads``
     (the KV heads of this worker's cache: its tensor-parallel rank's share; 0 before the cache exists),
+    ``tp_rank`` (the tensor-parallel rank whose heads it holds; 0 before the first step),
     ``tracked_requests`` (requests whose dropped count the worker still holds).
     """
     runner = getattr(worker, "model_runner", None)
@@ -174,6 +175,7 @@ def worker_stats(worker) -> dict:
     return {
         "kv_heads": int(kv_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads) if kv_config else 0,
         "tracked_requests": 0 if state is None else len(state.dropped),
+        "tp_rank": 0 if state is None else state.tp_rank,
         "runner": runner_name(runner),
         "configured": state is not None,
         "requests_compressed": 0 if state is None else state.evictions,

@@ -48,7 +48,8 @@ class SchedulerState:
     blocks_freed: int = 0
     requests_compressed: int = 0
     pipeline: object = None  # bound to the checkpoint when the method loads an artifact (HeadKV's counts)
-    kv_heads: int = 0  # this rank's KV heads (the per-head counts fixed in advance cover them)
+    kv_heads: int = 0  # one tensor-parallel rank's KV heads
+    tp_size: int = 1  # tensor-parallel ranks (per-head counts fixed in advance: one row per layer and rank)
     counts_at: object = None  # per-head methods: length -> HeadKV's counts (VLLMEvictionConfig.head_counts_at)
     rounds: int = 0  # compressions of any request (between chunks, after prefill, while decoding)
     # request -> most blocks its block list held at the end of a step's allocation (before that step's freeing);
@@ -99,13 +100,17 @@ def _patch_init(orig):
         self._kvtrim_state = None
         if config is not None:
             _check_supported(self)
-            config.check_tensor_parallel(self.vllm_config.parallel_config.tensor_parallel_size)
+            config.check_tensor_parallel(
+                self.vllm_config.parallel_config.tensor_parallel_size,
+                self.vllm_config.model_config.get_total_num_kv_heads(),
+            )
             state = SchedulerState(config, num_layers=model_num_layers(self.vllm_config))
             if config.per_head:
                 vc = self.vllm_config
                 state.pipeline = config.bound_pipeline(vc.model_config.model)
-                state.kv_heads = vc.model_config.get_num_kv_heads(vc.parallel_config)
-                state.counts_at = config.head_counts_at(state.pipeline, state.num_layers, state.kv_heads)
+                state.kv_heads = vc.model_config.get_num_kv_heads(vc.parallel_config)  # one rank's
+                state.tp_size = int(vc.parallel_config.tensor_parallel_size)
+                state.counts_at = config.head_counts_at(state.pipeline, state.num_layers, state.kv_heads, state.tp_size)
                 hint = config.page_hint(int(self.cache_config.block_size))
                 if hint is not None:
                     logger.info(hint)
@@ -201,7 +206,7 @@ def _due(state: SchedulerState, manager, req, n: int) -> tuple[int, int] | None:
         # per-head methods: M + block_size − 1 slots hold the layer's per-head split (kvtrim.vllm.subpages)
         counts = None
         if state.pipeline is not None:
-            counts = state.config.head_counts(state.pipeline, end, state.num_layers, state.kv_heads)
+            counts = state.config.head_counts(state.pipeline, end, state.num_layers, state.kv_heads, state.tp_size)
         keep = state.config.slot_count(end, state.num_layers, manager.block_size, counts, state.kv_heads)
         if keep < end:
             return end, keep

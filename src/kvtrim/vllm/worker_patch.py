@@ -148,6 +148,8 @@ class WorkerState:
     observe: list[tuple[str, int, int]] = field(default_factory=list)  # this step's recorded rows (req, qs, qe)
     kept_positions: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # this step's, per layer
     rounds: int = 0  # compressions (first ones and later rounds) this worker ran
+    tp_size: int = 1  # tensor-parallel ranks; this worker holds rank ``tp_rank``'s KV heads
+    tp_rank: int = 0
 
 
 _ACTIVE: WorkerState | None = None  # the state of the runner whose step is executing (one runner per process)
@@ -161,6 +163,16 @@ def active_head_step() -> HeadStep | None:
 _PATCHED_IMPLS: set[type] = set()
 
 
+def _tensor_parallel_place(vllm_config) -> dict[str, int]:
+    """``tp_size`` and this worker's ``tp_rank`` (its KV heads are the ``tp_rank``-th slice of the model's)."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if size == 1:
+        return {"tp_size": 1, "tp_rank": 0}
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return {"tp_size": size, "tp_rank": int(get_tensor_model_parallel_rank())}
+
+
 def _state(runner) -> WorkerState | None:
     if not hasattr(runner, "_kvtrim_state"):
         config = load_config(runner.vllm_config.additional_config)
@@ -171,6 +183,7 @@ def _state(runner) -> WorkerState | None:
                 config,
                 model_layers=model_num_layers(runner.vllm_config),
                 pipeline=config.bound_pipeline(runner.vllm_config.model_config.model),
+                **_tensor_parallel_place(runner.vllm_config),
             )
         )
     return runner._kvtrim_state
@@ -264,13 +277,16 @@ def _patch_prepare_inputs(orig):
                 budget = state.config.head_budget(prompt)
                 if budget < prompt:
                     kv_heads = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
-                    counts = state.config.head_counts(state.pipeline, prompt, state.model_layers, kv_heads)
+                    counts = state.config.head_counts(
+                        state.pipeline, prompt, state.model_layers, kv_heads, state.tp_size
+                    )
                     keep = state.config.slot_count(prompt, state.model_layers, bs, counts, kv_heads)
                     blocks = list(req.block_ids[0])
                     pages = RequestSubPages(state.model_layers, kv_heads, bs, blocks[: -(-keep // bs)])
                     ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+                    own = None if counts is None else state.config.rank_rows(counts, state.tp_size, state.tp_rank)
                     pending = PendingEviction(
-                        req_id, qs, qe, prompt, keep, ids, None, budget, pages, counts,
+                        req_id, qs, qe, prompt, keep, ids, None, budget, pages, own,
                         observed=observed, layer_total=state.config.layer_total(prompt, kv_heads),
                     )
                     state.pending.append(pending)
@@ -331,7 +347,7 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     kv_heads = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
     # HeadKV: the artifact's per-head counts at this length (as the scheduler computes them), asked for only in a
     # step that may end in a round, and once
-    counts_at = config.head_counts_at(state.pipeline, state.model_layers, kv_heads)
+    counts_at = config.head_counts_at(state.pipeline, state.model_layers, kv_heads, state.tp_size)
     keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped, kv_heads, counts_at)
     window = state.pipeline.observation.window
     if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
@@ -348,6 +364,8 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     if config.per_head:
         budget = int(config.spec.budget)
         counts = counts_at(end)
+        if counts is not None:
+            counts = config.rank_rows(counts, state.tp_size, state.tp_rank)
         state.pending.append(
             PendingEviction(
                 req_id, qs, qe, physical, keep, blocks, head_budget=budget,
