@@ -102,12 +102,15 @@ def test_snapkv_at_two_ranks_keeps_the_single_rank_tokens_and_blocks(model, monk
     assert single != vanilla  # compression changed the tokens: the equality says something
 
 
-@pytest.mark.parametrize(("method", "budget"), [("headkv", BUDGET), ("duo_attention", 256)])
+@pytest.mark.parametrize(
+    ("method", "budget"), [("headkv", BUDGET), ("critical_headkv", BUDGET), ("duo_attention", 256)]
+)
 def test_artifact_per_head_methods_at_two_ranks_keep_the_single_rank_tokens(
     model, artifacts_home, method, budget, monkeypatch
 ):
-    """HeadKV and DuoAttention fix every head's count from the artifact: rank r keeps head r's count of the whole
-    model's split and selects what one rank selects for that head. The block list is sized by the largest
+    """HeadKV, CriticalKV-HeadKV and DuoAttention fix every head's count from the artifact: rank r keeps head r's
+    count of the whole model's split and selects what one rank selects for that head (CriticalKV reads the rank's
+    own columns of ``o_proj``). The block list is sized by the largest
     (layer, rank) mean: with one head per rank, the largest head count (DuoAttention: a retrieval head keeps the
     whole prompt, so its requests free nothing)."""
     monkeypatch.setenv("KVTRIM_HOME", str(artifacts_home))  # read by this process and the spawned ranks
@@ -132,7 +135,7 @@ def test_artifact_per_head_methods_at_two_ranks_keep_the_single_rank_tokens(
         cut = [n for n in long if slots[n] < n]  # the scheduler shortens these block lists
         freed = sum(_cdiv(n, BLOCK) - _cdiv(slots[n], BLOCK) for n in cut)
         assert state.requests_compressed == len(cut) and state.blocks_freed == freed <= single_freed
-        assert (len(cut), freed > 0) == ((2, True) if method == "headkv" else (0, False))
+        assert (len(cut), freed > 0) == ((0, False) if method == "duo_attention" else (2, True))
         assert used_blocks(llm) == 0
     finally:
         close(llm)
