@@ -71,30 +71,29 @@ def _generate(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+def _run(config, model, tp: int, monkeypatch):
+    """``(tokens, state, stats, used)`` of one engine at ``tp`` ranks: the greedy tokens of the ``LENGTHS`` prompts,
+    the scheduler's kvtrim state (None without ``config``), each rank's ``worker_stats`` and the blocks still in use
+    afterwards, all read before the engine closes."""
+    llm = _llm(config, model, tp, monkeypatch)
+    try:
+        tokens = _generate(llm)
+        state = scheduler(llm)._kvtrim_state if config else None
+        return tokens, state, llm.collective_rpc(worker_stats), used_blocks(llm)
+    finally:
+        close(llm)
+
+
 def test_snapkv_at_two_ranks_keeps_the_single_rank_tokens_and_blocks(model, monkeypatch):
     """SnapKV selects per KV head: rank r scoring its own head r must select what one rank selects for it."""
     config = {"method": "snapkv", "budget": BUDGET}
-    llm = _llm(None, model, 1, monkeypatch)
-    try:
-        vanilla = _generate(llm)
-    finally:
-        close(llm)
-    llm = _llm(config, model, 1, monkeypatch)
-    try:
-        single = _generate(llm)
-    finally:
-        close(llm)
-    llm = _llm(config, model, 2, monkeypatch)
-    try:
-        two = _generate(llm)
-        state = scheduler(llm)._kvtrim_state
-        stats = llm.collective_rpc(worker_stats)
-        # One block table for both ranks: the scheduler freed the uniform count once.
-        freed = sum(_cdiv(n, BLOCK) - _cdiv(BUDGET, BLOCK) for n in LENGTHS if n > BUDGET)
-        assert state.requests_compressed == 2 and state.blocks_freed == freed
-        assert used_blocks(llm) == 0
-    finally:
-        close(llm)
+    vanilla = _run(None, model, 1, monkeypatch)[0]
+    single = _run(config, model, 1, monkeypatch)[0]
+    two, state, stats, used = _run(config, model, 2, monkeypatch)
+    # One block table for both ranks: the scheduler freed the uniform count once.
+    freed = sum(_cdiv(n, BLOCK) - _cdiv(BUDGET, BLOCK) for n in LENGTHS if n > BUDGET)
+    assert state.requests_compressed == 2 and state.blocks_freed == freed
+    assert used == 0
     assert len(stats) == 2
     for s in stats:  # each rank holds one KV head and compacted both long prompts in every layer
         assert s["kv_heads"] == 1 and s["requests_compressed"] == 2 and s["layer_evictions"] == 2 * LAYERS
@@ -119,26 +118,15 @@ def test_artifact_per_head_methods_at_two_ranks_keep_the_single_rank_tokens(
     pipeline = parsed.bound_pipeline(str(model))
     rows = {n: parsed.head_counts(pipeline, n, LAYERS, 1, tp_size=2) for n in LENGTHS}
     assert any(len(set(r.flatten().tolist())) > 1 for r in rows.values())  # the heads keep different counts
-    llm = _llm(config, model, 1, monkeypatch)
-    try:
-        single = _generate(llm)
-        single_freed = scheduler(llm)._kvtrim_state.blocks_freed
-    finally:
-        close(llm)
-    llm = _llm(config, model, 2, monkeypatch)
-    try:
-        two = _generate(llm)
-        state = scheduler(llm)._kvtrim_state
-        stats = llm.collective_rpc(worker_stats)
-        long = [n for n in LENGTHS if n > budget]
-        slots = {n: parsed.slot_count(n, LAYERS, BLOCK, rows[n], 1) for n in long}
-        cut = [n for n in long if slots[n] < n]  # the scheduler shortens these block lists
-        freed = sum(_cdiv(n, BLOCK) - _cdiv(slots[n], BLOCK) for n in cut)
-        assert state.requests_compressed == len(cut) and state.blocks_freed == freed <= single_freed
-        assert (len(cut), freed > 0) == ((0, False) if method == "duo_attention" else (2, True))
-        assert used_blocks(llm) == 0
-    finally:
-        close(llm)
+    single, single_state, _, _ = _run(config, model, 1, monkeypatch)
+    two, state, stats, used = _run(config, model, 2, monkeypatch)
+    long = [n for n in LENGTHS if n > budget]
+    slots = {n: parsed.slot_count(n, LAYERS, BLOCK, rows[n], 1) for n in long}
+    cut = [n for n in long if slots[n] < n]  # the scheduler shortens these block lists
+    freed = sum(_cdiv(n, BLOCK) - _cdiv(slots[n], BLOCK) for n in cut)
+    assert state.requests_compressed == len(cut) and state.blocks_freed == freed <= single_state.blocks_freed
+    assert (len(cut), freed > 0) == ((0, False) if method == "duo_attention" else (2, True))
+    assert used == 0
     assert sorted(s["tp_rank"] for s in stats) == [0, 1]
     for s in stats:  # each rank holds one KV head and compacted every long prompt in every layer (its own count)
         assert s["kv_heads"] == 1 and s["requests_compressed"] == len(long)

@@ -552,10 +552,10 @@ class VLLMEvictionConfig:
         return counts.reshape(num_layers * tp_size, kv_heads)
 
     @staticmethod
-    def rank_rows(counts: np.ndarray, tp_size: int, rank: int) -> np.ndarray:
+    def rank_rows(counts: np.ndarray | None, tp_size: int, rank: int) -> np.ndarray | None:
         """``[num_layers, kv_heads]``: the rows of :meth:`head_counts` that hold tensor-parallel rank ``rank``'s
-        heads (all of them when ``tp_size`` is 1)."""
-        return counts[rank::tp_size]
+        heads (all of them when ``tp_size`` is 1); None when there are no fixed counts."""
+        return None if counts is None else counts[rank::tp_size]
 
     def head_counts_at(
         self, pipeline: Pipeline, num_layers: int, kv_heads: int, tp_size: int = 1

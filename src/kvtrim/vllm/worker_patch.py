@@ -284,7 +284,7 @@ def _patch_prepare_inputs(orig):
                     blocks = list(req.block_ids[0])
                     pages = RequestSubPages(state.model_layers, kv_heads, bs, blocks[: -(-keep // bs)])
                     ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-                    own = None if counts is None else state.config.rank_rows(counts, state.tp_size, state.tp_rank)
+                    own = state.config.rank_rows(counts, state.tp_size, state.tp_rank)
                     pending = PendingEviction(
                         req_id, qs, qe, prompt, keep, ids, None, budget, pages, own,
                         observed=observed, layer_total=state.config.layer_total(prompt, kv_heads),
@@ -363,9 +363,7 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     blocks = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
     if config.per_head:
         budget = int(config.spec.budget)
-        counts = counts_at(end)
-        if counts is not None:
-            counts = config.rank_rows(counts, state.tp_size, state.tp_rank)
+        counts = config.rank_rows(counts_at(end), state.tp_size, state.tp_rank)
         state.pending.append(
             PendingEviction(
                 req_id, qs, qe, physical, keep, blocks, head_budget=budget,
