@@ -182,3 +182,37 @@ def test_layer_pages_count_the_chunks_a_layer_keeps():
     assert budget.layer_pages(128, 3, 100) == 12  # nothing evicted: every head's 100 entries in 4 pages
     for keep, length in ((128, 1024), (50, 700), (8, 700)):  # never under the entries' bound in whole pages
         assert budget.layer_pages(keep, 3, length) * 32 >= budget.layer_bound(keep, 3, length)
+
+
+@pytest.mark.parametrize("even_layers", [True, False])
+def test_head_groups_rank_each_group_of_heads_alone(even_layers):
+    """head_groups=2: the counts are those of each half of the heads (every layer's) ranked on its own, each half
+    down to its own heads' blocks."""
+    layers, heads, n, bs, keep = 3, 4, 100, 16, 30
+    scores, positions = _layered_scores(layers, heads, n, 5)
+    grouped = GlobalBlockBudget(block_size=bs, protected_window=8, even_layers=even_layers, head_groups=2)
+    alone = GlobalBlockBudget(block_size=bs, protected_window=8, even_layers=even_layers)
+    counts = grouped.allocate(_request(scores, positions, keep, n), scores)[0]  # [layers, heads]
+    for half in (slice(0, 2), slice(2, 4)):
+        part_scores = [s[:, half] for s in scores]
+        part_positions = [p[:, half] for p in positions]
+        expected = alone.allocate(_request(part_scores, part_positions, keep, n), part_scores)[0]
+        assert torch.equal(counts[:, half], expected)
+        blocks = (-(-counts[:, half] // bs)).sum(-1)
+        if even_layers:  # every layer's half keeps ⌈M·H/2/bs⌉ blocks
+            assert blocks.tolist() == [-(-keep * 2 // bs)] * layers
+        else:
+            assert int(blocks.sum()) == -(-keep * layers * 2 // bs)
+    assert len(set(counts.flatten().tolist())) > 1
+    assert grouped.layer_bound(keep, heads, n) == 2 * alone.layer_bound(keep, 2, n)
+    assert grouped.layer_pages(keep, heads, n) == 2 * alone.layer_pages(keep, 2, n)
+    if even_layers:
+        assert bool((counts.sum(-1) <= grouped.layer_bound(keep, heads, n)).all())
+
+
+def test_head_groups_must_divide_the_heads():
+    scores, positions = _layered_scores(2, 3, 40, 3)
+    with pytest.raises(InvalidParameterError, match="head_groups must be an integer >= 1"):
+        GlobalBlockBudget(head_groups=0)
+    with pytest.raises(InvalidParameterError, match="head_groups=2 must divide the layer's 3 KV heads"):
+        GlobalBlockBudget(head_groups=2).allocate(_request(scores, positions, 20, 40), scores)

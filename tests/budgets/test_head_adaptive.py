@@ -99,3 +99,50 @@ def test_page_size_one_is_adakv_and_bad_page_sizes_are_refused():
     for bad in (0, -4, 2.5, True):
         with pytest.raises(InvalidParameterError, match="page_size must be an integer >= 1"):
             HeadAdaptiveBudget(page_size=bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    groups=st.sampled_from([1, 2, 3]),
+    per_group=st.integers(1, 3),
+    seq=st.integers(20, 200),
+    keep=st.integers(1, 100),
+    page=st.sampled_from([1, 16]),
+    seed=st.integers(0, 999),
+)
+def test_head_groups_split_each_group_alone(groups, per_group, seq, keep, page, seed):
+    """head_groups=G: the counts are those of each group of H/G consecutive heads allocated on its own (its share
+    ``(H/G)·keep``), and the layer's pages are the groups' pages."""
+    heads = groups * per_group
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(heads, seq, generator=g) ** 4 * torch.rand(heads, 1, generator=g) * 10
+    positions = torch.arange(seq).expand(heads, seq)
+    keep = min(keep, seq)
+    grouped = HeadAdaptiveBudget(page_size=page, head_groups=groups)
+    alone = HeadAdaptiveBudget(page_size=page)
+    counts = grouped.head_budgets(scores, positions, keep, seq)
+    parts = zip(scores.chunk(groups), positions.chunk(groups), strict=True)
+    expected = torch.cat([alone.head_budgets(s, p, keep, seq) for s, p in parts])
+    assert torch.equal(counts, expected)
+    assert grouped.layer_pages(keep, heads, seq) == groups * alone.layer_pages(keep, per_group, seq)
+    if page == 1 and seq > keep:  # each group keeps exactly its share
+        assert counts.view(groups, per_group).sum(-1).tolist() == [per_group * keep] * groups
+
+
+def test_one_head_per_group_is_the_uniform_count_and_bad_groups_are_refused():
+    import pytest
+
+    from kvtrim.errors import InvalidParameterError
+
+    g = torch.Generator().manual_seed(1)
+    scores, positions = torch.rand(4, 120, generator=g) ** 4, torch.arange(120).expand(4, 120)
+    scores[0] *= 50
+    assert len(set(HeadAdaptiveBudget().head_budgets(scores, positions, 40, 120).tolist())) > 1
+    assert HeadAdaptiveBudget(head_groups=4).head_budgets(scores, positions, 40, 120).tolist() == [40] * 4
+    two = HeadAdaptiveBudget(head_groups=2).head_budgets(scores, positions, 40, 120)
+    assert int(two[:2].sum()) == int(two[2:].sum()) == 80 and int(two[0]) > int(two[1])  # head 0 wins its group
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidParameterError, match="head_groups must be an integer >= 1"):
+            HeadAdaptiveBudget(head_groups=bad)
+    with pytest.raises(InvalidParameterError, match="head_groups=3 must divide the layer's 4 KV heads"):
+        HeadAdaptiveBudget(head_groups=3).head_budgets(scores, positions, 40, 120)

@@ -28,7 +28,8 @@ def test_overrides_and_positional_calls_are_recorded_by_name():
     direct = method_info("adakv").factory(16, 5)  # the factory itself records its arguments too
     assert direct.name == "adakv"
     assert direct.params == {
-        "window": 16, "kernel": 5, "pooling": "max", "alpha": 0.2, "rule": "official", "page_size": 1
+        "window": 16, "kernel": 5, "pooling": "max", "alpha": 0.2, "rule": "official", "page_size": 1,
+        "head_groups": 1,
     }
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from vllm_helpers import MODEL_DIR
 
+from kvtrim.budgets.base import BudgetRequest
 from kvtrim.budgets.pyramid import pyramid_layer_budgets
 from kvtrim.errors import InvalidParameterError, UnsupportedModelError
 from kvtrim.methods import get_method
@@ -220,8 +221,12 @@ def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
         ({"method": "kvcompress", "budget": 64}, "only with params.even_layer_evict = true"),
         ({"method": "kvc_full", "budget": 64, "params": {"even_layer_evict": False}}, "params.even_layer_evict"),
         ({"method": "kvc_w8", "budget": 64, "params": {"even_layer_evict": 1}}, "(even_layers) must be True or False"),
-        ({"method": "kvcompress@every:16", "budget": 64, "params": {"even_layer_evict": True}}, "decoding-time metric"),
-        ({"method": "kvcompress@over:0", "budget": 64, "params": {"even_layer_evict": True}}, "is not carried"),
+        (
+            {"method": "kvcompress@every:16", "budget": 64, "params": EVEN, "between_chunks": True},
+            "decoding-time metric ('every:N') runs after a prompt compressed once",
+        ),
+        ({"method": "kvcompress@every:16", "ratio": 0.5, "params": {"even_layer_evict": True}}, "not 'ratio'"),
+        ({"method": "kvcompress@over:0", "budget": 64, "params": {"even_layer_evict": True}}, "not 'over:SLACK'"),
         ({"method": "kvcompress", "ratio": 0.5, "params": {"even_layer_evict": True}, "between_chunks": True},
          "need 'budget', not 'ratio'"),
         ({"method": "nope", "budget": 8}, "not a kvtrim method"),
@@ -366,6 +371,67 @@ def test_per_head_methods_split_by_score_refuse_tensor_parallelism(method):
     config.check_tensor_parallel(1)
     with pytest.raises(InvalidParameterError, match=f"tensor_parallel_size=2 is not supported with {method}"):
         config.check_tensor_parallel(2)
+
+
+@pytest.mark.parametrize("method", SPLIT_BY_SCORE)
+def test_split_by_score_methods_split_within_each_ranks_head_groups(method):
+    """params.head_groups a multiple of the ranks: each rank splits within its own groups (rank_config), and the
+    scheduler, sizing one rank's heads with it, keeps the slots the same method keeps on one rank."""
+    even = EVEN if method in EVEN_LAYER_METHODS else {}
+    config = parse_config({"method": method, "budget": 64, "params": {**even, "head_groups": 4}})
+    config.check_tensor_parallel(2, total_kv_heads=8)
+    config.check_tensor_parallel(4, total_kv_heads=8)
+    assert config.rank_config(1) is config and config.rank_config(2).head_groups == 2
+    assert config.rank_config(4).head_groups == 1 and config.rank_config(4).params == {**even, "head_groups": 1}
+    for tp in (1, 2, 4):
+        rank = config.rank_config(tp)
+        for prompt in (40, 700, 2000):
+            assert rank.slot_count(prompt, 30, 32, kv_heads=8 // tp) == config.slot_count(prompt, 30, 32, kv_heads=8)
+            assert rank.layer_total(prompt, 8 // tp) * tp == config.layer_total(prompt, 8)
+    with pytest.raises(InvalidParameterError, match=r"tensor_parallel_size=8 .* params.head_groups=4.* multiple of 8"):
+        config.check_tensor_parallel(8, total_kv_heads=8)
+    with pytest.raises(InvalidParameterError, match=r"tensor_parallel_size=8 .* params.head_groups=4"):
+        config.rank_config(8)
+    with pytest.raises(InvalidParameterError, match="head_groups=4 must divide the model's 6 KV heads"):
+        config.check_tensor_parallel(2, total_kv_heads=6)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_grouped_whole_pages_fit_the_slots_of_the_ungrouped_method(seed):
+    """AdaKV and KV-Compress in whole pages with head_groups: the groups' counts fit the blocks of page_slots (the
+    ungrouped method's: ⌈P/H⌉ per group does not depend on the group's size), now and after every later token."""
+    from kvtrim.vllm.subpages import RequestSubPages
+
+    rng = np.random.default_rng(seed)
+    groups, bs = int(rng.integers(2, 4)), int(rng.choice([4, 8, 16]))
+    heads = groups * int(rng.integers(1, 3))
+    width = int(rng.integers(2 * bs, 12 * bs))
+    keep = int(rng.integers(9, width))
+    positions = torch.arange(width).expand(heads, width)
+    scores = torch.from_numpy(rng.random((heads, width)) ** 4).float()
+    if seed % 2:
+        params = {"page_size": bs, "head_groups": groups}
+        config = parse_config({"method": "adakv", "budget": keep, "params": params})
+        counts = config.pipeline().budget.head_budgets(scores, positions, keep, width).numpy()
+    else:
+        params = {**EVEN, "block_size": bs, "head_groups": groups, "protected_window": 8}
+        config = parse_config({"method": "kvcompress", "budget": keep, "params": params})
+        budget = config.pipeline().budget
+        request = BudgetRequest(
+            keep=torch.tensor([keep]), context_lengths=torch.tensor([width]), num_layers=1, kv_heads=heads,
+            positions=[positions.unsqueeze(0)],
+        )  # fmt: skip
+        counts = budget.allocate(request, [scores.unsqueeze(0)])[0, 0].numpy()
+    ungrouped = parse_config({"method": config.method, "budget": keep, "params": {**params, "head_groups": 1}})
+    slots = config.page_slots(keep, width, bs)
+    assert slots == ungrouped.page_slots(keep, width, bs)
+    blocks = iter(range(10_000))
+    pages = RequestSubPages(1, heads, bs, [next(blocks) for _ in range(slots // bs)])
+    pages.place(0, counts)
+    for t in range(1, 2 * bs + 2):
+        pages.add_blocks([next(blocks) for _ in range(-(-(slots + t) // bs) - len(pages.blocks))])
+        pages.append(0, 1)
+    pages.check()
 
 
 @pytest.mark.parametrize("method", FIXED_COUNT_METHODS)
@@ -757,3 +823,19 @@ def test_decode_reserve_admits_by_the_projected_peak_of_the_pool():
     assert reserve("n", 8) == 8  # vLLM's own count when it is larger
     scheduler.running.append(scheduler.requests["c"])  # 64 entries, 95 to go: at 95, 5 + 5 + 5 of 9 held
     assert reserve("n", 2) == 15 - 9
+
+
+def test_kv_compress_decoding_time_metric_rounds_every_n_tokens():
+    """``kvcompress@every:N``: the running metric adds the N decoded queries since the last round, so the worker
+    keeps at least N recent queries; rounds are due every N decoded tokens, as for AdaKV."""
+    config = parse_config({"method": "kvcompress@every:16", "budget": 64, "params": EVEN})
+    assert config.decode_metric == 16 and config.rounds and not config.between_chunks
+    assert config.record_window(32) == 32 and config.record_window(8) == 16
+    wide = parse_config({"method": "kvc_w8@every:64", "budget": 64, "params": EVEN})
+    assert wide.decode_metric == 64 and wide.record_window(8) == 64
+    for other in ({"method": "kvcompress", "budget": 64, "params": EVEN}, {"method": "adakv@every:16", "budget": 64}):
+        assert parse_config(other).decode_metric == 0 and parse_config(other).record_window(8) == 8
+    slots = config.round_slots(32, 3, 700)
+    assert config.round_keep(700, 700, 700, 1, 32, False, 3) == slots  # after the prompt
+    due = [t for t in range(1, 50) if config.round_keep(700, 700 + t, slots + t, 1, 32, True, 3) is not None]
+    assert due == [16, 32, 48]

@@ -82,3 +82,52 @@ def test_sub_pages_hold_and_nothing_leaks_with_aborts_and_budgets_under_the_prot
         assert state.requests_compressed >= 8 and max(checked) >= 2  # several per-head requests decoded together
     finally:
         close(llm)
+
+
+@pytest.mark.parametrize("kvc_block", [16, BLOCK], ids=["own-blocks", "vllm-blocks"])
+def test_decoding_time_metric_every_n_tokens_equals_the_transformers_path(model, kvc_block, monkeypatch):
+    """``kvcompress@every:16``: compressed after the prompt, then at 16 and 32 decoded tokens, each round ranking
+    the kept entries' running metric (prefill metric plus every decoded query's squared attention) and the
+    tokens since; 40 greedy tokens equal ``kvtrim.make_cache(hf, "kvcompress@every:16", ...)``, whose cache adds
+    each decoded query's squared attention step by step, and differ from compressing once. Blocks go back to the
+    pool at each round."""
+    from per_head_checks import generate, transformers_tokens, worker_state
+    from vllm_helpers import scheduler
+
+    checked = check_sub_pages(monkeypatch)
+    params = {**EVEN, "block_size": kvc_block}
+    method, tokens = "kvcompress@every:16", 40
+    lengths = [300, 700]
+    prompts = token_prompts(lengths, seed=5)
+    llm = make_llm({"method": method, "budget": BUDGET, "params": params}, model=str(model), block_size=BLOCK)
+    try:
+        out = generate(llm, prompts, tokens)
+        state, stats = scheduler(llm)._kvtrim_state, worker_state(llm)
+        metrics = {r: len(m) for r, m in stats.head_metrics.items()}  # finished requests go at the next step
+        positions = {r: len(p) for r, p in stats.head_positions.items()}
+        assert vllm_helpers.used_blocks(llm) == 0
+    finally:
+        close(llm)
+    # after each prompt and at 16 and 32 decoded tokens (39 decoded tokens enter the cache)
+    assert state.rounds == stats.rounds == 3 * len(prompts) and state.requests_compressed == len(prompts)
+    assert stats.ragged_layers > 0 and len(checked) > 0
+    assert metrics == positions and set(metrics.values()) == {LAYERS}  # a running metric for every kept entry
+    assert out == transformers_tokens(model, prompts, method, tokens, params)
+    assert out != transformers_tokens(model, prompts, "kvcompress", tokens, params)  # the rounds mattered
+
+
+def test_decoding_time_metric_leaks_nothing_with_preemption_and_aborts(model, monkeypatch):
+    """12 requests with ``kvcompress@every:16`` on a 25-block pool (queued behind whole prompts), aborts: every
+    request's positions, running metrics, recorded queries and sub-pages are gone at the end."""
+    checked = check_sub_pages(monkeypatch)
+    rng = random.Random(3)
+    prompts = token_prompts([rng.randint(100, 600) for _ in range(12)], seed=9)
+    config = {"method": "kvcompress@every:16", "budget": BUDGET, "params": EVEN, "min_prompt": 16}
+    llm = make_llm(config, model=str(model), block_size=BLOCK, num_gpu_blocks_override=25, max_model_len=768)
+    try:
+        requests = {str(i): (p, vllm_helpers.greedy(rng.randint(1, 90))) for i, p in enumerate(prompts)}
+        vllm_helpers.drive(llm.llm_engine, requests, abort_at={4: ["4", "5"], 9: ["9", "10"]})
+        state, worker = vllm_helpers.assert_nothing_held(llm, "heads", "head_positions", "head_metrics", "recent")
+        assert state.rounds == worker.rounds > len(prompts) and max(checked) >= 2
+    finally:
+        close(llm)

@@ -1,5 +1,6 @@
 """Tensor parallelism on vLLM's CPU backend: each rank compacts its own KV heads; per-head methods whose counts
-come from an artifact take their rank's heads' counts; those split by score are refused."""
+come from an artifact take their rank's heads' counts; those split by score split within groups of heads a rank
+holds whole (``params.head_groups``), and are refused otherwise."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import vllm_helpers  # noqa: F401  (sets vLLM environment variables before vLLM 
 
 pytest.importorskip("vllm.entrypoints")  # not "vllm": tests/vllm itself would satisfy that
 
+from per_head_checks import transformers_tokens
 from vllm.inputs import TokensPrompt
 from vllm_helpers import MODEL_DIR, close, head_sliced_model, make_llm, scheduler, token_prompts, used_blocks
 
@@ -41,6 +43,14 @@ def _cdiv(a: int, b: int) -> int:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return head_sliced_model(tmp_path_factory.mktemp("tp") / "smollm2-2kv", layers=LAYERS, kv_heads=KV_HEADS)
+
+
+@pytest.fixture(scope="module")
+def four_head_model(tmp_path_factory):
+    """4 KV heads (SmolLM2's heads 0, 1, 2 and 1 again, trained weights): two per rank at tensor_parallel_size=2,
+    so a rank's heads have a split of their own to make."""
+    path = tmp_path_factory.mktemp("tp4") / "smollm2-4kv"
+    return head_sliced_model(path, layers=LAYERS, heads=(0, 1, 2, 1))
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +94,24 @@ def _run(config, model, tp: int, monkeypatch):
         close(llm)
 
 
-def test_snapkv_at_two_ranks_keeps_the_single_rank_tokens_and_blocks(model, monkeypatch):
-    """SnapKV selects per KV head: rank r scoring its own head r must select what one rank selects for it."""
-    config = {"method": "snapkv", "budget": BUDGET}
+@pytest.mark.parametrize(("method", "budget"), [("snapkv", BUDGET), ("tova", 32)])
+def test_uniform_methods_at_two_ranks_keep_the_single_rank_tokens_and_blocks(model, method, budget, monkeypatch):
+    """SnapKV selects per KV head: rank r scoring its own head r must select what one rank selects for it. TOVA
+    averages its scores over all KV heads of a layer: the ranks average their heads' means (one all-reduce per
+    layer), so each keeps the single-rank selection (each rank's own mean, without it, changes the tokens here)."""
+    config = {"method": method, "budget": budget}
     vanilla = _run(None, model, 1, monkeypatch)[0]
     single = _run(config, model, 1, monkeypatch)[0]
     two, state, stats, used = _run(config, model, 2, monkeypatch)
     # One block table for both ranks: the scheduler freed the uniform count once.
-    freed = sum(_cdiv(n, BLOCK) - _cdiv(BUDGET, BLOCK) for n in LENGTHS if n > BUDGET)
-    assert state.requests_compressed == 2 and state.blocks_freed == freed
+    long = [n for n in LENGTHS if n > budget]
+    freed = sum(_cdiv(n, BLOCK) - _cdiv(budget, BLOCK) for n in long)
+    assert state.requests_compressed == len(long) and state.blocks_freed == freed
     assert used == 0
     assert len(stats) == 2
-    for s in stats:  # each rank holds one KV head and compacted both long prompts in every layer
-        assert s["kv_heads"] == 1 and s["requests_compressed"] == 2 and s["layer_evictions"] == 2 * LAYERS
+    for s in stats:  # each rank holds one KV head and compacted every long prompt in every layer
+        assert s["kv_heads"] == 1 and s["requests_compressed"] == len(long)
+        assert s["layer_evictions"] == len(long) * LAYERS
     assert two == single
     assert single != vanilla  # compression changed the tokens: the equality says something
 
@@ -132,6 +147,36 @@ def test_artifact_per_head_methods_at_two_ranks_keep_the_single_rank_tokens(
         assert s["kv_heads"] == 1 and s["requests_compressed"] == len(long)
         assert s["layer_evictions"] == len(long) * LAYERS
     assert two == single
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [("adakv", {}), ("kvcompress", {"even_layer_evict": True, "block_size": BLOCK, "protected_window": 8})],
+)
+def test_score_split_methods_with_head_groups_split_within_each_rank(four_head_model, method, params, monkeypatch):
+    """AdaKV and KV-Compress with ``head_groups`` 2 on 4 KV heads: rank r holds heads 2r, 2r+1 (one group) and
+    splits its group's share between them, as kvtrim's transformers path splits each group; the tokens at 2 ranks
+    equal those at 1 and the transformers path's, and the scheduler frees the blocks it frees at one rank."""
+    params = {**params, "head_groups": 2}
+    config = {"method": method, "budget": BUDGET, "params": params}
+    parsed = parse_config(config)
+    single, single_state, _, _ = _run(config, four_head_model, 1, monkeypatch)
+    two, state, stats, used = _run(config, four_head_model, 2, monkeypatch)
+    long = [n for n in LENGTHS if n > BUDGET]
+    slots = {n: parsed.slot_count(n, LAYERS, BLOCK, kv_heads=4) for n in long}
+    freed = sum(_cdiv(n, BLOCK) - _cdiv(slots[n], BLOCK) for n in long if slots[n] < n)
+    assert freed > 0 and state.blocks_freed == single_state.blocks_freed == freed
+    assert state.requests_compressed == single_state.requests_compressed == len(long)
+    assert used == 0
+    assert sorted(s["tp_rank"] for s in stats) == [0, 1]
+    for s in stats:  # each rank holds two KV heads, compacted every long prompt in every layer, split its heads
+        assert s["kv_heads"] == 2 and s["requests_compressed"] == len(long)
+        assert s["layer_evictions"] == len(long) * LAYERS and s["ragged_layers"] > 0
+    assert two == single
+    prompts = token_prompts(LENGTHS)
+    assert two == transformers_tokens(four_head_model, prompts, method, GREEDY.max_tokens, params)
+    # the grouping is seen: the same method over all 4 heads of a layer selects otherwise
+    assert two != transformers_tokens(four_head_model, prompts, method, GREEDY.max_tokens, {**params, "head_groups": 1})
 
 
 def test_a_per_head_method_refuses_two_ranks(model, monkeypatch):

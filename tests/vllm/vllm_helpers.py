@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 
 # Before vLLM is imported (the test modules import this first): engine core in this process (tests also read
 # the scheduler's counters), a small CPU KV cache, no thread pinning on a shared machine. Not a conftest.py:
@@ -52,31 +53,37 @@ def truncated_model(dst: Path, layers: int = 2) -> Path:
     return dst
 
 
-def head_sliced_model(dst: Path, layers: int = 2, kv_heads: int = 2) -> Path:
+def head_sliced_model(dst: Path, layers: int = 2, kv_heads: int = 2, heads: tuple[int, ...] | None = None) -> Path:
     """A cut of the embedded SmolLM2 with its first ``layers`` layers and first ``kv_heads`` KV heads.
 
     SmolLM2 has 3 KV heads (9 query heads, 3 per KV head), which tensor parallelism over 2 ranks cannot split;
     keeping KV heads ``0 … kv_heads−1`` with their query heads (rows of ``q_proj``/``k_proj``/``v_proj``, columns
     of ``o_proj``) gives a model with trained weights (peaked logits: greedy tokens are not decided by rounding)
-    whose KV heads divide by 2. ``head_dim`` stays 64, so ``hidden_size`` (576) ≠ heads · head_dim.
+    whose KV heads divide by 2. ``head_dim`` stays 64, so ``hidden_size`` (576) ≠ heads · head_dim. ``heads``: the
+    source KV heads in order instead. A head may repeat (``(0, 1, 2, 1)``: 4 KV heads with trained weights); each
+    copy's ``o_proj`` columns are divided by its number of copies, so the copies together add what the source head
+    adds and, uncompressed, the model computes what the cut of its distinct heads computes.
     """
     from safetensors.torch import load_file, save_file
 
+    heads = tuple(range(kv_heads)) if heads is None else tuple(heads)
     config = json.loads((MODEL_DIR / "config.json").read_text())
     group = config["num_attention_heads"] // config["num_key_value_heads"]
     d = config["head_dim"]
-    q_rows, kv_rows = kv_heads * group * d, kv_heads * d
+    q_rows = torch.cat([torch.arange(h * group * d, (h + 1) * group * d) for h in heads])
+    kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in heads])
     truncated_model(dst, layers=layers)
     tensors = load_file(dst / "model.safetensors")
     for name, t in tensors.items():
         if name.endswith("self_attn.q_proj.weight"):
-            tensors[name] = t[:q_rows].contiguous()
+            tensors[name] = t[q_rows].contiguous()
         elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-            tensors[name] = t[:kv_rows].contiguous()
+            tensors[name] = t[kv_rows].contiguous()
         elif name.endswith("self_attn.o_proj.weight"):
-            tensors[name] = t[:, :q_rows].contiguous()
+            copies = torch.tensor([heads.count(h) for h in heads], dtype=t.dtype).repeat_interleave(group * d)
+            tensors[name] = (t[:, q_rows] / copies).contiguous()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config.update(num_hidden_layers=layers, num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads)
+    config.update(num_hidden_layers=layers, num_attention_heads=len(heads) * group, num_key_value_heads=len(heads))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 

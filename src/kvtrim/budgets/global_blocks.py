@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from ..errors import InvalidParameterError
 from ..selection.block_eviction import block_eviction_counts, budget_blocks, evicted_entries
 from .base import BudgetAllocator, BudgetRequest
+from .head_adaptive import check_head_groups, group_count
 
 
 @dataclass
@@ -27,10 +29,16 @@ class GlobalBlockBudget(BudgetAllocator):
     split by score. A layer's total is then known before any score exists (what the vLLM plugin needs to size a
     request's blocks); the rate varies per head, not per layer.
 
+    With ``head_groups = G > 1`` the KV heads form ``G`` equal groups of consecutive heads, each ranked on its own
+    (within each layer with ``even_layers``, across the layers otherwise) down to the blocks of its ``H/G`` heads:
+    the ranking a tensor-parallel deployment over ``G`` ranks (or a multiple of them) can make, each rank holding
+    and scoring one slice of the heads in its own memory (the vLLM plugin, ``tensor_parallel_size``).
+
     Args:
         block_size: entries per block (16)
         protected_window: the most recent tokens that are never evicted (32)
         even_layers: rank the blocks of each layer separately (every layer evicts down to the same block count)
+        head_groups: groups of consecutive KV heads ranked separately (1: all heads together, the paper's)
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
@@ -40,6 +48,7 @@ class GlobalBlockBudget(BudgetAllocator):
     block_size: int = 16
     protected_window: int = 32
     even_layers: bool = False
+    head_groups: int = 1
 
     @property
     def runs_in_vllm(self) -> bool:
@@ -55,6 +64,7 @@ class GlobalBlockBudget(BudgetAllocator):
             raise InvalidParameterError(
                 f"even_layer_evict (even_layers) must be True or False, got {self.even_layers!r}"
             )
+        check_head_groups(self.head_groups)
 
     def layer_bound(self, keep: int, kv_heads: int, length: int) -> int:
         """Most entries one layer's ``kv_heads`` heads keep together with ``even_layers``, at mean budget ``keep``
@@ -62,8 +72,12 @@ class GlobalBlockBudget(BudgetAllocator):
 
         ``⌈keep·H / block_size⌉`` whole blocks of entries, or, when the protected window alone holds more, what it
         forces: a head keeps a multiple of ``block_size`` entries once it evicts, at least the protected window,
-        so ``H · ⌈protected_window / block_size⌉`` blocks. Never more than ``H · length`` (nothing evicted).
+        so ``H · ⌈protected_window / block_size⌉`` blocks. Never more than ``H · length`` (nothing evicted). With
+        ``head_groups`` the sum of each group's bound over its own heads.
         """
+        groups = group_count(kv_heads, self.head_groups)
+        if groups > 1:
+            return groups * dataclasses.replace(self, head_groups=1).layer_bound(keep, kv_heads // groups, length)
         if length <= keep:
             return kv_heads * length
         floor = min(length, -(-self.protected_window // self.block_size) * self.block_size)
@@ -80,8 +94,11 @@ class GlobalBlockBudget(BudgetAllocator):
         ``keep``, ``H·⌈keep/block_size⌉``; ``H·⌈length/block_size⌉`` when no head is longer than ``keep``
         (``length``: every head's entries, the first compression). Where the chunks
         are the pages of a paged cache (the vLLM plugin with KV-Compress's block size equal to vLLM's), these are
-        the pages the layer needs.
+        the pages the layer needs. With ``head_groups`` the sum of each group's chunks over its own heads.
         """
+        groups = group_count(kv_heads, self.head_groups)
+        if groups > 1:
+            return groups * dataclasses.replace(self, head_groups=1).layer_pages(keep, kv_heads // groups, length)
         bs = self.block_size
         if length <= keep:
             return kv_heads * -(-length // bs)
@@ -130,7 +147,14 @@ class GlobalBlockBudget(BudgetAllocator):
             for layer, (sc, pos) in enumerate(zip(scores, request.positions, strict=True)):
                 s[layer, :, : sc.shape[-1]] = sc[row]
                 p[layer, :, : pos.shape[-1]] = pos[row]
-            groups = layers if self.even_layers else 1  # even_layers: each layer's heads share ⌈M·H/bs⌉ blocks
-            rows = (layers * heads, width)
-            out[row] = self.head_counts(s.view(rows), p.view(rows), keep, context, groups).view(layers, heads)
+            g = group_count(heads, self.head_groups)
+            if self.even_layers:  # each layer's heads (each group of them) share ⌈M·H/bs⌉ blocks
+                rows = (layers * heads, width)
+                out[row] = self.head_counts(s.view(rows), p.view(rows), keep, context, layers * g).view(layers, heads)
+                continue
+            # a group's heads of every layer, consecutive: [layers, heads] -> [g, layers, heads/g]
+            order = (g, layers * heads // g, width)
+            s, p = (t.view(layers, g, heads // g, width).transpose(0, 1).reshape(order) for t in (s, p))
+            counts = self.head_counts(s.view(-1, width), p.view(-1, width), keep, context, g)
+            out[row] = counts.view(g, layers, heads // g).transpose(0, 1).reshape(layers, heads)
         return out

@@ -31,6 +31,21 @@ def largest_remainder(weights: torch.Tensor, total: int, floor: torch.Tensor | N
     return base + whole
 
 
+def check_head_groups(head_groups: int) -> None:
+    """``head_groups`` must be an integer >= 1."""
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise InvalidParameterError(f"head_groups must be an integer >= 1, got {head_groups!r}")
+
+
+def group_count(kv_heads: int, head_groups: int) -> int:
+    """``head_groups``, checked to divide the ``kv_heads`` heads of a layer into equal groups."""
+    if kv_heads % head_groups:
+        raise InvalidParameterError(
+            f"head_groups={head_groups} must divide the layer's {kv_heads} KV heads into equal groups"
+        )
+    return head_groups
+
+
 def cap_and_redistribute(budgets: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
     """Clamp ``budgets`` ``[n]`` to ``caps`` and hand what that frees to entries with room, keeping the total."""
     out = torch.minimum(budgets, caps)
@@ -72,10 +87,16 @@ class HeadAdaptiveBudget(BudgetAllocator):
     entries per head would (``⌈H·keep/P⌉`` of them), so heads differ in count at no extra memory; each head's
     count moves by less than one page from ``b_h``.
 
+    With ``head_groups = G > 1`` a layer's KV heads form ``G`` equal groups of consecutive heads, and each group
+    shares its own ``(H/G)·keep`` entries (or pages) by score as above: the split a tensor-parallel deployment over
+    ``G`` ranks (or a multiple of them) can make, since each rank holds and scores one slice of the heads and holds
+    its own memory (the vLLM plugin, ``tensor_parallel_size``). ``G = H`` gives every head the uniform count.
+
     Args:
         alpha: safeguard fraction α (AdaKV uses 0.2)
         window: the observation window kept on top of the selected entries (scores there do not compete)
         page_size: entries per page (1: counts in entries, the paper's rule)
+        head_groups: groups of consecutive KV heads that split their own share (1: the whole layer, the paper's)
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry)
@@ -86,6 +107,7 @@ class HeadAdaptiveBudget(BudgetAllocator):
     window: int = 8
     rule: str = "official"
     page_size: int = 1
+    head_groups: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -94,15 +116,22 @@ class HeadAdaptiveBudget(BudgetAllocator):
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
             raise InvalidParameterError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        check_head_groups(self.head_groups)
 
     def layer_pages(self, keep: int, kv_heads: int, length: int) -> int:
         """Most pages of ``page_size`` entries one layer's ``kv_heads`` heads hold together at mean budget ``keep``
-        over at most ``length`` entries per head: ``max(⌈H·keep/P⌉, H·⌈window/P⌉)``, ``H·⌈length/P⌉`` when no head
-        is longer than ``keep`` (``length``: every head's entries, the first compression)."""
+        over at most ``length`` entries per head: ``max(⌈h·keep/P⌉, h·⌈window/P⌉)`` for each group of ``h =
+        H/head_groups`` heads, ``H·⌈length/P⌉`` when no head is longer than ``keep`` (``length``: every head's
+        entries, the first compression)."""
+        groups = group_count(kv_heads, self.head_groups)
+        return groups * self._pages(keep, kv_heads // groups, length)
+
+    def _pages(self, keep: int, heads: int, length: int) -> int:
+        """:meth:`layer_pages` of one group of ``heads`` heads."""
         p = self.page_size
         if length <= keep:
-            return kv_heads * -(-length // p)
-        return max(-(-kv_heads * keep // p), kv_heads * -(-self.window // p))
+            return heads * -(-length // p)
+        return max(-(-heads * keep // p), heads * -(-self.window // p))
 
     def _whole_pages(self, counts: torch.Tensor, lengths: torch.Tensor, keep: int, window: int) -> torch.Tensor:
         """``counts`` ``[heads]`` (window included) moved to whole pages: :meth:`layer_pages` pages shared by
@@ -110,7 +139,7 @@ class HeadAdaptiveBudget(BudgetAllocator):
         p, heads = self.page_size, counts.numel()
         cap = -(-lengths // p)
         floor = torch.minimum(torch.full_like(cap, -(-window // p)), cap)
-        total = min(self.layer_pages(keep, heads, int(lengths.max())), int(cap.sum()))
+        total = min(self._pages(keep, heads, int(lengths.max())), int(cap.sum()))
         want = counts.double() / p
         pages = torch.maximum(torch.minimum(want.floor().long(), cap), floor)
         while int(pages.sum()) > total:  # floors and caps overshot: take from the heads furthest above their want
@@ -127,6 +156,14 @@ class HeadAdaptiveBudget(BudgetAllocator):
         Args:
             scores, positions: ``[kv_heads, seq]`` (empty slots at ``-inf`` / ``-1``)
         """
+        groups = group_count(scores.shape[0], self.head_groups)
+        if groups == 1:
+            return self._group_budgets(scores, positions, keep, context)
+        parts = zip(scores.chunk(groups), positions.chunk(groups), strict=True)
+        return torch.cat([self._group_budgets(s, p, keep, context) for s, p in parts])
+
+    def _group_budgets(self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int) -> torch.Tensor:
+        """:meth:`head_budgets` for one group of heads, ``[heads, seq]``, sharing ``heads · keep`` entries."""
         heads = scores.shape[0]
         window = min(self.window, context)
         per_head = keep - window

@@ -66,15 +66,20 @@ def adakv(
     alpha: float = ADAKV_ALPHA,
     rule: str = ADAKV_RULE,
     page_size: int = 1,
+    head_groups: int = 1,
 ) -> Pipeline:
     """Ada-KV (Feng et al., 2024, arXiv 2407.11550) on SnapKV scores; real per-head memory (ragged storage).
 
     ``page_size > 1``: per-head counts in whole pages of that many entries, a layer keeping ``⌈kv_heads·budget /
     page_size⌉`` pages (what the uniform budget's entries fill), for paged caches whose pages hold one head (the
-    vLLM plugin with ``page_size`` equal to vLLM's block size frees the uniform method's blocks)."""
+    vLLM plugin with ``page_size`` equal to vLLM's block size frees the uniform method's blocks).
+
+    ``head_groups > 1``: the layer's KV heads form that many equal groups of consecutive heads, each sharing its own
+    budget by score (the split tensor-parallel ranks can make, each holding one slice of the heads; the vLLM plugin
+    with ``tensor_parallel_size`` needs it to be a multiple of the rank count)."""
     return parts(
         snap_scorer(window, kernel, pooling),
-        HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule, page_size=page_size),
+        HeadAdaptiveBudget(alpha=alpha, window=window, rule=rule, page_size=page_size, head_groups=head_groups),
         TopKSelector(recent=window),
     )
 

@@ -62,12 +62,13 @@ def critical_adakv(
     safeguard: float = ADAKV_ALPHA,
     rule: str = ADAKV_RULE,
     page_size: int = 1,
+    head_groups: int = 1,
 ) -> Pipeline:
-    """CriticalKV (Feng et al., arXiv 2502.03805) on Ada-KV budgets (arXiv 2407.11550); ``page_size`` as in
-    :func:`~kvtrim.methods.attention.adakv`."""
+    """CriticalKV (Feng et al., arXiv 2502.03805) on Ada-KV budgets (arXiv 2407.11550); ``page_size`` and
+    ``head_groups`` as in :func:`~kvtrim.methods.attention.adakv`."""
     return parts(
         snap_scorer(window, kernel, pooling),
-        HeadAdaptiveBudget(alpha=safeguard, window=window, rule=rule, page_size=page_size),
+        HeadAdaptiveBudget(alpha=safeguard, window=window, rule=rule, page_size=page_size, head_groups=head_groups),
         CriticalSelector(alpha=alpha, eps=eps, recent=window),
     )
 

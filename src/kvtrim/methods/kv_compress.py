@@ -28,11 +28,20 @@ class _SquaredAttentionPipeline(Pipeline):
 
 
 def _kvcompress_parts(
-    window: int | None, protected_window: int, kernel: int, buffer: int, block_size: int, even_layer_evict: bool
+    window: int | None,
+    protected_window: int,
+    kernel: int,
+    buffer: int,
+    block_size: int,
+    even_layer_evict: bool,
+    head_groups: int,
 ) -> Pipeline:
+    budget = GlobalBlockBudget(
+        block_size=block_size, protected_window=protected_window, even_layers=even_layer_evict, head_groups=head_groups
+    )
     return parts(
         SquaredAttentionScorer(window=window, kernel=kernel, buffer=buffer),
-        GlobalBlockBudget(block_size=block_size, protected_window=protected_window, even_layers=even_layer_evict),
+        budget,
         TopKSelector(recent=protected_window),
         kind=_SquaredAttentionPipeline,
     )
@@ -55,6 +64,7 @@ def kvcompress(
     buffer: int = KVC_W32.buffer,
     block_size: int = KVC_W32.block_size,
     even_layer_evict: bool = KVC_W32.even_layer_evict,
+    head_groups: int = 1,
 ) -> Pipeline:
     """KV-Compress (Rehg, arXiv 2410.00161), KVC-w: variable compression rates per layer and KV head.
 
@@ -66,8 +76,12 @@ def kvcompress(
     still keep different counts (rates vary per head, not per layer). Each layer's total is then fixed before
     scoring, which is what lets the method run inside vLLM (:mod:`kvtrim.vllm`); the paged engine
     (``kvtrim serve``) always ranks across layers.
+
+    ``head_groups > 1`` ranks equal groups of consecutive KV heads separately, each down to its own heads' blocks
+    (what tensor-parallel ranks can do, each holding one slice of the heads; the vLLM plugin with
+    ``tensor_parallel_size`` needs a multiple of the rank count).
     """
-    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size, even_layer_evict)
+    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size, even_layer_evict, head_groups)
 
 
 @register(
@@ -84,13 +98,14 @@ def kvc_w8(
     buffer: int = KVC_W8.buffer,
     block_size: int = KVC_W8.block_size,
     even_layer_evict: bool = KVC_W8.even_layer_evict,
+    head_groups: int = 1,
 ) -> Pipeline:
     """KV-Compress (Rehg, arXiv 2410.00161), the KVC-w preset with w = 8.
 
     ``even_layer_evict=True``: the paper's code flag ``--even-layer-evict``, blocks ranked within each layer (see
-    :func:`kvcompress`).
+    :func:`kvcompress`); ``head_groups`` as there.
     """
-    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size, even_layer_evict)
+    return _kvcompress_parts(window, protected_window, kernel, buffer, block_size, even_layer_evict, head_groups)
 
 
 @register(
@@ -107,10 +122,13 @@ def kvc_full(
     kernel: int = KVC_FULL.kernel,
     block_size: int = KVC_FULL.block_size,
     even_layer_evict: bool = KVC_FULL.even_layer_evict,
+    head_groups: int = 1,
 ) -> Pipeline:
     """KV-Compress (Rehg, arXiv 2410.00161), the KVC-full preset (metric over all prompt queries).
 
     ``even_layer_evict=True``: the paper's code flag ``--even-layer-evict``, blocks ranked within each layer (see
-    :func:`kvcompress`).
+    :func:`kvcompress`); ``head_groups`` as there.
     """
-    return _kvcompress_parts(KVC_FULL.window, protected_window, kernel, buffer, block_size, even_layer_evict)
+    return _kvcompress_parts(
+        KVC_FULL.window, protected_window, kernel, buffer, block_size, even_layer_evict, head_groups
+    )

@@ -91,7 +91,7 @@ class SquaredAttentionScorer(Scorer):
 
     # capabilities (read by the method registry, kvtrim.methods.registry); see also question_aware
     uses_attention = True
-    runs_in_vllm = True  # the prefill metric from the last prefill step's queries (decode accumulation: refused)
+    runs_in_vllm = True  # the prefill metric, and with every:N the decoded queries added at each round
 
     window: int | None = 32
     kernel: int = 7

@@ -14,11 +14,15 @@ AdaKV, HeadKV and their CriticalKV variants (per-head counts) take ``between_chu
 LagKV's family (``lagkv``, ``localkv``, ``lag_knorm``) runs its own recursion (``tail:LAG``, its default) while
 decoding and, with ``between_chunks``, between prefill chunks; ``"lagkv@prefill"`` compresses once.
 KV-Compress (``kvcompress``, ``kvc_w8``, ``kvc_full``) runs with ``"params": {"even_layer_evict": true}`` only
-(:data:`EVEN_LAYER_METHODS`), compressing after the prompt and, with ``between_chunks``, after every prefill chunk.
+(:data:`EVEN_LAYER_METHODS`), compressing after the prompt and, with ``between_chunks``, after every prefill chunk,
+or with ``@every:N`` every ``N`` decoded tokens by its decoding-time metric (:attr:`VLLMEvictionConfig.decode_metric`).
+Per-head methods that split by score take ``params.head_groups`` (a multiple of ``tensor_parallel_size`` under
+tensor parallelism: :meth:`VLLMEvictionConfig.rank_config`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -171,12 +175,12 @@ class VLLMEvictionConfig:
                     f"method {self.method!r}: per-head methods compress while decoding with 'every:N' inside vLLM, "
                     "not 'over:SLACK'"
                 )
-            if pipeline.observation.accumulate:
+            if pipeline.observation.accumulate and not self.decode_metric:
                 raise InvalidParameterError(f"method {base!r} accumulates statistics over all queries")
 
     def _check_even_layers(self, pipeline: Pipeline) -> None:
-        """KV-Compress runs with ``even_layer_evict``, after the prompt (and between chunks), without its
-        decoding-time metric."""
+        """KV-Compress runs with ``even_layer_evict``: after the prompt, then between chunks (``between_chunks``) or
+        every ``N`` decoded tokens with its decoding-time metric (``@every:N``), not both."""
         base = split_schedule(self.method)[0]
         if not pipeline.budget.even_layers:
             raise InvalidParameterError(
@@ -186,11 +190,18 @@ class VLLMEvictionConfig:
                 "scores, while vLLM's scheduler sizes a request's block list before any score exists: the worker "
                 "would have to report the counts back to the scheduler (not built)"
             )
-        if pipeline.observation.accumulate:
+        if not pipeline.observation.accumulate:
+            return
+        if not isinstance(pipeline.schedule, EveryNTokens):
             raise InvalidParameterError(
-                f"method {self.method!r}: KV-Compress's decoding-time metric (each decoded query's squared attention "
-                "added to the prefill metric, 'every:N' / 'over:SLACK') is not carried inside vLLM; use "
-                f"{base!r} (after the prompt, and with between_chunks after every prefill chunk)"
+                f"method {self.method!r}: inside vLLM KV-Compress compresses while decoding with 'every:N' (its "
+                "decoding-time metric), not 'over:SLACK'"
+            )
+        if self.between_chunks:
+            raise InvalidParameterError(
+                f"method {self.method!r}: KV-Compress's decoding-time metric ('every:N') runs after a prompt "
+                "compressed once inside vLLM, not with between_chunks (the chunks' queries would enter the metric); "
+                f"use {base!r} with between_chunks, or {self.method!r} without it"
             )
 
     def _check_lag_schedule(self, pipeline: Pipeline) -> None:
@@ -207,6 +218,20 @@ class VLLMEvictionConfig:
                 f"('{split_schedule(self.method)[0]}', i.e. 'tail:{lag}', or '@prefill' for once after the prompt); "
                 "'every:N' and 'over:SLACK' need a fixed budget"
             )
+
+    @cached_property
+    def decode_metric(self) -> int:
+        """KV-Compress with ``@every:N``: ``N``, the decoded queries whose squared attention a round adds to the
+        kept entries' metric (each decoded query's, as the paper's running metric); 0 for other methods."""
+        pipeline = self.pipeline()
+        if isinstance(pipeline.budget, GlobalBlockBudget) and pipeline.observation.accumulate:
+            return pipeline.schedule.n
+        return 0
+
+    def record_window(self, window: int) -> int:
+        """Recent queries a worker keeps per request and layer: the scorer's observation ``window``, or the
+        ``N`` decoded queries since the last round when more (:attr:`decode_metric`)."""
+        return max(window, self.decode_metric)
 
     @cached_property
     def lag(self) -> PartitionBudget | None:
@@ -316,13 +341,14 @@ class VLLMEvictionConfig:
         the uniform block list that hold a layer's kept entries, ``block_size · ⌈P/H⌉`` with ``P`` the most pages
         one layer's ``H`` heads keep (``layer_pages`` of :class:`GlobalBlockBudget` / :class:`HeadAdaptiveBudget`),
         no slack: ``⌈B/block_size⌉`` blocks, the uniform method's, whenever the budget is above the protected
-        window. ``P`` is a maximum of terms ``⌈H·x⌉`` and ``H·⌈x⌉``, so ``⌈P/H⌉`` does not depend on ``H``
-        (computed with one head): the scheduler needs no head count.
+        window. ``P`` is a maximum of terms ``⌈H·x⌉`` and ``H·⌈x⌉`` (for each of ``head_groups`` groups), so
+        ``⌈P/H⌉`` does not depend on ``H`` (computed with one head per group): the scheduler needs no head count.
 
         Every head keeps whole pages or its whole row, so after ``t`` more tokens the layer needs at most
         ``P + H·⌈t/block_size⌉`` one-head pages: the blocks vLLM allocates for ``slots + t`` tokens.
         """
-        return block_size * self.page_budget.layer_pages(budget, 1, length)
+        groups = self.head_groups
+        return block_size * (self.page_budget.layer_pages(budget, groups, length) // groups)
 
     def round_keep(
         self,
@@ -467,26 +493,29 @@ class VLLMEvictionConfig:
         return self.capabilities.budgets == BUDGET_KINDS["head"]
 
     def check_tensor_parallel(self, tensor_parallel_size: int, total_kv_heads: int | None = None) -> None:
-        """Refuse tensor parallelism for per-head methods whose counts follow the scores (AdaKV, CriticalKV-AdaKV,
-        KV-Compress).
+        """Refuse a tensor-parallel split that per-head methods cannot keep.
 
-        Each tensor-parallel rank holds and scores only its own KV heads. Uniform and per-layer methods keep a
-        count that follows from the prompt length alone, so every rank keeps the same slots and selects per head
-        as one rank would. Methods whose per-head counts a calibration artifact fixes (HeadKV, CriticalKV-HeadKV,
-        DuoAttention) compute the counts of every head of the model and each rank keeps its own heads' counts
-        (:meth:`head_counts`), so they select as one rank would too. AdaKV and KV-Compress split a layer's
-        ``kv_heads · B`` entries among *all* its KV heads by score: a rank would split among its own heads only,
-        which is not the single-rank selection. ``total_kv_heads`` (the model's): ranks that replicate KV heads
-        (more ranks than heads) are refused for the artifact-count methods, whose rows assume each rank holds its
-        own slice of the heads.
+        Each tensor-parallel rank holds and scores only its own KV heads, in its own memory. Uniform and per-layer
+        methods keep a count that follows from the prompt length alone, so every rank keeps the same slots and
+        selects per head as one rank would. Methods whose per-head counts a calibration artifact fixes (HeadKV,
+        CriticalKV-HeadKV, DuoAttention) compute the counts of every head of the model and each rank keeps its own
+        heads' counts (:meth:`head_counts`), so they select as one rank would too. AdaKV, CriticalKV-AdaKV and
+        KV-Compress split a share among heads by score: across ranks only when that split is made within groups
+        of heads that a rank holds whole, ``params.head_groups`` a multiple of the rank count (each rank then
+        splits within its own groups: :meth:`rank_config`); otherwise refused. ``total_kv_heads`` (the model's):
+        ranks that replicate KV heads (more ranks than heads) are refused for every per-head method, whose counts
+        are kept per rank's own slice of the heads, and ``head_groups`` must divide the heads.
         """
-        if self.per_head and not self.head_counts_fixed and tensor_parallel_size > 1:
+        groups = self.head_groups
+        if self.per_head and not self.head_counts_fixed and groups % tensor_parallel_size:
             raise InvalidParameterError(
-                f"tensor_parallel_size={tensor_parallel_size} is not supported with {self.method}: its per-head "
-                "counts are split by score among all KV heads of a layer, and each tensor-parallel rank holds only "
-                "its own heads. Use tensor_parallel_size=1, a method whose per-head counts come from a calibration "
-                "artifact (headkv, critical_headkv, duo_attention), or a uniform or per-layer method (e.g. snapkv, "
-                "pyramidkv), which support tensor parallelism"
+                f"tensor_parallel_size={tensor_parallel_size} is not supported with {self.method} and "
+                f"params.head_groups={groups}: its per-head counts are split by score among the KV heads of a "
+                "group, and each tensor-parallel rank holds only its own heads. Set params.head_groups to a "
+                f"multiple of {tensor_parallel_size} (each rank then splits among its own heads; a different "
+                "selection from the whole layer's split, the same at every rank count), or use a method whose "
+                "per-head counts come from a calibration artifact (headkv, critical_headkv, duo_attention), or a "
+                "uniform or per-layer method (e.g. snapkv, pyramidkv)"
             )
         if self.per_head and total_kv_heads is not None and total_kv_heads % tensor_parallel_size:
             raise InvalidParameterError(
@@ -495,6 +524,28 @@ class VLLMEvictionConfig:
                 "counts are kept per rank's own slice of the heads; use a tensor_parallel_size that divides "
                 f"{total_kv_heads}"
             )
+        if total_kv_heads is not None and total_kv_heads % groups:
+            raise InvalidParameterError(
+                f"params.head_groups={groups} must divide the model's {total_kv_heads} KV heads into equal groups"
+            )
+
+    @cached_property
+    def head_groups(self) -> int:
+        """``params.head_groups`` of a method that splits by score within groups of heads (AdaKV, CriticalKV-AdaKV,
+        KV-Compress), else 1."""
+        budget = self.pipeline().budget
+        return budget.head_groups if isinstance(budget, (HeadAdaptiveBudget, GlobalBlockBudget)) else 1
+
+    def rank_config(self, tensor_parallel_size: int) -> VLLMEvictionConfig:
+        """The configuration each of ``tensor_parallel_size`` ranks runs, and the scheduler sizes blocks by: a
+        method split by score within ``head_groups`` groups splits, on a rank, within the rank's ``head_groups /
+        tensor_parallel_size`` (:meth:`check_tensor_parallel` has checked that they divide). Each rank holds a
+        slice of whole groups, so the ranks together keep what one rank with ``head_groups`` keeps."""
+        self.check_tensor_parallel(tensor_parallel_size)
+        if tensor_parallel_size == 1 or self.head_groups == 1:
+            return self
+        params = {**self.params, "head_groups": self.head_groups // tensor_parallel_size}
+        return dataclasses.replace(self, params=params)
 
     def pipeline(self) -> Pipeline:
         """A fresh kvtrim pipeline for this configuration."""

@@ -6,6 +6,7 @@ The method scores the entries as attention sees them (an fp8 cache: ``code · k_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ from ..budgets.base import BudgetRequest
 from ..compression.pipeline import Pipeline
 from ..scoring.base import LayerView
 from ..scoring.observation import LayerObservation
+from ..scoring.squared_attention import squared_attention
 from .folded_attention import folded_cache_write
 from .kv_layout import BlockLayout
 from .subpages import RequestSubPages
@@ -50,6 +52,12 @@ class PendingEviction:
             count); ``[layer][head]`` the logical positions of the entries the last round kept, which the head's
             sub-pages hold first, followed by the tokens since, in order. None: the entries lie in vLLM's uniform
             slots ``0 … prompt_len−1``
+        head_metrics: KV-Compress's decoding-time metric (``@every:N``) at a round after the first: ``[layer][head]``
+            the running metric of the entries the last round kept (in ``head_positions``' order), or None
+        metric_queries: with ``head_metrics``, the recorded decoded queries (the last ``N``) whose squared
+            attention is added to it, each over the entries it saw (the kept ones and the tokens up to its own)
+        kept_metrics: filled with ``{layer: [head] metric of the kept entries}`` (the next round's ``head_metrics``)
+            when a dict
     """
 
     req_id: str
@@ -68,6 +76,9 @@ class PendingEviction:
     compressed_until: int | None = None
     layer_total: int = 0
     head_positions: list[list[torch.Tensor]] | None = None
+    head_metrics: list[list[torch.Tensor]] | None = None
+    metric_queries: int = 0
+    kept_metrics: dict | None = None
 
     def key_positions(self, layer_idx: int, kv_heads: int, device) -> torch.Tensor:
         """``[kv_heads, prompt_len]`` logical positions of the request's entries in this layer."""
@@ -120,12 +131,18 @@ def _score_and_select(
     module=None,
     budgets: torch.Tensor | None = None,
     scales: tuple[float, float] = (1.0, 1.0),
+    score_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ):
-    """Read the request's prompt in this layer, score it and select; ``(keys, values, selection, kept)``.
+    """Read the request's prompt in this layer, score it and select; ``(keys, values, selection, kept, positions,
+    scores)``.
 
     ``keys``/``values``: ``[p, kv_heads, d]`` as stored (fp8: codes); ``kept``: ``[kv_heads]`` entries each head
-    keeps. ``budgets`` ``[kv_heads]``: counts fixed in advance (HeadKV) instead of the allocator's. ``scales``:
-    the layer's ``(k_scale, v_scale)`` of an fp8 cache (the scorer sees ``code · scale``).
+    keeps; ``positions`` ``[kv_heads, p]`` their logical positions; ``scores`` ``[kv_heads, p]`` what the budget and
+    selector ranked. ``budgets`` ``[kv_heads]``: counts fixed in advance (HeadKV) instead of the allocator's.
+    ``scales``: the layer's ``(k_scale, v_scale)`` of an fp8 cache (the scorer sees ``code · scale``).
+    ``score_reduce``: applied to the scorer's ``[1, kv_heads, p]`` scores before the budget (the mean over
+    tensor-parallel ranks of a scorer that averages over a layer's KV heads, e.g. TOVA's, whose rank sees only its
+    own heads).
     """
     p = pending.prompt_len
     end = pending.logical_len or p
@@ -140,6 +157,7 @@ def _score_and_select(
     device = keys.device
     window = pipeline.observation.window
     q = query if pending.observed else query[pending.query_start : pending.query_end]
+    decoded = None if pending.head_metrics is None else q[max(q.shape[0] - pending.metric_queries, 0) :]
     q = q[max(q.shape[0] - window, 0) :] if window > 0 else q[:0]
     qpos = torch.arange(end - q.shape[0], end, device=device).view(1, -1)
     positions = key_positions.unsqueeze(0)  # [1, kv_heads, p]
@@ -160,7 +178,13 @@ def _score_and_select(
         scaling=scaling,
         compressed_until=done,
     )
-    scores = pipeline.scorer.score(view).float().masked_fill(~view.valid, float("-inf"))  # padded heads' slots
+    if decoded is None:
+        scores = pipeline.scorer.score(view).float()
+    else:
+        scores = _running_metric(view, pending.head_metrics[layer_idx], decoded.to(keys.dtype), end)
+    if score_reduce is not None:
+        scores = score_reduce(scores)
+    scores = scores.masked_fill(~view.valid, float("-inf"))  # padded heads' slots
     request = BudgetRequest(
         keep=torch.tensor([keep], device=device),
         context_lengths=view.context_lengths,
@@ -177,7 +201,21 @@ def _score_and_select(
     else:
         budgets = budgets.to(device).view(1, kv_heads)
     selection = pipeline.selector.select(view, scores, budgets)
-    return stored_keys, stored_values, selection, selection.keep_mask[0].sum(-1), key_positions
+    return stored_keys, stored_values, selection, selection.keep_mask[0].sum(-1), key_positions, scores[0]
+
+
+def _running_metric(view: LayerView, kept: list[torch.Tensor], decoded: torch.Tensor, end: int) -> torch.Tensor:
+    """KV-Compress's metric at a decoding round, ``[1, kv_heads, width]``: each head's kept entries carry the
+    metric of the last round (``kept[h]``, in slot order), the tokens since start at 0, and every decoded query
+    (``decoded`` ``[n, q_heads, d]``, the request's last ``n`` tokens up to ``end``) adds its squared attention over
+    the entries it saw, summed over its group, unpooled: what kvtrim's cache accumulates step by step
+    (``attn_sq_sum``), computed here at once since nothing was evicted in between."""
+    base = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
+    for h, metric in enumerate(kept):
+        base[0, h, : metric.numel()] = metric.to(base.device)
+    qpos = torch.arange(end - decoded.shape[0], end, device=base.device).view(1, -1)
+    queries = decoded.transpose(0, 1).unsqueeze(0)  # [1, q_heads, n, d]
+    return base + squared_attention(queries, qpos, view.keys, view.positions, view.scaling, kernel=1)
 
 
 def evict_layer(
@@ -192,6 +230,7 @@ def evict_layer(
     ratio: float | None,
     module=None,
     scales: tuple[float, float] = (1.0, 1.0),
+    score_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Keep ``pending.layer_keep[layer_idx]`` entries per KV head of this layer, compacted into its first slots.
 
@@ -200,14 +239,16 @@ def evict_layer(
             queries are the observation window); with ``pending.observed``, the request's recorded recent queries
         module: the layer's attention module (``o_proj``: CriticalKV's projected value norms), or None
         scales: the layer's ``(k_scale, v_scale)`` (an fp8 cache; ignored otherwise)
+        score_reduce: see :func:`_score_and_select` (the mean over tensor-parallel ranks, or None)
     Each KV head may keep different tokens (the count is what the block table fixes); kept entries stay in
     position order, keys keep the rotation of their original position, fp8 codes are moved as they are. Returns
     the kept entries' logical positions ``[kv_heads, keep]`` (what a later round of the same request scores with).
     """
     keep = pending.keep if pending.layer_keep is None else pending.layer_keep[layer_idx]
-    keys, values, selection, kept, _ = _score_and_select(
-        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, keep, module, None, scales
-    )
+    keys, values, selection, kept, _, _ = _score_and_select(
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, keep, module, None, scales,
+        score_reduce,
+    )  # fmt: skip
     kv_heads = keys.shape[1]
     if not bool((kept == keep).all()):
         raise RuntimeError(
@@ -234,6 +275,7 @@ def evict_layer_heads(
     module=None,
     scales: tuple[float, float] = (1.0, 1.0),
     kept_positions: dict | None = None,
+    score_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[int]:
     """Per-head budgets: each KV head keeps its own count, written to its own one-head sub-pages.
 
@@ -248,9 +290,10 @@ def evict_layer_heads(
     """
     budget = pending.head_budget
     fixed = None if pending.head_counts is None else torch.from_numpy(pending.head_counts[layer_idx])
-    keys, values, selection, kept, positions = _score_and_select(
-        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed, scales
-    )
+    keys, values, selection, kept, positions, scores = _score_and_select(
+        pipeline, layout, kv_cache, query, pending, layer_idx, num_layers, scaling, ratio, budget, module, fixed,
+        scales, score_reduce,
+    )  # fmt: skip
     kv_heads = keys.shape[1]
     counts = kept.cpu().numpy()
     total = int(fixed.sum()) if fixed is not None else pending.layer_total or kv_heads * budget
@@ -263,10 +306,13 @@ def evict_layer_heads(
         pending.pages.restart_layer(layer_idx, -(-pending.keep // pending.pages.block_size))
     slots = pending.pages.place(layer_idx, counts)
     kept: list[torch.Tensor] = []
+    metrics: list[torch.Tensor] = []
     rows, heads = [], []
     for h in range(kv_heads):
         index = selection.indices[0, h][selection.keep_mask[0, h]].sort().values
         kept.append(positions[h, index].cpu())
+        if pending.kept_metrics is not None:
+            metrics.append(scores[h, index].clone())
         if bool((kept[-1] < 0).any()):
             raise RuntimeError(f"kvtrim: {pipeline.name} kept a padding slot of head {h} in layer {layer_idx}")
         rows.append(index)
@@ -280,4 +326,6 @@ def evict_layer_heads(
         folded_cache_write(new_keys, new_values, kv_cache, head_slots.view(-1, 1), isa)
     if kept_positions is not None:
         kept_positions[layer_idx] = kept
+    if pending.kept_metrics is not None:
+        pending.kept_metrics[layer_idx] = metrics
     return counts.tolist()

@@ -167,7 +167,8 @@ def worker_stats(worker) -> dict:
     ``kv_cache_dtypes`` (the ``kv_cache_dtype`` of every block layout the worker probed, sorted), ``kv_heads``
     (the KV heads of this worker's cache: its tensor-parallel rank's share; 0 before the cache exists),
     ``tp_rank`` (the tensor-parallel rank whose heads it holds; 0 before the first step),
-    ``tracked_requests`` (requests whose dropped count the worker still holds).
+    ``tracked_requests`` (requests whose dropped count the worker still holds), ``ragged_layers`` ((request,
+    layer) pairs whose KV heads on this worker kept different counts: per-head methods).
     """
     runner = getattr(worker, "model_runner", None)
     state = getattr(runner, "_kvtrim_state", None)
@@ -181,6 +182,7 @@ def worker_stats(worker) -> dict:
         "requests_compressed": 0 if state is None else state.evictions,
         "layer_evictions": 0 if state is None else state.layer_evictions,
         "rounds": 0 if state is None else state.rounds,
+        "ragged_layers": 0 if state is None else state.ragged_layers,
         "num_layers": 0 if state is None else state.num_layers,
         "kv_cache_dtypes": [] if state is None else sorted({v.entry.kv_cache_dtype for v in state.layouts.values()}),
     }

@@ -100,16 +100,15 @@ def _patch_init(orig):
         self._kvtrim_state = None
         if config is not None:
             _check_supported(self)
-            config.check_tensor_parallel(
-                self.vllm_config.parallel_config.tensor_parallel_size,
-                self.vllm_config.model_config.get_total_num_kv_heads(),
-            )
+            tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)
+            config.check_tensor_parallel(tp_size, self.vllm_config.model_config.get_total_num_kv_heads())
+            config = config.rank_config(tp_size)  # blocks are sized by what one rank keeps
             state = SchedulerState(config, num_layers=model_num_layers(self.vllm_config))
             if config.per_head:
                 vc = self.vllm_config
                 state.pipeline = config.bound_pipeline(vc.model_config.model)
                 state.kv_heads = vc.model_config.get_num_kv_heads(vc.parallel_config)  # one rank's
-                state.tp_size = int(vc.parallel_config.tensor_parallel_size)
+                state.tp_size = tp_size
                 state.counts_at = config.head_counts_at(state.pipeline, state.num_layers, state.kv_heads, state.tp_size)
                 hint = config.page_hint(int(self.cache_config.block_size))
                 if hint is not None:

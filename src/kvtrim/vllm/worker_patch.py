@@ -143,6 +143,8 @@ class WorkerState:
     positions: dict[str, torch.Tensor] = field(default_factory=dict)
     # per-head rounds: request -> [layer][head] the kept entries' logical positions (each head its own count)
     head_positions: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)
+    # KV-Compress with its decoding-time metric: request -> [layer][head] running metric of the kept entries
+    head_metrics: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)
     # request -> layer index -> its last ``window`` post-rotary queries [w, q_heads, head_dim] (observation window)
     recent: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     observe: list[tuple[str, int, int]] = field(default_factory=list)  # this step's recorded rows (req, qs, qe)
@@ -150,6 +152,8 @@ class WorkerState:
     rounds: int = 0  # compressions (first ones and later rounds) this worker ran
     tp_size: int = 1  # tensor-parallel ranks; this worker holds rank ``tp_rank``'s KV heads
     tp_rank: int = 0
+    # a scorer that averages over a layer's KV heads (TOVA), under tensor parallelism: the mean over the ranks
+    score_reduce: object = None
 
 
 _ACTIVE: WorkerState | None = None  # the state of the runner whose step is executing (one runner per process)
@@ -173,19 +177,32 @@ def _tensor_parallel_place(vllm_config) -> dict[str, int]:
     return {"tp_size": size, "tp_rank": int(get_tensor_model_parallel_rank())}
 
 
+def _rank_mean(scores: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """The mean over the ``tp_size`` tensor-parallel ranks of each rank's ``[1, kv_heads, p]`` scores: for a scorer
+    that averages over a layer's KV heads, the mean of the ranks' means over equally many heads is the mean over all
+    the layer's heads, the single-rank score. Every rank compresses the same requests in the same layers in the same
+    order (decided from token counts alone), so the collective calls pair up."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(scores.contiguous()) / tp_size
+
+
 def _state(runner) -> WorkerState | None:
     if not hasattr(runner, "_kvtrim_state"):
         config = load_config(runner.vllm_config.additional_config)
-        runner._kvtrim_state = (
-            None
-            if config is None
-            else WorkerState(
+        state = None
+        if config is not None:
+            place = _tensor_parallel_place(runner.vllm_config)
+            config = config.rank_config(place["tp_size"])  # this rank's heads split among themselves
+            state = WorkerState(
                 config,
                 model_layers=model_num_layers(runner.vllm_config),
                 pipeline=config.bound_pipeline(runner.vllm_config.model_config.model),
-                **_tensor_parallel_place(runner.vllm_config),
+                **place,
             )
-        )
+            if state.tp_size > 1 and getattr(state.pipeline.scorer, "head_mean", False):
+                state.score_reduce = functools.partial(_rank_mean, tp_size=state.tp_size)
+        runner._kvtrim_state = state
     return runner._kvtrim_state
 
 
@@ -212,6 +229,7 @@ def _patch_update_states(orig):
                 state.heads.pop(req_id, None)
                 state.positions.pop(req_id, None)
                 state.head_positions.pop(req_id, None)
+                state.head_metrics.pop(req_id, None)
                 state.recent.pop(req_id, None)
         return orig(self, scheduler_output)
 
@@ -350,7 +368,8 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     counts_at = config.head_counts_at(state.pipeline, state.model_layers, kv_heads, state.tp_size)
     keep = config.round_keep(prompt, end, physical, qe - qs, bs, req_id in state.dropped, kv_heads, counts_at)
     window = state.pipeline.observation.window
-    if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, window)):
+    recorded = config.record_window(window)  # KV-Compress's decoding-time metric: every query since the last round
+    if window > 0 and (keep is not None or _round_near(config, prompt, end, physical, recorded)):
         state.observe.append((req_id, qs, qe))
     block_ids = list(runner.requests[req_id].block_ids[0])
     row = None
@@ -370,7 +389,8 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
                 pages=pages or RequestSubPages(state.model_layers, kv_heads, bs, block_ids[: -(-keep // bs)]),
                 logical_len=end, observed=window > 0, head_counts=counts,
                 layer_total=config.layer_total(physical, kv_heads) if counts is None else int(counts.sum(-1).max()),
-                head_positions=state.head_positions.get(req_id),
+                head_positions=state.head_positions.get(req_id), head_metrics=state.head_metrics.get(req_id),
+                metric_queries=config.decode_metric, kept_metrics={} if config.decode_metric else None,
             )
         )  # fmt: skip
         return row
@@ -520,6 +540,8 @@ def _patch_execute_model(orig):
                         p.pages.truncate_blocks(n)
                         state.heads[p.req_id] = p.pages
                         state.head_positions[p.req_id] = [kept[layer] for layer in sorted(kept)]
+                        if p.kept_metrics is not None:
+                            state.head_metrics[p.req_id] = [p.kept_metrics[layer] for layer in sorted(p.kept_metrics)]
                     else:
                         state.positions[p.req_id] = torch.stack([kept[layer] for layer in sorted(kept)])
                     state.rounds += 1
@@ -639,12 +661,14 @@ def _patch_forward(orig):
                 if pending.observed:
                     args = (layout, kv_cache, state.recent[pending.req_id][idx], *args[3:])
                 if pending.pages is None:
-                    kept = evict_layer(state.pipeline, *args, module=module, scales=scales)
+                    kept = evict_layer(state.pipeline, *args, module, scales, state.score_reduce)
                     if state.config.rounds:
                         state.kept_positions.setdefault(pending.req_id, {})[idx] = kept.cpu()
                     continue
                 kept_out = state.kept_positions.setdefault(pending.req_id, {}) if state.config.rounds else None
-                counts = evict_layer_heads(state.pipeline, *args, layer.isa, module, scales, kept_out)
+                counts = evict_layer_heads(
+                    state.pipeline, *args, layer.isa, module, scales, kept_out, state.score_reduce
+                )
                 state.ragged_layers += len(set(counts)) > 1
         state.step_layers += 1
         state.layer_evictions += len(state.pending)
@@ -655,7 +679,7 @@ def _patch_forward(orig):
 
 def _record_queries(state: WorkerState, layer_idx: int, query: torch.Tensor) -> None:
     """Append this step's query rows of the observed requests to their recent-query windows in this layer."""
-    window = state.pipeline.observation.window
+    window = state.config.record_window(state.pipeline.observation.window)
     for req_id, qs, qe in state.observe:
         rows = state.recent.setdefault(req_id, {})
         new = query[max(qs, qe - window) : qe]
