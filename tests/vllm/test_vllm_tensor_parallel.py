@@ -151,7 +151,7 @@ def test_artifact_per_head_methods_at_two_ranks_keep_the_single_rank_tokens(
 
 @pytest.mark.parametrize(
     ("method", "params"),
-    [("adakv", {}), ("kvcompress", {"even_layer_evict": True, "block_size": BLOCK, "protected_window": 8})],
+    [("adakv", {}), ("kvcompress", {"even_layer_evict": True, "block_size": 16, "protected_window": 8})],
 )
 def test_score_split_methods_with_head_groups_split_within_each_rank(four_head_model, method, params, monkeypatch):
     """AdaKV and KV-Compress with ``head_groups`` 2 on 4 KV heads: rank r holds heads 2r, 2r+1 (one group) and
