@@ -109,12 +109,25 @@ def test_kv_compress_with_vllms_block_size_keeps_whole_pages_without_slack():
     assert config.slot_count(100, 4, 32, kv_heads=3) == 100  # budget ≥ prompt: nothing freed
 
 
+def _check_counts_fit_the_slots(counts: np.ndarray, slots: int, bs: int) -> None:
+    """Per-head ``counts`` ``[heads]`` placed in the one-head sub-pages of ``slots // bs`` blocks fit them, and after
+    ``t`` more tokens (one per head) the blocks vLLM allocates for ``slots + t``, as later rounds' ragged rows do."""
+    from kvtrim.vllm.subpages import RequestSubPages
+
+    blocks = iter(range(10_000))
+    pages = RequestSubPages(1, len(counts), bs, [next(blocks) for _ in range(slots // bs)])
+    pages.place(0, counts)
+    for t in range(1, 2 * bs + 2):
+        pages.add_blocks([next(blocks) for _ in range(-(-(slots + t) // bs) - len(pages.blocks))])
+        pages.append(0, 1)
+    pages.check()
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_kv_compress_whole_pages_fit_the_slots_and_every_later_token(seed):
     """Any scores: the ranking's per-head counts fit the blocks of page_slots, and after t more tokens (one per
     head) the blocks vLLM allocates for page_slots + t, as later rounds' ragged rows do."""
     from kvtrim.budgets.global_blocks import GlobalBlockBudget
-    from kvtrim.vllm.subpages import RequestSubPages
 
     rng = np.random.default_rng(seed)
     heads, bs = int(rng.integers(1, 6)), int(rng.choice([4, 8, 16]))
@@ -131,15 +144,7 @@ def test_kv_compress_whole_pages_fit_the_slots_and_every_later_token(seed):
     scores = torch.from_numpy(rng.random((heads, width))).float()
     counts = budget.head_counts(scores, positions, keep, context).numpy()
     config = parse_config({"method": "kvcompress", "budget": keep, "params": {**EVEN, "block_size": bs}})
-    slots = config.page_slots(keep, width, bs)
-    blocks = iter(range(10_000))
-    pages = RequestSubPages(1, heads, bs, [next(blocks) for _ in range(slots // bs)])
-    pages.place(0, counts)
-    for t in range(1, 2 * bs + 2):
-        need = -(-(slots + t) // bs)
-        pages.add_blocks([next(blocks) for _ in range(need - len(pages.blocks))])
-        pages.append(0, 1)
-    pages.check()
+    _check_counts_fit_the_slots(counts, config.page_slots(keep, width, bs), bs)
 
 
 def test_adakv_in_whole_pages_keeps_the_uniform_slots():
@@ -158,7 +163,6 @@ def test_adakv_whole_pages_fit_the_slots_and_every_later_token(seed):
     """Any scores, first compression (equal rows) or a later round (ragged rows): AdaKV's counts in whole pages fit
     the blocks of page_slots, and after t more tokens the blocks vLLM allocates for page_slots + t."""
     from kvtrim.budgets.head_adaptive import HeadAdaptiveBudget
-    from kvtrim.vllm.subpages import RequestSubPages
 
     rng = np.random.default_rng(seed)
     heads, bs = int(rng.integers(1, 6)), int(rng.choice([4, 8, 16]))
@@ -173,14 +177,7 @@ def test_adakv_whole_pages_fit_the_slots_and_every_later_token(seed):
     scores = torch.from_numpy(rng.random((heads, width)) ** 4).float()
     counts = HeadAdaptiveBudget(page_size=bs).head_budgets(scores, positions, keep, width).numpy()
     config = parse_config({"method": "adakv", "budget": keep, "params": {"page_size": bs}})
-    slots = config.page_slots(keep, width, bs)
-    blocks = iter(range(10_000))
-    pages = RequestSubPages(1, heads, bs, [next(blocks) for _ in range(slots // bs)])
-    pages.place(0, counts)
-    for t in range(1, 2 * bs + 2):
-        pages.add_blocks([next(blocks) for _ in range(-(-(slots + t) // bs) - len(pages.blocks))])
-        pages.append(0, 1)
-    pages.check()
+    _check_counts_fit_the_slots(counts, config.page_slots(keep, width, bs), bs)
 
 
 def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
@@ -400,7 +397,6 @@ def test_split_by_score_methods_split_within_each_ranks_head_groups(method):
 def test_grouped_whole_pages_fit_the_slots_of_the_ungrouped_method(seed):
     """AdaKV and KV-Compress in whole pages with head_groups: the groups' counts fit the blocks of page_slots (the
     ungrouped method's: ⌈P/H⌉ per group does not depend on the group's size), now and after every later token."""
-    from kvtrim.vllm.subpages import RequestSubPages
 
     rng = np.random.default_rng(seed)
     groups, bs = int(rng.integers(2, 4)), int(rng.choice([4, 8, 16]))
@@ -425,13 +421,7 @@ def test_grouped_whole_pages_fit_the_slots_of_the_ungrouped_method(seed):
     ungrouped = parse_config({"method": config.method, "budget": keep, "params": {**params, "head_groups": 1}})
     slots = config.page_slots(keep, width, bs)
     assert slots == ungrouped.page_slots(keep, width, bs)
-    blocks = iter(range(10_000))
-    pages = RequestSubPages(1, heads, bs, [next(blocks) for _ in range(slots // bs)])
-    pages.place(0, counts)
-    for t in range(1, 2 * bs + 2):
-        pages.add_blocks([next(blocks) for _ in range(-(-(slots + t) // bs) - len(pages.blocks))])
-        pages.append(0, 1)
-    pages.check()
+    _check_counts_fit_the_slots(counts, slots, bs)
 
 
 @pytest.mark.parametrize("method", FIXED_COUNT_METHODS)
