@@ -84,11 +84,15 @@ def test_sub_pages_hold_and_nothing_leaks_with_aborts_and_budgets_under_the_prot
         close(llm)
 
 
-@pytest.mark.parametrize("kvc_block", [16, BLOCK], ids=["own-blocks", "vllm-blocks"])
-def test_decoding_time_metric_every_n_tokens_equals_the_transformers_path(model, kvc_block, monkeypatch):
-    """``kvcompress@every:16``: compressed after the prompt, then at 16 and 32 decoded tokens, each round ranking
-    the kept entries' running metric (prefill metric plus every decoded query's squared attention) and the
-    tokens since; 40 greedy tokens equal ``kvtrim.make_cache(hf, "kvcompress@every:16", ...)``, whose cache adds
+@pytest.mark.parametrize(
+    ("base", "kvc_block"), [("kvcompress", 16), ("kvcompress", BLOCK), ("kvc_full", 16)],
+    ids=["own-blocks", "vllm-blocks", "kvc_full"],
+)
+def test_decoding_time_metric_every_n_tokens_equals_the_transformers_path(model, base, kvc_block, monkeypatch):
+    """``kvcompress@every:16`` (and ``kvc_full``, whose prefill metric reads every prompt query): compressed after the
+    prompt, then at 16 and 32 decoded tokens, each round ranking the kept entries' running metric (prefill metric
+    plus every decoded query's squared attention) and the tokens since; 40 greedy tokens equal
+    ``kvtrim.make_cache(hf, "kvcompress@every:16", ...)``, whose cache adds
     each decoded query's squared attention step by step, and differ from compressing once. Blocks go back to the
     pool at each round."""
     from per_head_checks import generate, transformers_tokens, worker_state
@@ -96,7 +100,7 @@ def test_decoding_time_metric_every_n_tokens_equals_the_transformers_path(model,
 
     checked = check_sub_pages(monkeypatch)
     params = {**EVEN, "block_size": kvc_block}
-    method, tokens = "kvcompress@every:16", 40
+    method, tokens = f"{base}@every:16", 40
     lengths = [300, 700]
     prompts = token_prompts(lengths, seed=5)
     llm = make_llm({"method": method, "budget": BUDGET, "params": params}, model=str(model), block_size=BLOCK)
@@ -105,6 +109,8 @@ def test_decoding_time_metric_every_n_tokens_equals_the_transformers_path(model,
         state, stats = scheduler(llm)._kvtrim_state, worker_state(llm)
         metrics = {r: len(m) for r, m in stats.head_metrics.items()}  # finished requests go at the next step
         positions = {r: len(p) for r, p in stats.head_positions.items()}
+        # only the queries since the last round are recorded (the 7 decoded after it), not the prompt's or older ones
+        recorded = {rows.shape[0] for layers in stats.recent.values() for rows in layers.values()}
         assert vllm_helpers.used_blocks(llm) == 0
     finally:
         close(llm)
@@ -112,8 +118,9 @@ def test_decoding_time_metric_every_n_tokens_equals_the_transformers_path(model,
     assert state.rounds == stats.rounds == 3 * len(prompts) and state.requests_compressed == len(prompts)
     assert stats.ragged_layers > 0 and len(checked) > 0
     assert metrics == positions and set(metrics.values()) == {LAYERS}  # a running metric for every kept entry
+    assert recorded == {tokens - 1 - 32}
     assert out == transformers_tokens(model, prompts, method, tokens, params)
-    assert out != transformers_tokens(model, prompts, "kvcompress", tokens, params)  # the rounds mattered
+    assert out != transformers_tokens(model, prompts, base, tokens, params)  # the rounds mattered
 
 
 def test_decoding_time_metric_leaks_nothing_with_preemption_and_aborts(model, monkeypatch):

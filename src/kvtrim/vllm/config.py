@@ -230,7 +230,8 @@ class VLLMEvictionConfig:
 
     def record_window(self, window: int) -> int:
         """Recent queries a worker keeps per request and layer: the scorer's observation ``window``, or the
-        ``N`` decoded queries since the last round when more (:attr:`decode_metric`)."""
+        ``N`` decoded queries since the last round when more (:attr:`decode_metric`; the worker starts such a
+        request's record again after each round)."""
         return max(window, self.decode_metric)
 
     @cached_property

@@ -542,6 +542,8 @@ def _patch_execute_model(orig):
                         state.head_positions[p.req_id] = [kept[layer] for layer in sorted(kept)]
                         if p.kept_metrics is not None:
                             state.head_metrics[p.req_id] = [p.kept_metrics[layer] for layer in sorted(p.kept_metrics)]
+                            # the next round adds only the queries after this one: the record starts again
+                            state.recent.pop(p.req_id, None)
                     else:
                         state.positions[p.req_id] = torch.stack([kept[layer] for layer in sorted(kept)])
                     state.rounds += 1
