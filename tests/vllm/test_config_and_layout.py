@@ -218,10 +218,6 @@ def test_kv_compress_evicts_within_the_layer_bound_into_sub_pages(monkeypatch):
         ({"method": "kvcompress", "budget": 64}, "only with params.even_layer_evict = true"),
         ({"method": "kvc_full", "budget": 64, "params": {"even_layer_evict": False}}, "params.even_layer_evict"),
         ({"method": "kvc_w8", "budget": 64, "params": {"even_layer_evict": 1}}, "(even_layers) must be True or False"),
-        (
-            {"method": "kvcompress@every:16", "budget": 64, "params": EVEN, "between_chunks": True},
-            "decoding-time metric ('every:N') runs after a prompt compressed once",
-        ),
         ({"method": "kvcompress@every:16", "ratio": 0.5, "params": {"even_layer_evict": True}}, "not 'ratio'"),
         ({"method": "kvcompress@over:0", "budget": 64, "params": {"even_layer_evict": True}}, "not 'over:SLACK'"),
         ({"method": "kvcompress", "ratio": 0.5, "params": {"even_layer_evict": True}, "between_chunks": True},
@@ -825,6 +821,10 @@ def test_kv_compress_decoding_time_metric_rounds_every_n_tokens():
     assert wide.decode_metric == 64 and wide.record_window(8) == 64
     for other in ({"method": "kvcompress", "budget": 64, "params": EVEN}, {"method": "adakv@every:16", "budget": 64}):
         assert parse_config(other).decode_metric == 0 and parse_config(other).record_window(8) == 8
+    assert config.held_bound(128, 32, 3) is None  # without between_chunks: admitted by the whole prompt
+    chunked = parse_config({"method": "kvcompress@every:16", "budget": 64, "params": EVEN, "between_chunks": True})
+    assert chunked.held_bound(128, 32, 3) == chunked.round_slots(32, 3) + 128 == 64 + 31 + 128
+    assert chunked.admission_tokens(1000, 128, 32, 3) == 64 + 31 + 128
     slots = config.round_slots(32, 3, 700)
     assert config.round_keep(700, 700, 700, 1, 32, False, 3) == slots  # after the prompt
     due = [t for t in range(1, 50) if config.round_keep(700, 700 + t, slots + t, 1, 32, True, 3) is not None]

@@ -116,17 +116,23 @@ def test_rounds_bound_blocks_return_them_and_equal_kvtrims_chunked_path(model, m
     assert out != transformers_tokens(model, [prompt], method, TOKENS, params)[0]
 
 
-@pytest.mark.parametrize("kvc_block", [16, BLOCK], ids=["own-blocks", "vllm-blocks"])
+@pytest.mark.parametrize(
+    ("method", "kvc_block"),
+    [("kvcompress", 16), ("kvcompress", BLOCK), ("kvcompress@every:16", 16)],
+    ids=["own-blocks", "vllm-blocks", "decoding-metric"],
+)
 def test_kvcompress_between_chunks_keeps_its_layer_blocks_and_equals_kvtrims_chunked_path(
-    model, monkeypatch, kvc_block
+    model, monkeypatch, method, kvc_block
 ):
     """KV-Compress (even_layer_evict) after every chunk: each layer keeps ⌈B·H/bs⌉ of its blocks, split among its
     heads by its ranking; the request keeps ⌈B·H/bs⌉/H blocks' worth + block − 1 slots of vLLM's list, or, with
-    KV-Compress's blocks equal to vLLM's, exactly the pages of the ranking (B = 64: 2 blocks, as SnapKV)."""
+    KV-Compress's blocks equal to vLLM's, exactly the pages of the ranking (B = 64: 2 blocks, as SnapKV). With
+    ``@every:16`` its running metric adds each chunk's queries after the first round and each decoded query, and
+    rounds follow at 16 and 32 decoded tokens (kvtrim's chunked path accumulates the same metric step by step)."""
     checked = check_sub_pages(monkeypatch)
     prompt = token_prompts([700], seed=21)[0]
     params = {"even_layer_evict": True, "block_size": kvc_block}
-    llm = _llm(model, {"method": "kvcompress", "budget": BUDGET, "params": params, "between_chunks": True})
+    llm = _llm(model, {"method": method, "budget": BUDGET, "params": params, "between_chunks": True})
     try:
         out, used = _stepped(llm, prompt, TOKENS)
         state = scheduler(llm)._kvtrim_state
@@ -135,11 +141,14 @@ def test_kvcompress_between_chunks_keeps_its_layer_blocks_and_equals_kvtrims_chu
         assert used[-1] == 0 and state.dropped == {}
     finally:
         close(llm)
-    assert state.rounds == stats.rounds == 6 and state.requests_compressed == 1  # one per chunk, none decoding
+    decoding = 2 if "@every" in method else 0  # rounds at 16 and 32 decoded tokens
+    assert state.rounds == stats.rounds == 6 + decoding and state.requests_compressed == 1  # one per chunk
     slack = 0 if kvc_block == BLOCK else BLOCK - 1
     assert peak <= _cdiv(BUDGET + slack + CHUNK, BLOCK) < _cdiv(len(prompt), BLOCK)
     assert stats.ragged_layers > 0 and len(checked) > 0
-    assert out == _kvtrim_chunked(model, prompt, "kvcompress", TOKENS, params)
+    assert out == _kvtrim_chunked(model, prompt, method, TOKENS, params)
+    if decoding:  # the running metric is not the chunk-by-chunk window metric
+        assert out != _kvtrim_chunked(model, prompt, "kvcompress", TOKENS, params)
 
 
 def test_budget_above_the_prompt_is_vanilla_and_admission_counts_the_compressed_size(model):

@@ -15,7 +15,7 @@ LagKV's family (``lagkv``, ``localkv``, ``lag_knorm``) runs its own recursion (`
 decoding and, with ``between_chunks``, between prefill chunks; ``"lagkv@prefill"`` compresses once.
 KV-Compress (``kvcompress``, ``kvc_w8``, ``kvc_full``) runs with ``"params": {"even_layer_evict": true}`` only
 (:data:`EVEN_LAYER_METHODS`), compressing after the prompt and, with ``between_chunks``, after every prefill chunk,
-or with ``@every:N`` every ``N`` decoded tokens by its decoding-time metric (:attr:`VLLMEvictionConfig.decode_metric`).
+and with ``@every:N`` every ``N`` decoded tokens by its decoding-time metric (:attr:`VLLMEvictionConfig.decode_metric`).
 Per-head methods that split by score take ``params.head_groups`` (a multiple of ``tensor_parallel_size`` under
 tensor parallelism: :meth:`VLLMEvictionConfig.rank_config`).
 """
@@ -179,8 +179,8 @@ class VLLMEvictionConfig:
                 raise InvalidParameterError(f"method {base!r} accumulates statistics over all queries")
 
     def _check_even_layers(self, pipeline: Pipeline) -> None:
-        """KV-Compress runs with ``even_layer_evict``: after the prompt, then between chunks (``between_chunks``) or
-        every ``N`` decoded tokens with its decoding-time metric (``@every:N``), not both."""
+        """KV-Compress runs with ``even_layer_evict``: after the prompt, between chunks (``between_chunks``) and every
+        ``N`` decoded tokens with its decoding-time metric (``@every:N``)."""
         base = split_schedule(self.method)[0]
         if not pipeline.budget.even_layers:
             raise InvalidParameterError(
@@ -190,18 +190,10 @@ class VLLMEvictionConfig:
                 "scores, while vLLM's scheduler sizes a request's block list before any score exists: the worker "
                 "would have to report the counts back to the scheduler (not built)"
             )
-        if not pipeline.observation.accumulate:
-            return
-        if not isinstance(pipeline.schedule, EveryNTokens):
+        if pipeline.observation.accumulate and not isinstance(pipeline.schedule, EveryNTokens):
             raise InvalidParameterError(
                 f"method {self.method!r}: inside vLLM KV-Compress compresses while decoding with 'every:N' (its "
                 "decoding-time metric), not 'over:SLACK'"
-            )
-        if self.between_chunks:
-            raise InvalidParameterError(
-                f"method {self.method!r}: KV-Compress's decoding-time metric ('every:N') runs after a prompt "
-                "compressed once inside vLLM, not with between_chunks (the chunks' queries would enter the metric); "
-                f"use {base!r} with between_chunks, or {self.method!r} without it"
             )
 
     def _check_lag_schedule(self, pipeline: Pipeline) -> None:
@@ -254,18 +246,18 @@ class VLLMEvictionConfig:
         schedule = get_method(self.method, **self.params).schedule
         return schedule if schedule.continuous else None
 
-    def held_bound(self, chunk: int, block_size: int = 1) -> int | None:
+    def held_bound(self, chunk: int, block_size: int = 1, kv_heads: int | None = None) -> int | None:
         """Most entries a request ever holds with steps of at most ``chunk`` tokens, or None (unbounded): with
         ``between_chunks`` and a decoding schedule, the budget plus the larger of one chunk and one round.
         LagKV keeps a share of every partition, so its requests grow without bound (None). Per-head methods count
-        slots (:meth:`round_slots`, which needs the ``block_size``)."""
+        slots (:meth:`round_slots`, which needs the ``block_size``, and KV-Compress the ``kv_heads``)."""
         schedule = self.decode_schedule
         if not self.between_chunks or schedule is None or isinstance(schedule, TailFull):
             return None
         period = schedule.n if isinstance(schedule, EveryNTokens) else schedule.slack + 1
         if self.per_head and self.head_counts_fixed:
             return None  # the artifact's counts depend on the length: vLLM's own start-up check
-        return self.round_slots(block_size) + max(chunk, period)
+        return self.round_slots(block_size, kv_heads) + max(chunk, period)
 
     @cached_property
     def head_counts_fixed(self) -> bool:

@@ -53,9 +53,9 @@ class PendingEviction:
             sub-pages hold first, followed by the tokens since, in order. None: the entries lie in vLLM's uniform
             slots ``0 … prompt_len−1``
         head_metrics: KV-Compress's decoding-time metric (``@every:N``) at a round after the first: ``[layer][head]``
-            the running metric of the entries the last round kept (in ``head_positions``' order), or None
-        metric_queries: with ``head_metrics``, the recorded decoded queries (the last ``N``) whose squared
-            attention is added to it, each over the entries it saw (the kept ones and the tokens up to its own)
+            the running metric of the entries the last round kept (in ``head_positions``' order), to which the
+            squared attention of every query since that round is added (the step's rows between prefill chunks,
+            the recorded ones while decoding: ``observed``), or None
         kept_metrics: filled with ``{layer: [head] metric of the kept entries}`` (the next round's ``head_metrics``)
             when a dict
     """
@@ -77,7 +77,6 @@ class PendingEviction:
     layer_total: int = 0
     head_positions: list[list[torch.Tensor]] | None = None
     head_metrics: list[list[torch.Tensor]] | None = None
-    metric_queries: int = 0
     kept_metrics: dict | None = None
 
     def key_positions(self, layer_idx: int, kv_heads: int, device) -> torch.Tensor:
@@ -157,7 +156,7 @@ def _score_and_select(
     device = keys.device
     window = pipeline.observation.window
     q = query if pending.observed else query[pending.query_start : pending.query_end]
-    decoded = None if pending.head_metrics is None else q[max(q.shape[0] - pending.metric_queries, 0) :]
+    since = q  # KV-Compress's decoding-time metric: every query since the last round (its last rows)
     q = q[max(q.shape[0] - window, 0) :] if window > 0 else q[:0]
     qpos = torch.arange(end - q.shape[0], end, device=device).view(1, -1)
     positions = key_positions.unsqueeze(0)  # [1, kv_heads, p]
@@ -178,10 +177,10 @@ def _score_and_select(
         scaling=scaling,
         compressed_until=done,
     )
-    if decoded is None:
+    if pending.head_metrics is None:
         scores = pipeline.scorer.score(view).float()
     else:
-        scores = _running_metric(view, pending.head_metrics[layer_idx], decoded.to(keys.dtype), end)
+        scores = _running_metric(view, pending.head_metrics[layer_idx], since.to(keys.dtype), end)
     if score_reduce is not None:
         scores = score_reduce(scores)
     scores = scores.masked_fill(~view.valid, float("-inf"))  # padded heads' slots
@@ -204,16 +203,21 @@ def _score_and_select(
     return stored_keys, stored_values, selection, selection.keep_mask[0].sum(-1), key_positions, scores[0]
 
 
-def _running_metric(view: LayerView, kept: list[torch.Tensor], decoded: torch.Tensor, end: int) -> torch.Tensor:
-    """KV-Compress's metric at a decoding round, ``[1, kv_heads, width]``: each head's kept entries carry the
-    metric of the last round (``kept[h]``, in slot order), the tokens since start at 0, and every decoded query
-    (``decoded`` ``[n, q_heads, d]``, the request's last ``n`` tokens up to ``end``) adds its squared attention over
-    the entries it saw, summed over its group, unpooled: what kvtrim's cache accumulates step by step
-    (``attn_sq_sum``), computed here at once since nothing was evicted in between."""
+def _running_metric(view: LayerView, kept: list[torch.Tensor], queries: torch.Tensor, end: int) -> torch.Tensor:
+    """KV-Compress's metric at a round after the first, ``[1, kv_heads, width]``: each head's kept entries carry the
+    metric of the last round (``kept[h]``, in slot order), the tokens since start at 0, and the query of every
+    token since (the last ``n`` rows of ``queries`` ``[rows, q_heads, d]``, ``n`` = the tokens each head holds
+    past its kept ones, up to position ``end``) adds its squared attention over the entries it saw, summed over its
+    group, unpooled: what kvtrim's cache accumulates step by step (``attn_sq_sum``), computed here at once since
+    nothing was evicted in between."""
+    fresh = int((view.positions[0, 0] >= 0).sum()) - kept[0].numel()
+    if queries.shape[0] < fresh:
+        raise RuntimeError(f"kvtrim: {queries.shape[0]} queries recorded for the {fresh} tokens since the last round")
+    decoded = queries[queries.shape[0] - fresh :]
     base = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
     for h, metric in enumerate(kept):
         base[0, h, : metric.numel()] = metric.to(base.device)
-    qpos = torch.arange(end - decoded.shape[0], end, device=base.device).view(1, -1)
+    qpos = torch.arange(end - fresh, end, device=base.device).view(1, -1)
     queries = decoded.transpose(0, 1).unsqueeze(0)  # [1, q_heads, n, d]
     return base + squared_attention(queries, qpos, view.keys, view.positions, view.scaling, kernel=1)
 

@@ -345,8 +345,12 @@ def _patch_get_kv_cache_configs(orig):
         config = load_config(vllm_config.additional_config)
         bound = None
         if config is not None:
+            parallel = vllm_config.parallel_config
+            config = config.rank_config(int(parallel.tensor_parallel_size))  # what one rank holds
             bound = config.held_bound(
-                int(vllm_config.scheduler_config.max_num_batched_tokens), int(vllm_config.cache_config.block_size)
+                int(vllm_config.scheduler_config.max_num_batched_tokens),
+                int(vllm_config.cache_config.block_size),
+                vllm_config.model_config.get_num_kv_heads(parallel),
             )
         model_config = vllm_config.model_config
         if bound is None or bound >= model_config.max_model_len or model_config.original_max_model_len == -1:

@@ -383,14 +383,17 @@ def _plan_round(runner, state: WorkerState, table, i: int, req_id: str, computed
     if config.per_head:
         budget = int(config.spec.budget)
         counts = config.rank_rows(counts_at(end), state.tp_size, state.tp_rank)
+        # KV-Compress's decoding-time metric after its first round: a prefill chunk adds its own rows' squared
+        # attention (the step's queries, not the record), a decoding round the recorded ones
+        metrics = state.head_metrics.get(req_id)
         state.pending.append(
             PendingEviction(
                 req_id, qs, qe, physical, keep, blocks, head_budget=budget,
                 pages=pages or RequestSubPages(state.model_layers, kv_heads, bs, block_ids[: -(-keep // bs)]),
-                logical_len=end, observed=window > 0, head_counts=counts,
+                logical_len=end, observed=window > 0 and not (metrics is not None and qe - qs > 1), head_counts=counts,
                 layer_total=config.layer_total(physical, kv_heads) if counts is None else int(counts.sum(-1).max()),
-                head_positions=state.head_positions.get(req_id), head_metrics=state.head_metrics.get(req_id),
-                metric_queries=config.decode_metric, kept_metrics={} if config.decode_metric else None,
+                head_positions=state.head_positions.get(req_id), head_metrics=metrics,
+                kept_metrics={} if config.decode_metric else None,
             )
         )  # fmt: skip
         return row
