@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -76,13 +75,15 @@ class GlobalBlockBudget(BudgetAllocator):
         ``head_groups`` the sum of each group's bound over its own heads.
         """
         groups = group_count(kv_heads, self.head_groups)
-        if groups > 1:
-            return groups * dataclasses.replace(self, head_groups=1).layer_bound(keep, kv_heads // groups, length)
+        return groups * self._group_bound(keep, kv_heads // groups, length)
+
+    def _group_bound(self, keep: int, heads: int, length: int) -> int:
+        """:meth:`layer_bound` of one group of ``heads`` heads."""
         if length <= keep:
-            return kv_heads * length
+            return heads * length
         floor = min(length, -(-self.protected_window // self.block_size) * self.block_size)
-        bound = max(budget_blocks(keep, kv_heads, self.block_size) * self.block_size, kv_heads * floor)
-        return min(bound, kv_heads * length)
+        bound = max(budget_blocks(keep, heads, self.block_size) * self.block_size, heads * floor)
+        return min(bound, heads * length)
 
     def layer_pages(self, keep: int, kv_heads: int, length: int) -> int:
         """Most chunks of ``block_size`` entries one layer's ``kv_heads`` heads hold together after the
@@ -97,13 +98,15 @@ class GlobalBlockBudget(BudgetAllocator):
         the pages the layer needs. With ``head_groups`` the sum of each group's chunks over its own heads.
         """
         groups = group_count(kv_heads, self.head_groups)
-        if groups > 1:
-            return groups * dataclasses.replace(self, head_groups=1).layer_pages(keep, kv_heads // groups, length)
+        return groups * self._group_pages(keep, kv_heads // groups, length)
+
+    def _group_pages(self, keep: int, heads: int, length: int) -> int:
+        """:meth:`layer_pages` of one group of ``heads`` heads."""
         bs = self.block_size
         if length <= keep:
-            return kv_heads * -(-length // bs)
+            return heads * -(-length // bs)
         protected = -(-self.protected_window // bs)  # a head's chunks that hold its protected entries, at most
-        return max(budget_blocks(keep, kv_heads, bs), kv_heads * protected, kv_heads * -(-keep // bs))
+        return max(budget_blocks(keep, heads, bs), heads * protected, heads * -(-keep // bs))
 
     def head_counts(
         self, scores: torch.Tensor, positions: torch.Tensor, keep: int, context: int, groups: int = 1

@@ -529,12 +529,13 @@ class VLLMEvictionConfig:
         budget = self.pipeline().budget
         return budget.head_groups if isinstance(budget, (HeadAdaptiveBudget, GlobalBlockBudget)) else 1
 
-    def rank_config(self, tensor_parallel_size: int) -> VLLMEvictionConfig:
+    def rank_config(self, tensor_parallel_size: int, total_kv_heads: int | None = None) -> VLLMEvictionConfig:
         """The configuration each of ``tensor_parallel_size`` ranks runs, and the scheduler sizes blocks by: a
         method split by score within ``head_groups`` groups splits, on a rank, within the rank's ``head_groups /
-        tensor_parallel_size`` (:meth:`check_tensor_parallel` has checked that they divide). Each rank holds a
-        slice of whole groups, so the ranks together keep what one rank with ``head_groups`` keeps."""
-        self.check_tensor_parallel(tensor_parallel_size)
+        tensor_parallel_size`` (checked first: :meth:`check_tensor_parallel`, with the model's ``total_kv_heads``
+        when given). Each rank holds a slice of whole groups, so the ranks together keep what one rank with
+        ``head_groups`` keeps."""
+        self.check_tensor_parallel(tensor_parallel_size, total_kv_heads)
         if tensor_parallel_size == 1 or self.head_groups == 1:
             return self
         params = {**self.params, "head_groups": self.head_groups // tensor_parallel_size}

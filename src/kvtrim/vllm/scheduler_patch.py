@@ -101,8 +101,8 @@ def _patch_init(orig):
         if config is not None:
             _check_supported(self)
             tp_size = int(self.vllm_config.parallel_config.tensor_parallel_size)
-            config.check_tensor_parallel(tp_size, self.vllm_config.model_config.get_total_num_kv_heads())
-            config = config.rank_config(tp_size)  # blocks are sized by what one rank keeps
+            # refuses a split the method cannot keep; blocks are sized by what one rank keeps
+            config = config.rank_config(tp_size, self.vllm_config.model_config.get_total_num_kv_heads())
             state = SchedulerState(config, num_layers=model_num_layers(self.vllm_config))
             if config.per_head:
                 vc = self.vllm_config
