@@ -48,6 +48,7 @@ import datetime as dt
 import gc
 import json
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -654,6 +655,30 @@ def freed_mib(row: dict, pool: dict | None) -> str:
     return f"{freed} ({freed * unit / 2**20:.1f} MiB)"
 
 
+def _load(row: dict) -> str:
+    """A mode's 1-minute load average at its start and end (– in results written before it was recorded)."""
+    load = row.get("load_average")
+    return "–" if not load else f"{load[0]:.1f} → {load[1]:.1f}"
+
+
+def machine_line() -> str:
+    """What the run measured on: the processor, its vector extensions that vLLM's CPU kernels use, the cores, and
+    the 1-minute load average when the run started (each mode's start and end load are in its row)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    vector = "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    return f"{model} ({vector}), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
+
+
 def render(report: dict) -> list[str]:
     """The markdown summary of a results JSON (throughput table when measured, then the quality table)."""
     args = report.get("throughput_args") or report["args"]  # --quality-only keeps the throughput run's
@@ -684,20 +709,21 @@ def render(report: dict) -> list[str]:
         lines += [
             "",
             "| mode | output tok/s | × vanilla | CPU ms / output token | wall s | most running at once | preemptions "
-            "| compressions | blocks freed | most blocks held by a request | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| compressions | blocks freed | most blocks held by a request | load average (start → end) | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         base = next((r["output_tok_per_s"] for r in rows if _mode_name(r) == "vanilla"), None)
         for r in rows:
             if "refused" in r:
-                lines.append(f"| {_mode_name(r)} | refused | – | – | – | – | – | – | – | – | {r['refused']} |")
+                lines.append(f"| {_mode_name(r)} | refused | – | – | – | – | – | – | – | – | – | {r['refused']} |")
                 continue
             ratio = f"{r['output_tok_per_s'] / base:.2f}" if base else "–"
             pre = None if r.get("preemptions") is None else f"{r['preemptions']:.0f}"
             lines.append(
                 f"| {_mode_name(r)} | {r['output_tok_per_s']} | {ratio} | {_cell(r.get('cpu_ms_per_output_token'))} "
                 f"| {r['wall_s']} | {r['most_running_at_once']} | {_cell(pre)} | {_cell(r.get('compressions'))} "
-                f"| {freed_mib(r, pool)} | {_cell(r.get('most_blocks_held_by_a_request'))} | {r.get('note') or ''} |"
+                f"| {freed_mib(r, pool)} | {_cell(r.get('most_blocks_held_by_a_request'))} | {_load(r)} "
+                f"| {r.get('note') or ''} |"
             )
         lines.append("")
     return lines + (quality_lines(report["quality"]) if report.get("quality") else [])
@@ -834,7 +860,7 @@ def main() -> None:
 
     report = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": "2 shared CPU cores (other jobs running: timings under load)",
+        "machine": machine_line(),
         "command": " ".join(["python", "benchmarks/bench_vllm_throughput.py", *sys.argv[1:]]),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
@@ -855,7 +881,7 @@ def main() -> None:
         report.update(throughput_args=report["args"], throughput_command=report["command"], throughput_pool=pool)
         report["throughput"] = []
         for mode in selected:
-            t0 = time.perf_counter()
+            t0, load_start = time.perf_counter(), os.getloadavg()[0]
             if mode.kind == "engine":
                 row = engine_throughput(model, tokenizer, mode, prompts, args.output_len, pool, args.chunk)
             else:
@@ -863,6 +889,7 @@ def main() -> None:
                     mode.plugin_config(), prompts, args.output_len, args.blocks, args.chunk, args.block_size
                 )
             row = {"mode": mode.name, "kind": mode.kind, "note": mode.note, "plugin_refusal": mode.refusal, **row}
+            row["load_average"] = [round(load_start, 2), round(os.getloadavg()[0], 2)]
             report["throughput"].append(row)
             print(f"{mode.name}: {json.dumps(row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
             out_json.write_text(json.dumps(report, indent=2))  # kept if a later mode fails

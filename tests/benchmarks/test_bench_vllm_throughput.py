@@ -146,3 +146,22 @@ def test_context_only_cases_split_the_prompt_where_the_context_ends(bench):
     assert head.endswith(sample.context) and tail.startswith(sample.question)  # the boundary is the context's end
     assert sample.question not in head
     assert abs(len(ids) - len(plain)) <= 2  # tokenized apart, the prompt keeps (nearly) its length
+
+
+def test_the_summary_reports_the_measured_machine_and_each_modes_load(bench):
+    line = bench.machine_line()
+    assert "CPUs, load average" in line and "at start" in line
+    assert "shared" not in line  # the load is measured, not assumed
+    row = {"mode": "vanilla", "kind": "vanilla", "output_tok_per_s": 10.0, "wall_s": 1.0, "most_running_at_once": 1}
+    report = {
+        "vllm": "0.32.0", "date": "2026-01-01T00:00:00+00:00", "machine": line, "command": "python bench",
+        "args": {"requests": 2, "prompt_len": 8, "output_len": 4, "blocks": 17, "block_size": 128, "chunk": 256},
+        "throughput": [dict(row, load_average=[0.5, 1.5]), dict(row, mode="old")], "quality": [],
+    }  # fmt: skip
+    lines = bench.render(report)
+    assert lines[1] == line
+    table = [x for x in lines if x.startswith("| vanilla") or x.startswith("| old")]
+    assert "| 0.5 → 1.5 |" in table[0]
+    assert "| – |" in table[1]  # a row written before loads were recorded
+    header = next(x for x in lines if x.startswith("| mode |"))
+    assert header.count("|") == table[0].count("|")
