@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -92,7 +93,7 @@ def layer_costs(tokens: int, dtype: torch.dtype, repeats: int) -> dict:
     }
 
 
-def model_costs(tokens: int, repeats: int) -> dict:
+def model_costs(tokens: int, repeats: int, methods: tuple[str, ...] = ("h2o", "snapkv", "critical_adakv")) -> dict:
     model, tok = kvtrim.load_model("smollm2-135m")
     text = get_haystack("jargon") * 4
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
@@ -104,20 +105,22 @@ def model_costs(tokens: int, repeats: int) -> dict:
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     out["prefill_full_s"] = _median_s(lambda: prefill(KVTrimCache(layers, auto_compress=False)), repeats)
-    for method in ("h2o", "snapkv", "critical_adakv"):
+    for method in methods:
         pipeline = kvtrim.get_method(method)
-        pre, comp = [], []
+        pre, comp, comp_cpu = [], [], []
         for _ in range(repeats):
             cache = KVTrimCache(layers, pipeline, BudgetSpec(ratio=0.875), auto_compress=False)
             t0 = time.perf_counter()
             prefill(cache)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             with torch.inference_mode():
                 cache.compress()
             pre.append(t1 - t0)
             comp.append(time.perf_counter() - t1)
+            comp_cpu.append(time.process_time() - c1)
         out[f"prefill_{method}_s"] = statistics.median(pre)
         out[f"compress_{method}_s"] = statistics.median(comp)
+        out[f"compress_{method}_cpu_s"] = statistics.median(comp_cpu)  # steadier than wall time on a shared machine
     return out
 
 
@@ -127,13 +130,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--label", default="")
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--skip-layer", action="store_true", help="only the model part")
+    p.add_argument("--methods", default="h2o,snapkv,critical_adakv", help="methods the model part compresses with")
     args = p.parse_args()
     torch.manual_seed(0)
     row = {"label": args.label, "tokens": args.tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
-           "note": "machine shared with other jobs: timings under load"}  # fmt: skip
-    row["layer_fp32"] = layer_costs(args.tokens, torch.float32, args.repeats)
+           "load_average_start": list(os.getloadavg())}  # fmt: skip
+    if not args.skip_layer:
+        row["layer_fp32"] = layer_costs(args.tokens, torch.float32, args.repeats)
     if not args.skip_model:
-        row["smollm2"] = model_costs(args.tokens, args.repeats)
+        row["smollm2"] = model_costs(args.tokens, args.repeats, tuple(args.methods.split(",")))
+    row["load_average_end"] = list(os.getloadavg())
     OUT.mkdir(parents=True, exist_ok=True)
     with (OUT / "results.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")

@@ -113,3 +113,50 @@ def test_bad_parameters():
     for kwargs, name in (({"window": 0}, "window"), ({"kernel": 4}, "kernel"), ({"buffer": -1}, "buffer")):
         with pytest.raises(InvalidParameterError, match=name):
             SquaredAttentionScorer(**kwargs)
+
+
+@pytest.mark.parametrize("layout", ["prompt", "permuted", "empty_slots", "padded_batch"])
+@pytest.mark.parametrize(("buffer", "kernel"), [(0, 1), (3, 7)])
+def test_query_steps_over_every_prompt_query_equal_one_step(layout, buffer, kernel):
+    """KVC-full's metric in several query steps (each leaving out the slots none of its queries sees) equals the
+    metric in one step over every slot, whatever order the slots hold positions in."""
+    g = torch.Generator().manual_seed(1)
+    b, s = (2, 40) if layout == "padded_batch" else (1, 40)
+    q = torch.randn(b, 6, s, 8, generator=g)
+    k = torch.randn(b, 3, s, 8, generator=g)
+    qpos = torch.arange(s).expand(b, s).clone()
+    kpos = torch.arange(s).expand(b, 3, s).clone()
+    if layout == "permuted":
+        kpos = torch.stack([torch.randperm(s, generator=g) for _ in range(3)])[None]
+    elif layout == "empty_slots":
+        kpos[:, 1, 30:] = -1
+        kpos[:, 2, ::5] = -1
+    elif layout == "padded_batch":
+        qpos[1, :10] = -1  # a left-padded row of a batch
+        kpos[1, :, :10] = -1
+    steps = squared_attention(q, qpos, k, kpos, 0.5, buffer=buffer, kernel=kernel, chunk=16)
+    whole = squared_attention(q, qpos, k, kpos, 0.5, buffer=buffer, kernel=kernel, chunk=4096)
+    torch.testing.assert_close(steps, whole, atol=1e-6, rtol=1e-5)
+    if layout in ("prompt", "permuted"):  # the loop reference has no empty slots or padding
+        torch.testing.assert_close(steps, _naive(q, qpos, k, kpos, 0.5, buffer, kernel), atol=1e-6, rtol=1e-5)
+
+
+def test_query_steps_read_only_the_slots_their_queries_see(monkeypatch):
+    import kvtrim.scoring.squared_attention as module
+
+    widths = []
+    original = module.attention_probabilities
+
+    def recording(query, keys, mask, scaling):
+        widths.append(keys.shape[2])
+        return original(query, keys, mask, scaling)
+
+    monkeypatch.setattr(module, "attention_probabilities", recording)
+    s = 40
+    q, k = torch.randn(1, 4, s, 8), torch.randn(1, 2, s, 8)
+    pos = torch.arange(s)
+    squared_attention(q, pos[None], k, pos.expand(1, 2, s).clone(), 0.5, kernel=1, chunk=16)
+    assert widths == [16, 32, 40]  # a prompt's slots in position order: each step reads up to its last query
+    widths.clear()
+    squared_attention(q[:, :, -8:], pos[None, -8:], k, pos.expand(1, 2, s).clone(), 0.5, kernel=1, chunk=16)
+    assert widths == [40]  # one step (an observation window): every slot, no host read

@@ -59,15 +59,25 @@ def squared_attention(
     for start in range(0, w, chunk):
         q = query[:, :, start : start + chunk]
         qpos = query_positions[:, start : start + chunk]  # [b, c]
-        kp = key_positions[:, :, None, :]
+        width = s
+        if w > chunk:
+            # Several query steps (every prompt query, KVC-full): a step's queries see no slot past the last one
+            # holding a key at or before their last position, so those slots (the causally hidden half of a
+            # prompt's keys, in slot order) are left out of its matmul and softmax: they would add exactly 0.
+            # One host read per step, at compression time.
+            reach = (valid & (key_positions <= qpos.amax())).flatten(0, 1).any(0)  # [s]
+            width = int(torch.arange(1, s + 1, device=keys.device).masked_fill_(~reach, 0).amax()) if s else 0
+            if width == 0:
+                continue
+        kp = key_positions[:, :, None, :width]
         qp = qpos[:, None, :, None]
-        visible = valid[:, :, None, :] & (kp <= qp) & (qp >= 0)  # [b, hkv, c, s]
-        probs = attention_probabilities(q, keys, visible, scaling)  # [b, hq, c, s]
+        visible = valid[:, :, None, :width] & (kp <= qp) & (qp >= 0)  # [b, hkv, c, width]
+        probs = attention_probabilities(q, keys[:, :, :width], visible, scaling)  # [b, hq, c, width]
         counted = (kp <= qp - buffer) if buffer > 0 else visible
-        probs = probs.view(b, hkv, group, q.shape[2], s).square_()
+        probs = probs.view(b, hkv, group, q.shape[2], width).square_()
         if buffer > 0:
             probs = probs.masked_fill_(~counted[:, :, None], 0.0)
-        total += probs.sum(3).view(b, hq, s)
+        total[..., :width] += probs.sum(3).view(b, hq, width)
     if kernel > 1:
         total = pool_sequence(total, kernel, "max")
     return total.view(b, hkv, group, s).sum(2)
@@ -86,7 +96,9 @@ class SquaredAttentionScorer(Scorer):
         window: prompt queries observed (KVC-w: 32, the ``kvc_w8`` preset 8); None = every prompt query (KVC-full)
         kernel: max-pool kernel per query head (7; 1 = none, as KVC-full)
         buffer: keys within ``buffer`` positions of a query do not count for it (KVC-full: v = 10)
-        chunk: queries per step when computing the metric
+        chunk: queries per step when computing the metric; each step of an all-query metric reads only the slots
+            up to its last query, so shorter steps compute less of the causally hidden half (docs/gpu.md,
+            "Scoring and compression cost")
     """
 
     # capabilities (read by the method registry, kvtrim.methods.registry); see also question_aware
@@ -96,7 +108,7 @@ class SquaredAttentionScorer(Scorer):
     window: int | None = 32
     kernel: int = 7
     buffer: int = 0
-    chunk: int = 512
+    chunk: int = 256
     observation: ObservationSpec = field(init=False)
 
     @property
