@@ -110,7 +110,7 @@ def test_decoding_time_metric_every_n_tokens_equals_the_transformers_path(model,
         metrics = {r: len(m) for r, m in stats.head_metrics.items()}  # finished requests go at the next step
         positions = {r: len(p) for r, p in stats.head_positions.items()}
         # only the queries since the last round are recorded (the 7 decoded after it), not the prompt's or older ones
-        recorded = {rows.shape[0] for layers in stats.recent.values() for rows in layers.values()}
+        recorded = {len(rows) for layers in stats.recent.values() for rows in layers.values()}
         assert vllm_helpers.used_blocks(llm) == 0
     finally:
         close(llm)

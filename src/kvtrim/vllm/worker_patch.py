@@ -53,6 +53,7 @@ import torch
 from .config import VLLMEvictionConfig, load_config
 from .evictor import PendingEviction, evict_layer, evict_layer_heads
 from .kv_layout import BlockLayout, probe_layout
+from .query_record import QueryRecord
 from .request_args import request_context_end
 from .scheduler_patch import model_num_layers
 from .subpages import RequestSubPages
@@ -145,8 +146,8 @@ class WorkerState:
     head_positions: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)
     # KV-Compress with its decoding-time metric: request -> [layer][head] running metric of the kept entries
     head_metrics: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)
-    # request -> layer index -> its last ``window`` post-rotary queries [w, q_heads, head_dim] (observation window)
-    recent: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    # request -> layer index -> its last ``window`` post-rotary queries (observation window; QueryRecord.rows)
+    recent: dict[str, dict[int, QueryRecord]] = field(default_factory=dict)
     observe: list[tuple[str, int, int]] = field(default_factory=list)  # this step's recorded rows (req, qs, qe)
     kept_positions: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # this step's, per layer
     rounds: int = 0  # compressions (first ones and later rounds) this worker ran
@@ -664,7 +665,7 @@ def _patch_forward(orig):
                 # an fp8 cache: scored as code · scale with the layer's per-tensor scales (1.0 when unquantized)
                 scales = (float(layer._k_scale_float), float(layer._v_scale_float))
                 if pending.observed:
-                    args = (layout, kv_cache, state.recent[pending.req_id][idx], *args[3:])
+                    args = (layout, kv_cache, state.recent[pending.req_id][idx].rows, *args[3:])
                 if pending.pages is None:
                     kept = evict_layer(state.pipeline, *args, module, scales, state.score_reduce)
                     if state.config.rounds:
@@ -686,10 +687,11 @@ def _record_queries(state: WorkerState, layer_idx: int, query: torch.Tensor) -> 
     """Append this step's query rows of the observed requests to their recent-query windows in this layer."""
     window = state.config.record_window(state.pipeline.observation.window)
     for req_id, qs, qe in state.observe:
-        rows = state.recent.setdefault(req_id, {})
-        new = query[max(qs, qe - window) : qe]
-        old = rows.get(layer_idx)
-        rows[layer_idx] = (new if old is None else torch.cat([old, new]))[-window:].clone()
+        layers = state.recent.setdefault(req_id, {})
+        record = layers.get(layer_idx)
+        if record is None:
+            record = layers[layer_idx] = QueryRecord(window)
+        record.append(query[max(qs, qe - window) : qe])
 
 
 # The V1 runner methods kvtrim wraps; runner_check.check_runner refuses a runner on which any resolves elsewhere.
