@@ -113,6 +113,26 @@ def test_kvzip_rereads_the_prompt_after_the_instruction(tokenizer, tok_dir):
         session.run("kvzip", ratio=0.5, questions="q?", method_params={"tokenizer": "/nonexistent/tok"})
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_kvzip_scores_are_reused_only_within_one_entry_format(fmt, tokenizer, tok_dir):
+    """A Session's quantized KVzip run re-reads through its own quantized entries: it does not take the scores a
+    float run of the same prefill left behind, and answers and splits as a session that never ran in float."""
+    model = tiny_model("llama")
+    params = {"tokenizer": tok_dir}
+    session = kvtrim.Session(model, tokenizer, CTX, methods=["kvzip"])
+    session.run("kvzip", ratio=0.75, questions="q?", max_new_tokens=4, method_params=params)
+    after_float = session.run("kvzip", ratio=0.75, questions="q?", max_new_tokens=4, method_params=params,
+                              kv_quant=fmt)  # fmt: skip
+    assert after_float.stats.compression_metadata["kvzip_scores_reused"] is False
+    again = session.run("kvzip", ratio=0.5, questions="q?", max_new_tokens=4, method_params=params, kv_quant=fmt)
+    assert again.stats.compression_metadata["kvzip_scores_reused"] is True  # same format: one pass per prefill
+    alone = kvtrim.Session(model, tokenizer, CTX, methods=["kvzip"]).run(
+        "kvzip", ratio=0.75, questions="q?", max_new_tokens=4, method_params=params, kv_quant=fmt
+    )
+    assert after_float.stats.layer_budgets == alone.stats.layer_budgets  # the same per-head split of the budget
+    assert after_float.answers == alone.answers
+
+
 def test_kvzip_without_a_tokenizer_warns_and_says_so(tokenizer):
     model = tiny_model("llama")
     with pytest.warns(UserWarning, match="without the repeat instruction"):

@@ -147,7 +147,10 @@ def compress_cache(
         report.seconds = time.perf_counter() - start
         return report
 
-    shared: dict = {"keep": keep}
+    # "entry_format": how the scored entries are held (a KVQuant spec, None for the model's dtype); scores that
+    # depend on the stored keys and are reused across compressions of one prefill must not cross formats
+    quant = getattr(cache, "kv_quant", None)
+    shared: dict = {"keep": keep, "entry_format": None if quant is None else quant.spec}
     views = layer_views(cache, context, pipeline.observation.slot_stats, logits, shared)
     pipeline.scorer.prepare(views)
     # Entries appended after eviction (RestoreKV's restore tokens) are computed over the whole cache now and take

@@ -79,9 +79,10 @@ class ReconstructionScorer(Scorer):
     holds the cache twice during that pass. The paper (and kvpress) re-read in 2K-token chunks, each with a
     shortened key set; kvtrim re-reads in one pass (queries are scored in chunks of ``chunk``).
 
-    The scores of an uncompressed prefill depend only on the model, the prompt and the instruction, so clones of
-    one prefill (a :class:`~kvtrim.Session` compressing it at several ratios) run the pass once; the metadata says
-    ``kvzip_scores_reused``.
+    The scores of an uncompressed prefill depend only on the model, the prompt, the instruction and how the entries
+    are held, so clones of one prefill in one entry format (a :class:`~kvtrim.Session` compressing it at several
+    ratios) run the pass once; the metadata says ``kvzip_scores_reused``. A clone in another format
+    (``kv_quant``) runs its own pass.
 
     Needs the prompt's token ids (recorded during prefill, ``ObservationSpec(input_ids=True)``) and the model
     (:meth:`bind`). The repeat instruction is tokenized with the model's tokenizer (``tokenizer`` path, default
@@ -149,9 +150,11 @@ class ReconstructionScorer(Scorer):
         model = self._model
         device = first.keys.device
         # Uncompressed (every slot of the prompt still stored, nothing decoded yet): reuse the scores this prefill
-        # already got from the same model and instruction.
+        # already got from the same model and instruction, with its entries held the same way (a quantized clone
+        # re-reads through its own dequantized keys and values, so its scores are its own).
         fresh = all(v.keys.shape[2] == first.prompt_ids.shape[1] for v in views)
-        key = (id(model), tuple(self._repeat_ids.tolist()), self._prefix_len, self.n_sink)
+        entry_format = first.shared.get("entry_format")
+        key = (id(model), tuple(self._repeat_ids.tolist()), self._prefix_len, self.n_sink, entry_format)
         memo = _MEMO.get(id(first.prompt_ids), {}).get(key) if fresh else None
         if memo is not None:
             first.shared.update(memo, kvzip_scores_reused=True)
