@@ -88,7 +88,9 @@ def answer(session, sample, method: str, ratio: float, rounding: torch.dtype | N
     finally:
         del prefill.compressed
     raw = result.answers[0]
-    return raw.split("\n", 1)[0].rstrip() if sample.meta.get("stop_on_newline", False) else raw
+    from kvtrim.eval.runner import _cut_newline  # the harness's own cut, so scores compare with the sweep's
+
+    return _cut_newline(raw) if sample.meta.get("stop_on_newline", False) else raw
 
 
 def render(report: dict) -> list[str]:
