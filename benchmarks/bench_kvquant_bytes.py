@@ -4,7 +4,7 @@ For each context length and each ``--kv-quant`` spec, one KV head's
 :class:`~kvtrim.cache.quantized_dense.QuantizedDenseStore` is fed the context's entries (random tensors in the
 model's dtype, no model), keeps a random ``1 - ratio`` of them (the compaction every dense-layout method does, e.g.
 SnapKV at ratio 0.875), and its bytes are read from the tensors (``store.nbytes()``: packed codes, scales, zero
-points and the full-precision window). Every KV head of every layer holds the same, so the model's bytes are
+points, the full-precision window and the sink). Every KV head of every layer holds the same, so the model's bytes are
 ``layers x kv_heads`` times one head's, and the fraction of the model-dtype full cache is one head's. Defaults:
 Llama-3.1-8B's shape (32 layers, 8 KV heads, head_dim 128, float16) at 32,768 tokens.
 
@@ -25,7 +25,10 @@ import torch
 from kvtrim.cache.quant import resolve_kv_quant
 from kvtrim.cache.quantized_dense import QuantizedDenseStore
 
-DEFAULT_SPECS = ("int4", "int4:residual=0", "int4:group_size=64", "int4:group_size=64,residual=0", "int8", "fp8")
+DEFAULT_SPECS = (
+    "int4", "int4:residual=0", "int4:group_size=64", "int4:group_size=64,sink=1", "int4:group_size=64,residual=0",
+    "int8", "fp8",
+)  # fmt: skip
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -43,8 +46,10 @@ def one_head(spec: str, context: int, kept: int, head_dim: int, dtype: torch.dty
         "resolved": fmt.spec,
         "group_size": fmt.group_size,
         "residual": fmt.residual,
+        "sink": fmt.sink,
         "quantized_entries": store.quantized_length,
         "window_entries": store.window_length,
+        "sink_entries": store.sink_length,
         "head_bytes": store.nbytes(),
         "quantized_entry_bytes": fmt.entry_bytes(head_dim),
     }
@@ -61,8 +66,8 @@ def run(args: argparse.Namespace) -> dict:
         plain = kept * 2 * args.head_dim * elt
         rows.append(
             {"context": context, "kept": kept, "kv_quant": "none", "resolved": None, "group_size": None,
-             "residual": None, "quantized_entries": 0, "window_entries": kept, "head_bytes": plain,
-             "quantized_entry_bytes": None}
+             "residual": None, "sink": None, "quantized_entries": 0, "window_entries": kept, "sink_entries": 0,
+             "head_bytes": plain, "quantized_entry_bytes": None}
         )  # fmt: skip
         for spec in args.kv_quant:
             rows.append({"context": context, "kept": kept, **one_head(spec, context, kept, args.head_dim, dtype)})
@@ -85,8 +90,8 @@ def table(result: dict) -> str:
         f"Ratio {s['ratio']} ({s['layers']} layers x {s['kv_heads']} KV heads, head_dim {s['head_dim']}, "
         f"{s['dtype']}); 'of the full cache' = the {s['dtype']} full cache's bytes / the bytes held.",
         "",
-        "| context | kv_quant | resolved | quantized entries / window (per head) | B per kept entry | model MiB held "
-        "| of the full cache | ≤ 1/28 |",
+        "| context | kv_quant | resolved | quantized entries / window / sink (per head) | B per kept entry "
+        "| model MiB held | of the full cache | ≤ 1/28 |",
         "|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
@@ -94,7 +99,8 @@ def table(result: dict) -> str:
         meets = "yes" if r["meets_1_28"] else "no"
         lines.append(
             f"| {r['context']:,} | `{r['kv_quant']}` | {resolved} | "
-            f"{r['quantized_entries']:,} / {r['window_entries']:,} | {r['bytes_per_kept_entry']:.1f} | "
+            f"{r['quantized_entries']:,} / {r['window_entries']:,} / {r['sink_entries']:,} | "
+            f"{r['bytes_per_kept_entry']:.1f} | "
             f"{r['model_bytes'] / 2**20:.2f} | 1/{r['full_cache_over_held']:.2f} | {meets} |"
         )
     return "\n".join(lines) + "\n"

@@ -123,7 +123,7 @@ class Case:
             from kvtrim.cache.paged_kernels import PackedKV
             from kvtrim.cache.quant import KVQuant, dequantize_values, quantize_values
 
-            quant = KVQuant(fmt, residual=0)  # a pool's format: no full-precision window
+            quant = KVQuant(fmt, residual=0, sink=0)  # a pool's format: no full-precision entries
             sides, plain = [], []
             for x in (self.keys, self.values):
                 codes, scale, zero = quantize_values(x, quant)

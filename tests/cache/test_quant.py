@@ -6,6 +6,7 @@ import torch
 from kvtrim.cache.quant import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_RESIDUAL,
+    DEFAULT_SINK,
     KV_QUANT_CHOICES,
     KVQuant,
     dequantize_keys,
@@ -104,7 +105,7 @@ def test_bad_parameters_raise(kwargs, match):
 
 def test_resolve_kv_quant():
     assert resolve_kv_quant(None) is None
-    assert resolve_kv_quant("int4") == KVQuant("int4") == KVQuant("int4", group_size=32, residual=32)
+    assert resolve_kv_quant("int4") == KVQuant("int4") == KVQuant("int4", group_size=32, residual=32, sink=0)
     assert resolve_kv_quant("fp8") == KVQuant("fp8")
     with pytest.raises(InvalidParameterError, match=r"kv_quant must be one of \('int8', 'int4', 'fp8'\)"):
         resolve_kv_quant("fp4")
@@ -120,25 +121,28 @@ def test_default_group_sizes():
 
 
 def test_default_residual_windows_come_from_one_table():
-    """int4 keeps a 32-entry full-precision window by default (KIVI's R), 8-bit formats none; an explicit
-    ``residual=0`` stays 0 and a given window is kept as given."""
+    """int4 keeps a 32-entry full-precision window (KIVI's R) by default, 8-bit formats none, and no format a sink;
+    an explicit ``residual=0`` stays 0 and a given setting is kept as given."""
     assert DEFAULT_RESIDUAL == {"int8": 0, "int4": 32, "fp8": 0}
-    assert set(DEFAULT_RESIDUAL) == set(DEFAULT_GROUP_SIZE) == set(KV_QUANT_CHOICES)
+    assert DEFAULT_SINK == {"int8": 0, "int4": 0, "fp8": 0}
+    assert set(DEFAULT_RESIDUAL) == set(DEFAULT_GROUP_SIZE) == set(DEFAULT_SINK) == set(KV_QUANT_CHOICES)
     for name in KV_QUANT_CHOICES:
         assert KVQuant(name).residual == DEFAULT_RESIDUAL[name]
         assert KVQuant(name).group_size == DEFAULT_GROUP_SIZE[name]
+        assert KVQuant(name).sink == DEFAULT_SINK[name]
+    assert KVQuant("int4", sink=1).sink == 1 and KVQuant("int8", sink=2).sink == 2
     assert KVQuant("int4", residual=0).residual == 0
     assert KVQuant("int4", group_size=64).residual == 32
     assert KVQuant("int8", residual=16).residual == 16
     assert resolve_kv_quant("int4:residual=0") == KVQuant("int4", residual=0) != KVQuant("int4")
     assert resolve_kv_quant("int4:group_size=64").residual == 32
-    assert repr(KVQuant("int4")) == "KVQuant(name='int4', group_size=32, residual=32, value_group=None)"
+    assert repr(KVQuant("int4")) == "KVQuant(name='int4', group_size=32, residual=32, value_group=None, sink=0)"
 
 
 def test_spec_names_every_resolved_setting_and_reads_back():
-    assert KVQuant("int4").spec == "int4:group_size=32,residual=32"
-    assert KVQuant("int8").spec == "int8:group_size=64,residual=0"
-    assert KVQuant("int4", residual=0, value_group=32).spec == "int4:group_size=32,residual=0,value_group=32"
+    assert KVQuant("int4").spec == "int4:group_size=32,residual=32,sink=0"
+    assert KVQuant("int8").spec == "int8:group_size=64,residual=0,sink=0"
+    assert KVQuant("int4", residual=0, value_group=32).spec == "int4:group_size=32,residual=0,value_group=32,sink=0"
     for fmt in (KVQuant("int4"), KVQuant("fp8", group_size=16, residual=8), KVQuant("int8", value_group=16)):
         assert resolve_kv_quant(fmt.spec) == fmt
 
@@ -160,7 +164,7 @@ def test_resolve_kv_quant_spec_strings():
     )
     for bad, match in [
         ("int4:", "nothing after ':'"),
-        ("int4:size=3", "fields \\('group_size', 'residual', 'value_group'\\), each once"),
+        ("int4:size=3", "fields \\('group_size', 'residual', 'value_group', 'sink'\\), each once"),
         ("int4:residual=1,residual=2", "each once"),
         ("int4:group_size=x", "group_size must be an integer, got 'x'"),
         ("int4:group_size=0", "group_size must be an integer >= 1"),

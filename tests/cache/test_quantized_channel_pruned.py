@@ -68,7 +68,7 @@ def test_take_code_channels_moves_codes_unchanged_for_odd_counts():
 def test_pruning_quantized_keys_equals_quantizing_pruned_keys(name, kept):
     """A key scale belongs to one channel, so prune(quantize(k)) and quantize(prune(k)) hold the same codes and
     scales, before and after appends that flush whole groups."""
-    fmt = KVQuant(name, group_size=G, residual=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
     keys, values = _float_entries()
     channels = _channels(kept)
     pruned = ChannelPrunedStore.prune(_quantized(keys[:, :, :20], values[:, :, :20], fmt), channels)
@@ -88,7 +88,7 @@ def test_pruning_quantized_keys_equals_quantizing_pruned_keys(name, kept):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_attention_equals_dequantize_then_prune(name):
-    fmt = KVQuant(name, group_size=G, residual=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
     keys, values = _float_entries()
     store = _quantized(keys, values, fmt)
     channels = _channels(11)
@@ -106,7 +106,7 @@ def test_attention_equals_dequantize_then_prune(name):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_exact_entries_with_every_channel_kept_equal_full_attention(name):
-    fmt = KVQuant(name, group_size=G, residual=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
     keys, values = _exact_entries(name)
     store = _quantized(keys, values, fmt)
     assert torch.equal(store.keys, keys) and torch.equal(store.values, values)  # no quantization error
@@ -128,7 +128,7 @@ def test_exact_entries_with_every_channel_kept_equal_full_attention(name):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("kept", [9, 12])
 def test_bytes_are_kept_channels_of_packed_codes_plus_scales(name, kept):
-    fmt = KVQuant(name, group_size=G, residual=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
     keys, values = _float_entries()
     pruned = ChannelPrunedStore.prune(_quantized(keys, values, fmt), _channels(kept))
     nq, w, bits = 24, N - 24, fmt.bits
@@ -160,7 +160,7 @@ def _selection(counts: torch.Tensor, seed: int = 2) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("residual", [0, 2])
 def test_ragged_rows_prune_their_own_channels(name, residual):
-    fmt = KVQuant(name, group_size=G, residual=residual)
+    fmt = KVQuant(name, group_size=G, residual=residual, sink=0)
     keys, values = _float_entries()
     idx, mask = _selection(COUNTS)
     ragged = QuantizedRaggedStore.from_selection(_quantized(keys, values, fmt), idx, mask)
@@ -188,7 +188,7 @@ def test_ragged_rows_prune_their_own_channels(name, residual):
 
 
 def test_ragged_appends_after_pruning_keep_the_channels():
-    fmt = KVQuant("int4", group_size=G, residual=0)
+    fmt = KVQuant("int4", group_size=G, residual=0, sink=0)
     keys, values = _float_entries(n=N + G)
     idx, mask = _selection(COUNTS)
     channels = _channels(9)

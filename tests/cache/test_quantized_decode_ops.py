@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,16 +23,16 @@ from op_counting import SYNC_OPS, VIEW_OPS, OpCounter
 CASES = {"dense": ("snapkv", 0, QuantizedDenseStore), "ragged": ("adakv", 5, QuantizedRaggedStore)}
 
 
-def decode_ops(batch: int, kv_heads: int, steps: int, case: str = "dense") -> tuple[list, int]:
+def decode_ops(batch: int, kv_heads: int, steps: int, case: str = "dense", sink: int = 0) -> tuple[list, int]:
     """Prefill ``batch`` rows of 48 tokens (row 0 left-padded by ``pad``), compress with ``method`` at ratio 0.5
-    into int4 entries in groups of 8, then count the ops of ``steps`` decoding forwards. Returns them and the index
-    of the step that flushes the window into a new group."""
+    into int4 entries in groups of 8 (with ``sink`` full-precision oldest entries), then count the ops of ``steps``
+    decoding forwards. Returns them and the index of the step that flushes the window into a new group."""
     method, pad, kind = CASES[case]
     model = tiny_model("llama", layers=2, heads=2 * kv_heads, kv_heads=kv_heads)
     ids = torch.randint(3, 200, (batch, 48), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :pad] = 0
-    fmt = KVQuant("int4", group_size=8, residual=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=sink)
     cache = KVTrimCache(2, get_method(method), BudgetSpec(ratio=0.5), kv_quant=fmt)
     counts = []
     with torch.inference_mode(), kvtrim_attention_enabled(model):
@@ -41,7 +43,8 @@ def decode_ops(batch: int, kv_heads: int, steps: int, case: str = "dense") -> tu
         assert type(store) is kind
         store = store if case == "dense" else store.tail  # appends land in the ragged store's dense tail
         nq, window = store.quantized_length, store.window_length
-        assert store.kv_quant == fmt and (nq > 0 or case == "ragged") and 0 <= window < 8
+        assert dataclasses.replace(store.kv_quant, sink=sink) == fmt  # a ragged store's tail has no sink of its own
+        assert (nq > 0 or case == "ragged") and 0 <= window < 8
         flush = 8 - window - 1
         token, last = out.logits[:, -1:].argmax(-1), positions[:, -1:]
         for _ in range(steps):
@@ -55,9 +58,10 @@ def decode_ops(batch: int, kv_heads: int, steps: int, case: str = "dense") -> tu
     return counts, flush
 
 
+@pytest.mark.parametrize("sink", [0, 1])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_quantized_decode_has_no_host_sync_even_when_a_group_is_flushed(case):
-    counts, flush = decode_ops(batch=2, kv_heads=2, steps=9, case=case)
+def test_quantized_decode_has_no_host_sync_even_when_a_group_is_flushed(case, sink):
+    counts, flush = decode_ops(batch=2, kv_heads=2, steps=9, case=case, sink=sink)
     assert 0 <= flush < 9
     for ops in counts:
         assert not (set(ops) & SYNC_OPS), {op: ops[op] for op in set(ops) & SYNC_OPS}

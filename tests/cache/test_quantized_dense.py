@@ -40,7 +40,7 @@ def _expected_bytes(fmt: KVQuant, b, h, nq, w, d, dtype_bytes=4, groups=None):
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("residual", [0, 3])
 def test_window_flushes_whole_groups_and_bytes_are_exact(name, residual):
-    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8)
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=0)
     store, keys, values = _filled(fmt)
     assert isinstance(store, KVStore)
     # 37 entries: whole groups of 8 leave the window while it holds residual + 8 or more
@@ -56,13 +56,15 @@ def test_window_flushes_whole_groups_and_bytes_are_exact(name, residual):
     assert (k[:, :, :nq] - keys[:, :, :nq]).abs().max() > 0  # really quantized
 
 
-@pytest.mark.parametrize(("spec", "residual"), [("int4", 32), ("int4:residual=0", 0)])
-def test_int4_default_keeps_its_newest_32_to_63_entries_in_full_precision(spec, residual):
-    """int4's default window (``DEFAULT_RESIDUAL``, KIVI's R = 32 with groups of 32): after a prefill and after
-    every decoding step, the newest 32 to 63 entries are held exactly as appended and everything older in whole
-    quantized groups; ``int4:residual=0`` quantizes every full group (the window holds ``length % 32``)."""
+@pytest.mark.parametrize(
+    ("spec", "residual"), [("int4:group_size=32,sink=0", 32), ("int4:group_size=32,residual=0,sink=0", 0)]
+)
+def test_a_32_entry_window_keeps_the_newest_32_to_63_entries_in_full_precision(spec, residual):
+    """int4's default window (``DEFAULT_RESIDUAL``, KIVI's R = 32, here with KIVI's groups of 32): after a prefill and
+    after every decoding step, the newest 32 to 63 entries are held exactly as appended and everything older in
+    whole quantized groups; ``residual=0`` quantizes every full group (the window holds ``length % 32``)."""
     fmt = resolve_kv_quant(spec)
-    assert (fmt.group_size, fmt.residual) == (32, residual)
+    assert (fmt.group_size, fmt.residual, fmt.sink) == (32, residual, 0)
     b, h, d, prefill, steps = 1, 2, 16, 100, 70
     keys, values = _kv(b, h, prefill + steps, d, seed=4)
     store = QuantizedDenseStore.empty(b, h, d, torch.float32, "cpu", fmt)
@@ -89,7 +91,7 @@ def test_key_scales_are_per_channel_per_group_of_tokens():
 
 
 def test_attention_reads_the_dequantized_entries():
-    fmt = KVQuant("int4", group_size=8, residual=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
     store, _, _ = _filled(fmt, n=30)
     ref = DenseStore(store.keys.clone(), store.values.clone(), store.positions.clone(), store.length)
     q = torch.randn(2, 4, 1, 16)
@@ -101,7 +103,7 @@ def test_attention_reads_the_dequantized_entries():
 
 
 def test_prefill_into_an_empty_store_attends_over_full_precision_entries():
-    fmt = KVQuant("int4", group_size=8, residual=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
     keys, values = _kv(1, 2, 16, 16)
     store = QuantizedDenseStore.empty(1, 2, 16, torch.float32, "cpu", fmt)
     store.append(keys, values, torch.arange(16)[None], padded=False)
@@ -115,7 +117,7 @@ def test_prefill_into_an_empty_store_attends_over_full_precision_entries():
 
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_keep_moves_value_codes_and_regroups_keys(name):
-    fmt = KVQuant(name, group_size=8, residual=0)
+    fmt = KVQuant(name, group_size=8, residual=0, sink=0)
     store, _, _ = _filled(fmt, n=43)  # 40 quantized + 3 in the window
     before_k, before_v = store.dequantized()
     old_vc, old_vs = store._vc.clone(), store._vs.clone()
@@ -170,7 +172,7 @@ def test_compaction_quantizes_all_but_the_newest_residual_entries(name, kept, re
     """After keep(), exactly ``min(residual, kept)`` entries stay in full precision: the rest are whole key groups
     and at most one partial group with its own scales. Appends then quantize whole groups after the partial one,
     leaving the entries already quantized untouched, and attention reads what :attr:`keys` shows."""
-    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8)
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=0)
     store, _, _ = _filled(fmt, n=50, seed=5)
     before_k, _ = store.dequantized()
     g = torch.Generator().manual_seed(9)
@@ -261,7 +263,7 @@ def test_truncate_returns_straddling_groups_to_the_window(to):
 
 
 def test_copy_select_batch_and_from_dense():
-    fmt = KVQuant("int4", group_size=8, residual=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
     store, keys, values = _filled(fmt, n=20)
     twin = store.copy()
     store.append(keys[:, :, :1], values[:, :, :1], torch.full((2, 1), 20), padded=False)
@@ -274,7 +276,7 @@ def test_copy_select_batch_and_from_dense():
 
 
 def test_padding_slots_do_not_change_the_quantized_keys_of_real_tokens():
-    fmt = KVQuant("int4", group_size=8, residual=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
     keys, values = _kv(1, 1, 16, 16)
     wild = keys.clone()
     wild[:, :, :3] = 1e4  # left padding with wild keys
@@ -294,19 +296,20 @@ LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM = 32768, 4096, 128
 
 
 @pytest.mark.parametrize(
-    ("spec", "nq", "window"),
+    ("spec", "nq", "window", "sink"),
     [
-        ("int4", 4064, 32),  # the default: groups of 32, a 32-entry window
-        ("int4:group_size=64", 4064, 32),  # 63 whole groups of 64 and a partial group of 32
-        ("int4:group_size=64,residual=0", 4096, 0),
-        ("int4:residual=0", 4096, 0),
+        ("int4", 4064, 32, 0),  # the default: groups of 32 (148 B per quantized entry), a 32-entry window
+        ("int4:residual=0", 4096, 0, 0),
+        ("int4:group_size=64", 4064, 32, 0),  # 63 whole groups of 64 and a partial group of 32
+        ("int4:group_size=64,sink=1", 4063, 32, 1),  # 62 whole groups and one of 31, the window, a one-entry sink
+        ("int4:group_size=64,residual=0", 4096, 0, 0),
     ],
 )
-def test_bytes_after_keeping_an_eighth_of_a_long_context_against_1_28(spec, nq, window):
+def test_bytes_after_keeping_an_eighth_of_a_long_context_against_1_28(spec, nq, window, sink):
     """Bytes held after a compaction to 1/8 of 32,768 float16 entries (head_dim 128), from the tensors: int4's
     default (key groups of 32 at 148 B per quantized entry, plus a 32-entry float16 window) holds 1/27.15 of the
-    float16 full cache, above 1/28; key groups of 64 reach 1/28 (1/28.65 with the default window, 1/29.26
-    without). docs/quantization.md states these fractions."""
+    float16 full cache, above 1/28; key groups of 64 reach 1/28 (1/28.65 with the default window, 1/28.63 with a
+    one-entry sink too, 1/29.26 without either). docs/quantization.md states these fractions."""
     fmt = resolve_kv_quant(spec)
     n, kept, d = LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM
     keys, values = (x.half() for x in _kv(1, 1, n, d, seed=7))
@@ -314,12 +317,12 @@ def test_bytes_after_keeping_an_eighth_of_a_long_context_against_1_28(spec, nq, 
     store.append(keys, values, torch.arange(n)[None], padded=False)
     g = torch.Generator().manual_seed(8)
     store.keep(torch.randperm(n, generator=g)[:kept].sort().values.view(1, 1, kept))
-    assert (store.quantized_length, store.window_length) == (nq, window)
+    assert (store.quantized_length, store.window_length, store.sink_length) == (nq, window, sink)
     held = store.nbytes()
     groups = -(-nq // fmt.group_size)
-    assert held == _expected_bytes(fmt, 1, 1, nq, window, d, dtype_bytes=2, groups=groups)
+    assert held == _expected_bytes(fmt, 1, 1, nq, window + sink, d, dtype_bytes=2, groups=groups)
     if nq % fmt.group_size == 0:
-        assert held == nq * fmt.entry_bytes(d) + window * 2 * d * 2
+        assert held == nq * fmt.entry_bytes(d) + (window + sink) * 2 * d * 2
     full_fp16 = n * 2 * d * 2
     meets = fmt.group_size == 64
     assert (held * 28 <= full_fp16) == meets, full_fp16 / held
@@ -337,17 +340,21 @@ _OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=_OPS, residual=st.integers(0, 10), name=st.sampled_from(["int8", "int4", "fp8"]), seed=st.integers(0, 99))
-def test_any_sequence_of_appends_compactions_and_truncations_keeps_the_layout(ops, residual, name, seed):
-    """Whatever ran before: the key scales cover the quantized part in whole groups plus at most one partial group;
-    the window holds less than ``residual + group_size`` entries (exactly ``residual`` right after a compaction of
-    at least that many); the bytes are the codes, the scales and the window; attention reads what ``keys`` shows;
-    entries already quantized keep their values across appends."""
-    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8)
+@given(
+    ops=_OPS, residual=st.integers(0, 10), name=st.sampled_from(["int8", "int4", "fp8"]), seed=st.integers(0, 99),
+    sink=st.integers(0, 3),
+)  # fmt: skip
+def test_any_sequence_of_appends_compactions_and_truncations_keeps_the_layout(ops, residual, name, seed, sink):
+    """Whatever ran before: the sink holds the oldest ``min(sink, length)`` entries exactly; the key scales cover the
+    quantized part in whole groups plus at most one partial group; the window holds less than ``residual +
+    group_size`` entries (exactly ``residual`` right after a compaction of at least ``sink + residual``); the bytes
+    are the codes, the scales, the window and the sink; attention reads what ``keys`` shows; entries already
+    quantized keep their values across appends."""
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=sink)
     store, _, _ = _filled(fmt, b=1, h=2, n=30, seed=seed)
     g = torch.Generator().manual_seed(seed)
     for op, arg in ops:
-        n, nq = store.length, store.quantized_length
+        n, nq = store.length, store.sink_length + store.quantized_length
         before = store.keys
         if op == "append":
             k, v = _kv(1, 2, arg, 16, seed=seed + n)
@@ -357,17 +364,20 @@ def test_any_sequence_of_appends_compactions_and_truncations_keeps_the_layout(op
             kept = round(arg * n)
             idx = torch.stack([torch.randperm(n, generator=g)[:kept].sort().values for _ in range(2)])[None]
             store.keep(idx)
-            assert store.window_length == min(residual, kept)
+            assert store.window_length == min(residual, max(kept - sink, 0))
+            assert torch.equal(store.keys[:, :, : store.sink_length], before.gather(2, idx[..., None].expand(
+                -1, -1, -1, 16))[:, :, : store.sink_length])  # fmt: skip
         else:
             store.truncate(round(arg * n))
             assert torch.allclose(store.keys, before[:, :, : store.length])
         start, size = store.partial_group
-        nq, w = store.quantized_length, store.window_length
-        assert nq + w == store.length and w < residual + 8
+        ns, nq, w = store.sink_length, store.quantized_length, store.window_length
+        assert ns == min(sink, store.length) and ns + nq + w == store.length and w < residual + 8
+        assert nq == 0 or ns == sink  # nothing is quantized before the sink is full
         assert (0 < size < 8 and start % 8 == 0 and (nq - start - size) % 8 == 0) or (size == 0 and nq % 8 == 0)
         groups = nq // 8 + (size > 0)
         assert store._ks.shape[2] == groups == store._groups_before(nq)
-        assert store.nbytes() == _expected_bytes(fmt, 1, 2, nq, w, 16, groups=groups)
+        assert store.nbytes() == _expected_bytes(fmt, 1, 2, nq, w + ns, 16, groups=groups)
         if store.length:
             q = torch.randn(1, 4, 1, 16, generator=g)
             qpos = torch.full((1, 1), 1000)

@@ -45,7 +45,7 @@ COUNTS = torch.tensor([[16, 5, 9], [1, 16, 12]])  # the longest row holds exactl
 
 
 def _pair(name: str, residual: int = 0, counts: torch.Tensor = COUNTS):
-    fmt = KVQuant(name, group_size=8, residual=residual)
+    fmt = KVQuant(name, group_size=8, residual=residual, sink=0)
     src = _source(fmt)
     idx, mask = _selection(counts)
     ragged = QuantizedRaggedStore.from_selection(src, idx, mask)

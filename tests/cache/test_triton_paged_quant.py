@@ -107,7 +107,7 @@ CASES = [
     ("fp8", torch.float32, 3, 24, 12, [30, 7, 12], 2, True, 0),  # one-byte codes split into padded halves
     ("int8", torch.bfloat16, 4, 64, 16, [40, 9], None, True, 1),  # the split heuristic
     # 4 scales per entry; a pool's KVQuant has no window (residual=0, not int4's default)
-    (KVQuant("int4", residual=0, value_group=8), torch.float32, 3, 32, 8, [19, 4, 33], 3, True, 0),
+    (KVQuant("int4", residual=0, value_group=8, sink=0), torch.float32, 3, 32, 8, [19, 4, 33], 3, True, 0),
     (KVQuant("int8", value_group=16), torch.float16, 2, 32, 16, [21, 16], 2, False, 0),
 ]
 
@@ -166,8 +166,10 @@ def test_bad_packed_tensors_are_refused():
     args = (case.q, keys, values, case.seqlens, case.table, 0, 1.0)
     with pytest.raises(InvalidParameterError, match=r"keys: codes must be uint8 \[num_blocks, block_size, 8\]"):
         paged_decode_quant(*args, kv_quant="int4")  # int8 codes read as int4
-    with pytest.raises(InvalidParameterError, match="reads no full-precision window"):
+    with pytest.raises(InvalidParameterError, match=r"reads no full-precision entries; KVQuant\.residual must be 0"):
         paged_decode_quant(*args, kv_quant=KVQuant("int8", residual=4))
+    with pytest.raises(InvalidParameterError, match=r"reads no full-precision entries; KVQuant\.sink must be 0, got 1"):
+        paged_decode_quant(*args, kv_quant=KVQuant("int4", residual=0, sink=1))
     with pytest.raises(InvalidParameterError, match="block_n must be a power of two"):
         paged_decode_quant(*args, kv_quant="int8", block_n=24)
 
@@ -179,7 +181,7 @@ def test_bad_packed_tensors_are_refused():
         ("int8", True, 0, 0),
         ("int4", True, 3, 2),
         ("fp8", False, 0, 0),
-        (KVQuant("int4", residual=0, value_group=8), True, 0, 0),
+        (KVQuant("int4", residual=0, value_group=8, sink=0), True, 0, 0),
     ],
 )
 def test_triton_decode_on_a_quantized_pool_equals_the_gather_path(fmt, accumulate, buffer, pad):
@@ -223,8 +225,10 @@ def test_flash_and_unsupported_formats_are_refused(monkeypatch):
     choose = paged_kernels.choose_decode_kernel
     with pytest.raises(InvalidParameterError, match="decode_kernel='flash' cannot be used with kv_quant='int4'"):
         choose("flash", device=DEVICE, kv_quant="int4", **KW)
-    with pytest.raises(InvalidParameterError, match=r"no full-precision window, got KVQuant\.residual=4"):
+    with pytest.raises(InvalidParameterError, match=r"no full-precision entries, got KVQuant\.residual=4"):
         choose("triton", device=DEVICE, kv_quant=KVQuant("int8", residual=4), **KW)
+    with pytest.raises(InvalidParameterError, match=r"no full-precision entries, got KVQuant\.sink=2"):
+        choose("triton", device=DEVICE, kv_quant=KVQuant("int8", sink=2), **KW)
     with pytest.raises(InvalidParameterError, match="float16, bfloat16 or float32 KV"):
         choose("triton", device=DEVICE, kv_quant="int8", **{**KW, "dtype": torch.float64})
     from kvtrim.cache import triton_paged_quant

@@ -197,8 +197,8 @@ def test_left_padded_batch_with_int8_matches_each_row_alone(llama, tokenizer):
 
 def test_a_cache_resolves_kv_quant_and_a_clone_names_both_settings():
     cache = KVTrimCache(2, kv_quant="int4")
-    assert cache.kv_quant == KVQuant("int4", group_size=32, residual=32)
-    assert cache.clone(kv_quant="int4:group_size=32,residual=32").kv_quant == cache.kv_quant  # the same setting
-    with pytest.raises(InvalidParameterError, match=r"kv_quant='int4:group_size=32,residual=0': this cache already "
-                                                    r"holds int4:group_size=32,residual=32 entries"):  # fmt: skip
+    assert cache.kv_quant == KVQuant("int4", group_size=32, residual=32, sink=0)
+    assert cache.clone(kv_quant="int4:group_size=32,residual=32,sink=0").kv_quant == cache.kv_quant  # the same
+    match = r"kv_quant='int4:group_size=32,residual=0,sink=0': this cache already holds int4:group_size=32,residual=32"
+    with pytest.raises(InvalidParameterError, match=match + r",sink=0 entries"):
         cache.clone(kv_quant="int4:residual=0")

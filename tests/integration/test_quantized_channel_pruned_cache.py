@@ -20,8 +20,8 @@ LAYERS, KV_HEADS, D, ELEM = 2, 2, 16, 4  # the tiny Llama: head_dim 16, float32
 def _expected_bytes(entries_per_head: int, kept: int, fmt: KVQuant) -> int:
     """Bytes of a quantized dense layer set holding ``entries_per_head`` entries per head, keys on ``kept``
     channels, right after a compaction: packed codes + float16 scales and zero points (the last key group possibly
-    partial) + the float32 window (``fmt.residual`` entries: int4's default window of 32)."""
-    nq = max(entries_per_head - fmt.residual, 0)
+    partial) + the float32 window and sink (``fmt.residual`` and ``fmt.sink`` entries: int4's default 32 and 1)."""
+    nq = max(entries_per_head - fmt.sink - fmt.residual, 0)
     w = entries_per_head - nq
     groups = -(-nq // fmt.group_size)
     per_head = nq * (packed_width(kept, fmt.bits) + D * fmt.bits // 8 + 4) + groups * kept * 4 + w * (kept + D) * ELEM
@@ -54,11 +54,13 @@ def test_think_cache_holds_pruned_packed_keys_and_decodes(llama, name):
         assert isinstance(store, ChannelPrunedStore) and isinstance(store.inner, QuantizedDenseStore)
         assert store.kv_quant == KVQuant(name) and store.kept_channels == 12
         assert store.keys.shape == (2, 2, 144, 12) and store.values.shape == (2, 2, 144, 16)
-        # the prompt's 140 entries were compacted (every entry but the window quantized, the last key group
-        # partial), then 4 decoding steps wait in the window: 140 quantized (int8), 108 (int4, its 32-entry window)
+        # the prompt's 140 entries were compacted (every entry but the sink and the window quantized, the last key
+        # group partial), then 4 decoding steps wait in the window: 140 quantized (int8), 108 (int4, its 32-entry
+        # window; no sink by default)
         fmt = KVQuant(name)
-        nq = 140 - fmt.residual
-        assert store.inner.quantized_length == nq and store.inner.window_length == 144 - nq
+        nq = 140 - fmt.residual - fmt.sink
+        assert store.inner.quantized_length == nq and store.inner.window_length == 144 - nq - fmt.sink
+        assert store.inner.sink_length == fmt.sink
         assert store.inner.partial_group == (nq // fmt.group_size * fmt.group_size, nq % fmt.group_size)
         assert store.inner._kc.shape[-1] == packed_width(12, KVQuant(name).bits)
     with pytest.raises(kvtrim.InvalidParameterError, match="channel-pruned"):

@@ -92,10 +92,10 @@ def test_nothing_evicted_int8_matches_the_unquantized_cache(llama, tokenizer):
 
 
 def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tokenizer):
-    """The bytes of the entries AdaKV keeps, int4 packed (no window) in the ragged store, against the same entries
-    held padded in the quantized dense store (every head padded to the longest)."""
+    """The bytes of the entries AdaKV keeps, int4 packed (key groups of 32, no window, no sink) in the ragged store,
+    against the same entries held padded in the quantized dense store (every head padded to the longest)."""
     ids = tokenizer(CTX, return_tensors="pt").input_ids
-    spec, d = "int4:residual=0", 16
+    spec, d = "int4:group_size=32,residual=0,sink=0", 16
     fmt = resolve_kv_quant(spec)
     cache = _prefill(llama, ids, spec, "adakv", 0.875)
     stores = [layer.store for layer in cache.layers]
@@ -111,13 +111,14 @@ def test_adakv_int4_holds_fewer_bytes_than_the_padded_quantized_store(llama, tok
 
 
 def test_int4_default_window_holds_each_rows_newest_kept_entries_in_full_precision(llama, tokenizer):
-    """int4's default window in the ragged store: each row's newest 32 kept entries start the tail in the model's
-    dtype (a row with fewer is padded there), the rest is packed; ``int4:residual=0`` packs every kept entry.
-    Bytes: the ragged part's formula plus the tail's float32 columns (measured 17,372 B against 3,264 B)."""
+    """int4's default window in the ragged store (here with key groups of 32 and no sink): each row's newest 32 kept
+    entries start the tail in the model's dtype (a row with fewer is padded there), the rest is packed;
+    ``residual=0`` packs every kept entry. Bytes: the ragged part's formula plus the tail's float32 columns
+    (measured 17,372 B against 3,264 B)."""
     ids = tokenizer(CTX, return_tensors="pt").input_ids
-    fmt, d = KVQuant("int4"), 16
-    cache = _prefill(llama, ids, "int4", "adakv", 0.875)
-    packed = _prefill(llama, ids, "int4:residual=0", "adakv", 0.875)
+    fmt, d = KVQuant("int4", group_size=32, sink=0), 16
+    cache = _prefill(llama, ids, "int4:group_size=32,sink=0", "adakv", 0.875)
+    packed = _prefill(llama, ids, "int4:group_size=32,residual=0,sink=0", "adakv", 0.875)
     assert cache.stats().entries == packed.stats().entries  # the same count of kept entries per row
     for layer, other in zip(cache.layers, packed.layers, strict=True):
         store = layer.store

@@ -538,7 +538,7 @@ def _choose_quantized(
     choice: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, kv_quant: str | KVQuant
 ) -> KernelChoice:
     """:func:`choose_decode_kernel` for a quantized pool: the fused dequantizing Triton kernel or the gather path."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0)  # a pool's format: a name means no window
+    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0)  # a pool's format: a name means no window
     flash_why = (
         f"kv_quant={fmt.name!r}: the flash-attention kernels read unquantized blocks; decode_kernel='triton' "
         "(the fused dequantizing kernel) or 'gather' read the packed entries"
@@ -552,9 +552,13 @@ def _choose_quantized(
     kernel = None
     if reason is None:
         kernel = triton_quant_kernel()
-        if fmt.name not in kernel.kv_quant or fmt.residual:
-            what = f"KVQuant.residual={fmt.residual} (a full-precision window)" if fmt.residual else repr(fmt.name)
-            reason = f"it reads kv_quant {', '.join(kernel.kv_quant)} with no full-precision window, got {what}"
+        if fmt.name not in kernel.kv_quant or fmt.residual or fmt.sink:
+            what = repr(fmt.name)
+            if fmt.residual:
+                what = f"KVQuant.residual={fmt.residual} (a full-precision window)"
+            elif fmt.sink:
+                what = f"KVQuant.sink={fmt.sink} (full-precision oldest entries)"
+            reason = f"it reads kv_quant {', '.join(kernel.kv_quant)} with no full-precision entries, got {what}"
     if reason is None:
         reason = probe_kernel(
             kernel, device=device, dtype=dtype, block_size=block_size, head_dim=head_dim, kv_quant=fmt

@@ -19,7 +19,9 @@
 
 Packed bytes of one entry (key + value, per head): ``2 * head_dim * bits / 8``, plus its share of the scales:
 ``4 * head_dim / group_size`` (keys) and ``4 * head_dim / value_group`` (values), 4 = float16 scale + zero.
-A store's full-precision window (``residual``, KIVI's ``R``) holds its newest entries in the model's dtype.
+A store's full-precision window (``residual``, KIVI's ``R``) holds its newest entries in the model's dtype, and its
+``sink`` oldest entries (the attention sinks, KVQuant's attention-sink-aware quantization) stay in the model's dtype
+too, out of every key group.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..errors import InvalidParameterError
 __all__ = [
     "DEFAULT_GROUP_SIZE",
     "DEFAULT_RESIDUAL",
+    "DEFAULT_SINK",
     "KV_QUANT_CHOICES",
     "SCALE_DTYPE",
     "KVQuant",
@@ -53,14 +56,19 @@ SCALE_DTYPE = torch.float16
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 _BITS = {"int8": 8, "int4": 4, "fp8": 8}
-# Tokens per key group when none is given. int4 at 64 lost a passkey sample the float cache and int4 at 32 both
-# answer (docs/quantization.md, "Choosing the group size"); 8-bit formats lose nothing at 64.
+# Tokens per key group when none is given. int4 at 64 lost 3.5 points on the full cache over 120 prompts (2.1 at 32)
+# and, with a one-entry sink, 4.2 to 7.5 points on several rows of the method sweep where 32 stays within 2.2
+# (docs/quantization.md, "Choosing the group size, the window and the sink"); 8-bit formats lose nothing at 64.
 DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 32, "fp8": 64}
 # Full-precision entries kept after the last full key group when none is given (KIVI's R). int4 without a window
 # lost 4.7 points on the full cache against float32 and 0.4 gained with 32 (docs/quantization.md, "Choosing the
-# group size and the window"); 8-bit formats lose nothing measurable without one. A paged block pool has no window
-# (resolve_kv_quant(..., default_residual=0)).
+# group size, the window and the sink"); 8-bit formats lose nothing measurable without one. A paged block pool has
+# no window (resolve_kv_quant(..., default_residual=0)).
 DEFAULT_RESIDUAL = {"int8": 0, "int4": 32, "fp8": 0}
+# Oldest entries of a row held in the model's dtype when none is given (KVQuant's attention sink): none. One lowers
+# the continuation KL of int4 against the float cache, but no retrieval score measured here moved with it
+# (docs/quantization.md, "The sink"). A paged block pool holds no full-precision entries (sink 0 always).
+DEFAULT_SINK = {"int8": 0, "int4": 0, "fp8": 0}
 _MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
 
 
@@ -78,12 +86,17 @@ class KVQuant:
             for ``int4``, 0 for ``int8`` and ``fp8`` (see ``DEFAULT_RESIDUAL``); ``residual=0`` quantizes every
             full group
         value_group: channels per value group (None: the whole ``head_dim``, one scale per token)
+        sink: the oldest entries of every row held in the model's dtype, outside every key group (attention sinks:
+            KVQuant, Hooper et al. 2024, arXiv 2401.18079, keeps the first token in full precision; its outlier
+            channels would otherwise widen the first key group's range, and nearly every query attends to it).
+            Default (None): 0 (see ``DEFAULT_SINK``)
     """
 
     name: str
     group_size: int | None = None
     residual: int | None = None
     value_group: int | None = None
+    sink: int | None = None
 
     def __post_init__(self):
         if self.name not in KV_QUANT_CHOICES:
@@ -92,7 +105,11 @@ class KVQuant:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE[self.name])
         if self.residual is None:
             object.__setattr__(self, "residual", DEFAULT_RESIDUAL[self.name])
-        for field, value, low in (("group_size", self.group_size, 1), ("residual", self.residual, 0)):
+        if self.sink is None:
+            object.__setattr__(self, "sink", DEFAULT_SINK[self.name])
+        for field, value, low in (
+            ("group_size", self.group_size, 1), ("residual", self.residual, 0), ("sink", self.sink, 0),
+        ):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidParameterError(f"{field} must be an integer >= {low}, got {value!r}")
         if self.value_group is not None and (
@@ -111,11 +128,12 @@ class KVQuant:
     @property
     def spec(self) -> str:
         """The format with every resolved setting, as :func:`resolve_kv_quant` reads it back: ``"int4:group_size=32,
-        residual=32"`` (``value_group`` only when set). What run records and command output name, so that a change
-        of a default never makes two records with the same name hold differently quantized entries."""
+        residual=32,sink=0"`` (``value_group`` only when set). What run records and command output name, so that a
+        change of a default never makes two records with the same name hold differently quantized entries."""
         settings = [f"group_size={self.group_size}", f"residual={self.residual}"]
         if self.value_group is not None:
             settings.append(f"value_group={self.value_group}")
+        settings.append(f"sink={self.sink}")
         return f"{self.name}:{','.join(settings)}"
 
     @property
@@ -148,10 +166,16 @@ class KVQuant:
         )
 
 
-_SPEC_FIELDS = ("group_size", "residual", "value_group")
+_SPEC_FIELDS = ("group_size", "residual", "value_group", "sink")
 
 
-def resolve_kv_quant(kv_quant: str | KVQuant | None, *, default_residual: int | None = None) -> KVQuant | None:
+def resolve_kv_quant(
+    kv_quant: str | KVQuant | None,
+    *,
+    default_residual: int | None = None,
+    default_sink: int | None = None,
+    default_group_size: int | None = None,
+) -> KVQuant | None:
     """``None``, a format name, a spec string or a :class:`KVQuant` -> a :class:`KVQuant` (or None).
 
     A spec string is a format name, optionally followed by ``:`` and comma-separated ``field=integer`` settings of
@@ -159,7 +183,9 @@ def resolve_kv_quant(kv_quant: str | KVQuant | None, *, default_residual: int | 
     ``"int4:residual=0"`` (what ``--kv-quant`` takes on the command line). A setting left out takes the format's
     default (``DEFAULT_GROUP_SIZE``, ``DEFAULT_RESIDUAL``), except that ``default_residual`` (not None) replaces
     the default window of a name or spec string that sets no ``residual``: a store without a window (the paged
-    block pool) reads ``"int4"`` as ``residual=0``. A :class:`KVQuant` is returned as it is.
+    block pool) reads ``"int4"`` as ``residual=0``; ``default_sink`` and ``default_group_size`` do the same for
+    ``sink`` (the pool holds no full-precision entries at all) and ``group_size`` (a record written under older
+    defaults). A :class:`KVQuant` is returned as it is.
     """
     if kv_quant is None or isinstance(kv_quant, KVQuant):
         return kv_quant
@@ -183,6 +209,10 @@ def resolve_kv_quant(kv_quant: str | KVQuant | None, *, default_residual: int | 
         raise InvalidParameterError(f"kv_quant {kv_quant!r}: nothing after ':'; give field=integer settings")
     if default_residual is not None:
         fields.setdefault("residual", default_residual)
+    if default_sink is not None:
+        fields.setdefault("sink", default_sink)
+    if default_group_size is not None:
+        fields.setdefault("group_size", default_group_size)
     return KVQuant(name, **fields)
 
 

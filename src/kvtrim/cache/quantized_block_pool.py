@@ -44,12 +44,14 @@ def pool_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
 
     A name or spec string that sets no ``residual`` means ``residual=0`` here, whatever the format's default for
     the dense and ragged stores (``"int4"`` keeps a 32-entry window there, ``DEFAULT_RESIDUAL``); a window asked
-    for (``"int4:residual=32"``, ``KVQuant("int4")`` whose residual is that default) is refused."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0)
-    if fmt is not None and fmt.residual:
+    for (``"int4:residual=32"``, ``KVQuant("int4")`` whose residual is that default) is refused. The same holds for
+    ``sink`` (full-precision oldest entries): a name means ``sink=0``, a sink asked for is refused."""
+    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0)
+    if fmt is not None and (fmt.residual or fmt.sink):
+        field, value = ("residual", fmt.residual) if fmt.residual else ("sink", fmt.sink)
         raise InvalidParameterError(
-            f"a paged block pool packs every entry when it is written: KVQuant.residual must be 0, got {fmt.residual} "
-            f"(pass {fmt.name!r} or KVQuant({fmt.name!r}, residual=0))"
+            f"a paged block pool packs every entry when it is written: KVQuant.{field} must be 0, got {value} "
+            f"(pass {fmt.name!r} or KVQuant({fmt.name!r}, residual=0, sink=0))"
         )
     return fmt
 

@@ -1,9 +1,11 @@
 """A dense layer store whose entries are held quantized (int8 / int4, :mod:`kvtrim.cache.quant`).
 
 Every KV head holds the same number of slots, as in :class:`~kvtrim.cache.dense.DenseStore`. The slots are split
-in two parts that together hold ``length`` entries, oldest first (``d`` is ``head_dim``; keys pruned to
+in three parts that together hold ``length`` entries, oldest first (``d`` is ``head_dim``; keys pruned to
 ``key_dim < head_dim`` channels, ThinK, have ``key_dim`` wherever a key shape below says ``d``):
 
+* the sink: the oldest ``ns <= kv_quant.sink`` entries ``[batch, kv_heads, ns, d]`` in the model's dtype, outside
+  every key group (attention sinks, :class:`~kvtrim.cache.quant.KVQuant`); it fills before anything is quantized;
 * the quantized part: ``nq`` slots, key codes ``[batch, kv_heads, nq, d*bits/8]`` with per-channel scales and
   zero points ``[batch, kv_heads, groups, d]`` (one per key group: ``group_size`` consecutive slots, except at most
   one partial group that a compaction leaves, below), value codes of the same shape with per-token scales and zero
@@ -21,10 +23,10 @@ their scales: a key scale is shared by ``group_size`` tokens, and after eviction
 few to amortise it (at 1/8 kept and groups of 64, about 8 per group: the scales would outweigh the int4 codes).
 The kept keys are therefore regrouped: dequantized, and quantized again in groups of ``group_size`` consecutive
 kept entries. The added error of a key is at most half a step of its new group, whose range lies within the
-range of the old groups it came from (docs/quantization.md). Every kept entry but the newest ``residual`` is
-quantized: when their count is not a multiple of ``group_size``, the last ones form one partial key group with its
-own scales (as the ragged store's rows do), so a compaction leaves exactly ``residual`` entries in full precision
-and later appends quantize whole groups after the partial one.
+range of the old groups it came from (docs/quantization.md). The oldest ``sink`` kept entries form the sink; every
+other kept entry but the newest ``residual`` is quantized: when their count is not a multiple of ``group_size``,
+the last ones form one partial key group with its own scales (as the ragged store's rows do), so a compaction
+leaves exactly ``residual`` entries in the window and later appends quantize whole groups after the partial one.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         self._ks, self._kz = empty(b, h, 0, dk, dtype=torch.float16), empty(b, h, 0, dk, dtype=torch.float16)
         self._vs, self._vz = empty(b, h, 0, vgroups, dtype=torch.float16), empty(b, h, 0, vgroups, dtype=torch.float16)
         self._wk, self._wv = empty(b, h, 0, dk, dtype=dtype), empty(b, h, 0, d, dtype=dtype)
+        self._sk, self._sv = empty(b, h, 0, dk, dtype=dtype), empty(b, h, 0, d, dtype=dtype)
         self._pos = empty(b, h, 0, dtype=torch.long)
         # (start, size) of the partial key group a compaction left in the quantized part; size 0: none
         self._partial = (0, 0)
@@ -123,6 +126,11 @@ class QuantizedDenseStore(SlotBookkeeping):
 
     # ------------------------------------------------------------------ views
     @property
+    def sink_length(self) -> int:
+        """Slots in the sink (the oldest entries, held in the model's dtype)."""
+        return self._sk.shape[2]
+
+    @property
     def quantized_length(self) -> int:
         """Slots in the quantized part (whole key groups, and at most one partial group left by a compaction)."""
         return self._kc.shape[2]
@@ -135,7 +143,8 @@ class QuantizedDenseStore(SlotBookkeeping):
 
     def _key_segments(self) -> list[tuple[int, int, int, int]]:
         """``(first slot, end slot, first group, end group)`` runs of the quantized part whose key groups all have
-        the same size: the whole groups before the partial one, the partial group, the whole groups after it."""
+        the same size: the whole groups before the partial one, the partial group, the whole groups after it (slots
+        counted from the quantized part's first, after the sink)."""
         g, nq = self.kv_quant.group_size, self.quantized_length
         start, size = self._partial
         if not size:
@@ -190,9 +199,9 @@ class QuantizedDenseStore(SlotBookkeeping):
         """``(keys, values)`` ``[batch, kv_heads, length, head_dim]`` in the model's dtype: the quantized part
         dequantized, followed by the window (a transient copy of this layer)."""
         fmt, nq = self.kv_quant, self.quantized_length
-        if nq == 0:
+        if nq == 0 and self.sink_length == 0:
             return self._wk, self._wv
-        if self.window_length == 0 and not self._partial[1]:
+        if self.window_length == 0 and not self._partial[1] and self.sink_length == 0:
             k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype)
             return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype)
         # dequantize straight into the layer's buffer, the window after it (no concatenation copy)
@@ -204,19 +213,22 @@ class QuantizedDenseStore(SlotBookkeeping):
 
     def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the entries, as attention sees them, into ``keys`` ``[batch, kv_heads, length, key_dim]`` and
-        ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the quantized part
-        dequantized, then the window."""
-        fmt, nq = self.kv_quant, self.quantized_length
+        ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the sink, the quantized
+        part dequantized, then the window."""
+        fmt, ns, nq = self.kv_quant, self.sink_length, self.quantized_length
+        if ns:
+            keys[:, :, :ns] = self._sk
+            values[:, :, :ns] = self._sv
         for s0, s1, g0, g1 in self._key_segments():
             dequantize_keys(
                 self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], fmt, self.dtype,
-                out=keys[:, :, s0:s1],
+                out=keys[:, :, ns + s0 : ns + s1],
             )  # fmt: skip
         if nq:
-            dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, :nq])
+            dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, ns : ns + nq])
         if self.window_length:
-            keys[:, :, nq:] = self._wk
-            values[:, :, nq:] = self._wv
+            keys[:, :, ns + nq :] = self._wk
+            values[:, :, ns + nq :] = self._wv
 
     # ------------------------------------------------------------------ growth
     def _reserve_positions(self, extra: int) -> None:
@@ -236,12 +248,18 @@ class QuantizedDenseStore(SlotBookkeeping):
         self._stats = {n: grow(s, 0) for n, s in self._stats.items()}
 
     def _flush(self) -> None:
-        """Quantize the window's oldest whole groups while it holds ``residual + group_size`` entries or more."""
+        """Fill the sink from the window's oldest entries (it is short only while nothing is quantized), then quantize
+        the window's oldest whole groups while it holds ``residual + group_size`` entries or more."""
         fmt = self.kv_quant
+        take = min(fmt.sink - self.sink_length, self.window_length)
+        if take > 0:
+            self._sk = torch.cat([self._sk, self._wk[:, :, :take]], dim=2)
+            self._sv = torch.cat([self._sv, self._wv[:, :, :take]], dim=2)
+            self._wk, self._wv = self._wk[:, :, take:].clone(), self._wv[:, :, take:].clone()
         n = (self.window_length - fmt.residual) // fmt.group_size * fmt.group_size
         if n <= 0:
             return
-        start = self.quantized_length
+        start = self.sink_length + self.quantized_length
         kc, ks, kz = quantize_keys(self._wk[:, :, :n], fmt, self._pos[:, :, start : start + n] >= 0)
         vc, vs, vz = quantize_values(self._wv[:, :, :n], fmt)
         self._kc, self._ks, self._kz = (torch.cat(p, dim=2) for p in ((self._kc, kc), (self._ks, ks), (self._kz, kz)))
@@ -280,27 +298,29 @@ class QuantizedDenseStore(SlotBookkeeping):
 
         Kept values that were quantized keep their codes and scales; kept keys are regrouped (module docstring).
         """
-        fmt, old_nq, k = self.kv_quant, self.quantized_length, indices.shape[2]
+        fmt, old_ns, old_nq, k = self.kv_quant, self.sink_length, self.quantized_length, indices.shape[2]
         keys, values = self.dequantized()
         idx = indices.unsqueeze(-1)
         kept_k = torch.gather(keys, 2, idx.expand(-1, -1, -1, self.key_dim))
         kept_v = torch.gather(values, 2, idx.expand(-1, -1, -1, self.head_dim))
         del keys, values
-        nq = max(k - fmt.residual, 0)  # every kept entry but the newest ``residual``
+        ns = min(fmt.sink, k)  # the oldest kept entries form the sink
+        nq = max(k - ns - fmt.residual, 0)  # every other kept entry but the newest ``residual``
         whole = nq // fmt.group_size * fmt.group_size
         pos = torch.gather(self.positions, 2, indices)
         if keep_mask is not None:
             pos = pos.masked_fill(~keep_mask, INVALID)
         valid = pos >= 0
-        kc, ks, kz = quantize_keys(kept_k[:, :, :whole], fmt, valid[:, :, :whole])
+        kc, ks, kz = quantize_keys(kept_k[:, :, ns : ns + whole], fmt, valid[:, :, ns : ns + whole])
         if nq > whole:  # the last kept entries form one partial group with its own scales
-            parts = quantize_keys(kept_k[:, :, whole:nq], fmt, valid[:, :, whole:nq], group_size=nq - whole)
+            q0, q1 = ns + whole, ns + nq
+            parts = quantize_keys(kept_k[:, :, q0:q1], fmt, valid[:, :, q0:q1], group_size=nq - whole)
             kc, ks, kz = (torch.cat([a, p], dim=2) for a, p in zip((kc, ks, kz), parts, strict=True))
-        vc, vs, vz = quantize_values(kept_v[:, :, :nq], fmt)  # first quantization of entries from the window
+        vc, vs, vz = quantize_values(kept_v[:, :, ns : ns + nq], fmt)  # first quantization of other entries
         if nq and old_nq:
-            src = indices[:, :, :nq]
-            moved = (src < old_nq).unsqueeze(-1)
-            qsrc = src.clamp(max=old_nq - 1).unsqueeze(-1)
+            src = indices[:, :, ns : ns + nq] - old_ns  # slots of the old quantized part
+            moved = ((src >= 0) & (src < old_nq)).unsqueeze(-1)
+            qsrc = src.clamp(0, old_nq - 1).unsqueeze(-1)
 
             def move(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
                 return torch.where(moved, torch.gather(old, 2, qsrc.expand(-1, -1, -1, old.shape[-1])), new)
@@ -309,7 +329,8 @@ class QuantizedDenseStore(SlotBookkeeping):
         self._kc, self._ks, self._kz, self._vc, self._vs, self._vz = kc, ks, kz, vc, vs, vz
         self._partial = (whole, nq - whole) if nq > whole else (0, 0)
         # clones, not views: an empty slice would keep (and count) the whole gathered layer
-        self._wk, self._wv = kept_k[:, :, nq:].clone(), kept_v[:, :, nq:].clone()
+        self._sk, self._sv = kept_k[:, :, :ns].clone(), kept_v[:, :, :ns].clone()
+        self._wk, self._wv = kept_k[:, :, ns + nq :].clone(), kept_v[:, :, ns + nq :].clone()
         self._pos = pos.contiguous()
         self._stats = {n: torch.gather(s[:, :, : self.length], 2, indices).contiguous() for n, s in self._stats.items()}
         self.length = k
@@ -331,7 +352,8 @@ class QuantizedDenseStore(SlotBookkeeping):
         out._kc = take_code_channels(self._kc, index(self.quantized_length), self.kv_quant.bits, self.key_dim)
         out._ks, out._kz = (torch.gather(t, 3, index(t.shape[2])) for t in (self._ks, self._kz))
         out._wk = torch.gather(self._wk, 3, index(self.window_length))
-        out._vc, out._vs, out._vz, out._wv = self._vc, self._vs, self._vz, self._wv
+        out._sk = torch.gather(self._sk, 3, index(self.sink_length))
+        out._vc, out._vs, out._vz, out._wv, out._sv = self._vc, self._vs, self._vz, self._wv, self._sv
         out._pos, out.length, out.all_valid, out._partial = self._pos, self.length, self.all_valid, self._partial
         out._stats = dict(self._stats)
         return out
@@ -346,16 +368,23 @@ class QuantizedDenseStore(SlotBookkeeping):
         dequantized entries (they are quantized again when a group fills)."""
         if length > self.length:
             raise ValueError(f"cannot truncate to {length} slots, store has {self.length}")
-        fmt, nq = self.kv_quant, self.quantized_length
-        if length < nq:
+        fmt, ns, nq = self.kv_quant, self.sink_length, self.quantized_length
+        if length <= ns:  # only sink entries remain
+            self._sk, self._sv = self._sk[:, :, :length].clone(), self._sv[:, :, :length].clone()
+            self._kc, self._vc, self._vs, self._vz, self._ks, self._kz, self._wk, self._wv = (
+                t[:, :, :0].clone() for t in (self._kc, self._vc, self._vs, self._vz, self._ks, self._kz,
+                                               self._wk, self._wv)
+            )  # fmt: skip
+            self._partial = (0, 0)
+        elif length - ns < nq:
             # the last group boundary at or before ``length - residual`` (the partial group's ends are boundaries)
-            limit, g = max(length - fmt.residual, 0), fmt.group_size
+            limit, g = max(length - ns - fmt.residual, 0), fmt.group_size
             start, size = self._partial
             keep_q = limit // g * g
             if size and limit >= start:
                 keep_q = start if limit < start + size else start + size + (limit - start - size) // g * g
             keys, values = self.dequantized()
-            self._wk, self._wv = keys[:, :, keep_q:length].clone(), values[:, :, keep_q:length].clone()
+            self._wk, self._wv = keys[:, :, ns + keep_q : length].clone(), values[:, :, ns + keep_q : length].clone()
             groups = self._groups_before(keep_q)
             if keep_q < start + size:
                 self._partial = (0, 0)
@@ -363,21 +392,24 @@ class QuantizedDenseStore(SlotBookkeeping):
             self._vs, self._vz = self._vs[:, :, :keep_q].clone(), self._vz[:, :, :keep_q].clone()
             self._ks, self._kz = self._ks[:, :, :groups].clone(), self._kz[:, :, :groups].clone()
         else:
-            self._wk, self._wv = self._wk[:, :, : length - nq].clone(), self._wv[:, :, : length - nq].clone()
+            w = length - ns - nq
+            self._wk, self._wv = self._wk[:, :, :w].clone(), self._wv[:, :, :w].clone()
         self._pos[:, :, length : self.length] = INVALID
         self.length = length
         self.all_valid = bool((self.positions >= 0).all())
         self._fresh = None
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return self._kc, self._ks, self._kz, self._vc, self._vs, self._vz, self._wk, self._wv
+        return self._kc, self._ks, self._kz, self._vc, self._vs, self._vz, self._wk, self._wv, self._sk, self._sv
 
     def copy(self) -> QuantizedDenseStore:
         """An independent copy holding exactly the filled slots."""
         out = QuantizedDenseStore(
             self.kv_quant, self.dtype, self.batch_size, self.kv_heads, self.head_dim, self._pos.device, self.key_dim
         )
-        out._kc, out._ks, out._kz, out._vc, out._vs, out._vz, out._wk, out._wv = (t.clone() for t in self._tensors())
+        (out._kc, out._ks, out._kz, out._vc, out._vs, out._vz, out._wk, out._wv, out._sk, out._sv) = (
+            t.clone() for t in self._tensors()
+        )
         out._pos = self.positions.clone()
         out.length, out._partial = self.length, self._partial
         out._stats = {n: s[:, :, : self.length].clone() for n, s in self._stats.items()}
@@ -386,7 +418,7 @@ class QuantizedDenseStore(SlotBookkeeping):
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder or select batch rows (beam search, ``num_return_sequences``)."""
-        self._kc, self._ks, self._kz, self._vc, self._vs, self._vz, self._wk, self._wv = (
+        self._kc, self._ks, self._kz, self._vc, self._vs, self._vz, self._wk, self._wv, self._sk, self._sv = (
             t[index] for t in self._tensors()
         )
         self._pos = self._pos[index]
@@ -395,7 +427,7 @@ class QuantizedDenseStore(SlotBookkeeping):
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:
-        """Bytes held by the packed codes, their scales and zero points, and the full-precision window."""
+        """Bytes held by the packed codes, their scales and zero points, the full-precision window and the sink."""
         return sum(t.untyped_storage().nbytes() for t in self._tensors())
 
     # ------------------------------------------------------------------ attention

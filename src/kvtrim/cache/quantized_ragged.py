@@ -1,7 +1,11 @@
 """A ragged (per-head) layer store whose entries are held quantized (int8 / int4, :mod:`kvtrim.cache.quant`).
 
 Methods with per-head budgets (AdaKV, HeadKV, KVzip, DuoAttention, …) keep a different number of entries in every
-(sequence, KV head) row. This store holds exactly those entries, quantized, in two parts:
+(sequence, KV head) row. This store holds exactly those entries, quantized, in three parts:
+
+* the **sink** (``sink > 0``): each row's oldest ``min(sink, n_r)`` kept entries in the model's dtype, ``[batch,
+  kv_heads, s, head_dim]`` with ``s = min(sink, longest row)`` (a row with fewer has empty slots, position ``-1``),
+  outside every key group (attention sinks, :class:`~kvtrim.cache.quant.KVQuant`);
 
 * the **kept part**, from the compaction, ragged: row ``r = b * kv_heads + h`` owns ``capacity[r]`` consecutive
   slots from ``start[r]`` in flat buffers, of which the first ``length[r]`` are live:
@@ -20,9 +24,9 @@ Methods with per-head budgets (AdaKV, HeadKV, KVzip, DuoAttention, …) keep a d
   ``residual > 0``, each row's newest ``residual`` kept entries: a :class:`QuantizedDenseStore` (every row gains the
   same appended columns), i.e. a full-precision window whose oldest whole groups are quantized as it fills.
 
-Bytes held (:meth:`nbytes`, from the tensors) are therefore, with ``n_r`` kept entries in row ``r``::
+Bytes held (:meth:`nbytes`, from the tensors) are therefore, with ``n_r`` entries in row ``r``'s kept part::
 
-    sum_r [ n_r * (2*head_dim*bits/8 + 4*head_dim/value_group) + ceil(n_r / group_size) * 4*head_dim ] + tail
+    sum_r [ n_r * (2*head_dim*bits/8 + 4*head_dim/value_group) + ceil(n_r / group_size) * 4*head_dim ] + tail + sink
 
 Attention dequantizes the kept part of the layer inside the call (one transient padded ``[batch, kv_heads, width,
 head_dim]`` copy, ``width`` a multiple of ``group_size``, gathered with one ``index_select`` per tensor from an
@@ -31,6 +35,8 @@ dequantized is kept between steps and a step reads nothing back from the device.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -73,13 +79,22 @@ class QuantizedRaggedStore:
         capacity: torch.Tensor,
         group_start: torch.Tensor,
         tail: QuantizedDenseStore,
+        sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ):
-        """``codes`` = (key codes, key scales, key zeros, value codes, value scales, value zeros), flat."""
+        """``codes`` = (key codes, key scales, key zeros, value codes, value scales, value zeros), flat; ``sink`` =
+        (keys, values, positions) ``[batch, kv_heads, s, ·]`` of every row's oldest entries (None: no sink)."""
         self.kv_quant, self.dtype = kv_quant, dtype
         self._kc, self._ks, self._kz, self._vc, self._vs, self._vz = codes
         self._pos = positions
         self.start, self.length, self.capacity, self.group_start = start, length, capacity, group_start
         self.tail = tail
+        if sink is None:
+            b, h = tail.batch_size, tail.kv_heads
+            sink = (
+                tail._wk.new_empty(b, h, 0, tail.key_dim), tail._wv.new_empty(b, h, 0, tail.head_dim),
+                positions.new_empty(b, h, 0),
+            )  # fmt: skip
+        self._sk, self._sv, self._spos = sink
         self._sync_layout()
 
     def _sync_layout(self) -> None:
@@ -111,29 +126,34 @@ class QuantizedRaggedStore:
         idx, kept = indices.gather(-1, order), keep_mask.gather(-1, order)
         count = kept.sum(-1).reshape(-1)  # [rows]
         longest = int(count.max()) if rows else 0
-        tail_w = min(fmt.residual, longest)
-        n_kept = (count - tail_w).clamp(min=0)  # entries held in the kept part; the rest start the tail
-        width = -(-max(longest - tail_w, 0) // g) * g
-        cols = torch.arange(max(width, tail_w), device=indices.device)
-        if idx.shape[-1] < cols.numel():
-            pad = cols.numel() - idx.shape[-1]
-            idx = torch.cat([idx, idx.new_zeros(b, h, pad)], -1)
+        sink_w = min(fmt.sink, longest)
+        n_sink = count.clamp(max=fmt.sink)  # each row's oldest kept entries: its sink
+        tail_w = min(fmt.residual, longest - sink_w)
+        n_kept = (count - n_sink - tail_w).clamp(min=0)  # entries held in the kept part; the rest start the tail
+        width = -(-max(longest - sink_w - tail_w, 0) // g) * g
+        need = max(sink_w + width, longest, 1)
+        if idx.shape[-1] < need:
+            idx = torch.cat([idx, idx.new_zeros(b, h, need - idx.shape[-1])], -1)
         keys, values = store.dequantized()
-        pos = store.positions.gather(-1, idx)  # [b, h, cols]
+        positions_all = store.positions
 
         def take(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             return x.gather(2, j.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
 
-        # kept part: columns [0, width) of every row, live where col < n_kept
-        live = cols[None, :width] < n_kept[:, None]  # [rows, width]
-        qidx = idx[..., :width]
-        qlive = live.view(b, h, width) & (pos[..., :width] >= 0)
+        # kept part: columns [0, width) of every row, from the row's kept column n_sink + col, live where col < n_kept
+        cols = torch.arange(width, device=indices.device)
+        live = cols[None, :] < n_kept[:, None]  # [rows, width]
+        qcol = (n_sink.view(b, h, 1) + cols).clamp(max=idx.shape[-1] - 1)
+        qidx = idx.gather(-1, qcol)
+        qpos = positions_all.gather(-1, qidx)
+        qlive = live.view(b, h, width) & (qpos >= 0)
         kc, ks, kz = quantize_keys(take(keys, qidx), fmt, qlive)
         vc, vs, vz = quantize_values(take(values, qidx), fmt)
-        old_nq = store.quantized_length
+        old_ns, old_nq = store.sink_length, store.quantized_length
         if old_nq and width:
-            moved = (qidx < old_nq).unsqueeze(-1)
-            src = qidx.clamp(max=old_nq - 1)
+            rel = qidx - old_ns  # slots of the old quantized part
+            moved = ((rel >= 0) & (rel < old_nq)).unsqueeze(-1)
+            src = rel.clamp(0, old_nq - 1)
 
             def move(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
                 return torch.where(moved, take(old, src), new)
@@ -149,17 +169,26 @@ class QuantizedRaggedStore:
             flat(kc, flat_live), flat(ks, glive), flat(kz, glive),
             flat(vc, flat_live), flat(vs, flat_live), flat(vz, flat_live),
         )  # fmt: skip
-        positions = pos[..., :width].reshape(-1)[flat_live]
+        positions = qpos.reshape(-1)[flat_live]
         groups = _ceil_div(n_kept, g)
-        # tail: each row's newest ``tail_w`` kept entries, right-aligned (slots before a short row's first are empty)
+        # tail: each row's newest ``tail_w`` kept entries, right-aligned (slots before a short row's first are empty);
+        # it has no sink of its own
         tcol = count.view(b, h, 1) - tail_w + torch.arange(tail_w, device=indices.device)
-        tvalid = tcol >= n_kept.view(b, h, 1)
+        tvalid = tcol >= (n_sink + n_kept).view(b, h, 1)
         tidx = idx.gather(-1, tcol.clamp(min=0))
-        tpos = store.positions.gather(-1, tidx).masked_fill(~tvalid, INVALID)
-        tail = QuantizedDenseStore.from_dense(DenseStore(take(keys, tidx), take(values, tidx), tpos, tail_w), fmt)
+        tpos = positions_all.gather(-1, tidx).masked_fill(~tvalid, INVALID)
+        tail_fmt = dataclasses.replace(fmt, sink=0)
+        tail = QuantizedDenseStore.from_dense(
+            DenseStore(take(keys, tidx), take(values, tidx), tpos, tail_w), tail_fmt
+        )
+        # sink: each row's oldest kept entries, left-aligned (a row with fewer leaves empty slots at the end)
+        scol = torch.arange(sink_w, device=indices.device)
+        sidx = idx[..., :sink_w]
+        spos = positions_all.gather(-1, sidx).masked_fill(scol >= n_sink.view(b, h, 1), INVALID)
+        sink = (take(keys, sidx), take(values, sidx), spos)
         return cls(
             fmt, store.dtype, codes, positions, n_kept.cumsum(0) - n_kept, n_kept,
-            n_kept.clone(), groups.cumsum(0) - groups, tail,
+            n_kept.clone(), groups.cumsum(0) - groups, tail, sink,
         )  # fmt: skip
 
     def with_key_channels(self, channels: torch.Tensor) -> QuantizedRaggedStore:
@@ -175,9 +204,11 @@ class QuantizedRaggedStore:
         group_row = torch.repeat_interleave(rows, groups, output_size=self._ks.shape[0])
         kc = take_code_channels(self._kc, per_row[slot_row], self.kv_quant.bits, self.key_dim)
         ks, kz = (t.gather(1, per_row[group_row]) for t in (self._ks, self._kz))
+        sk = self._sk.gather(3, channels[:, :, None, :].expand(-1, -1, self._sk.shape[2], -1))
         return QuantizedRaggedStore(
             self.kv_quant, self.dtype, (kc, ks, kz, self._vc, self._vs, self._vz), self._pos, self.start,
             self.length, self.capacity, self.group_start, self.tail.with_key_channels(channels),
+            (sk, self._sv, self._spos),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ views
@@ -200,41 +231,49 @@ class QuantizedRaggedStore:
         return self.tail.key_dim
 
     @property
+    def sink_width(self) -> int:
+        """Columns of the sink (``min(sink, longest row)`` at the compaction)."""
+        return self._sk.shape[2]
+
+    @property
     def is_empty(self) -> bool:
-        return int(self.length.sum()) == 0 and self.tail.is_empty
+        return int(self.length.sum()) == 0 and self.tail.is_empty and not bool((self._spos >= 0).any())
 
     def _filled(self) -> torch.Tensor:
         """``[batch, kv_heads, 1, width]`` live columns of the kept part's padded view."""
         return ragged_mask(self.length, self._width, self.batch_size, self.kv_heads)
 
     def padded_positions(self) -> torch.Tensor:
-        """``[batch, kv_heads, width + tail]`` positions of the padded view of :meth:`dequantized` (``-1`` for the
-        columns past a row's kept entries and for the tail's empty slots)."""
+        """``[batch, kv_heads, sink + width + tail]`` positions of the padded view of :meth:`dequantized` (``-1`` for
+        the sink's and the tail's empty slots and for the columns past a row's kept entries)."""
         kept = gather_rows(self._pos, self._index, self.batch_size, self.kv_heads)
         kept = kept.masked_fill(~self._filled()[:, :, 0], INVALID)
-        return torch.cat([kept, self.tail.positions], dim=-1)
+        return torch.cat([self._spos, kept, self.tail.positions], dim=-1)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` of a padded view ``[batch, kv_heads, width + tail, key_dim / head_dim]`` in the model's
-        dtype:
-        every row's kept part (the columns past its entries hold arbitrary finite values), then the tail. A
-        transient copy of this layer."""
-        b, h, w, fmt = self.batch_size, self.kv_heads, self._width, self.kv_quant
-        shape = (b, h, w + self.tail.length)
+        """``(keys, values)`` of a padded view ``[batch, kv_heads, sink + width + tail, key_dim / head_dim]`` in the
+        model's dtype: the sink, every row's kept part (the columns past its entries hold arbitrary finite values),
+        then the tail. A transient copy of this layer."""
+        b, h, w, fmt, s = self.batch_size, self.kv_heads, self._width, self.kv_quant, self.sink_width
+        shape = (b, h, s + w + self.tail.length)
         keys = torch.empty(*shape, self.key_dim, dtype=self.dtype, device=self._pos.device)
         values = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self._pos.device)
+        if s:
+            keys[:, :, :s] = self._sk
+            values[:, :, :s] = self._sv
         if w:
             kc, vc = gather_rows(self._kc, self._index, b, h), gather_rows(self._vc, self._index, b, h)
             ks, kz = gather_rows(self._ks, self._group_index, b, h), gather_rows(self._kz, self._group_index, b, h)
             vs, vz = gather_rows(self._vs, self._index, b, h), gather_rows(self._vz, self._index, b, h)
-            dequantize_keys(kc, ks, kz, fmt, self.dtype, out=keys[:, :, :w])
-            dequantize_values(vc, vs, vz, fmt, self.dtype, out=values[:, :, :w])
-        self.tail.dequantize_into(keys[:, :, w:], values[:, :, w:])
+            dequantize_keys(kc, ks, kz, fmt, self.dtype, out=keys[:, :, s : s + w])
+            dequantize_values(vc, vs, vz, fmt, self.dtype, out=values[:, :, s : s + w])
+        self.tail.dequantize_into(keys[:, :, s + w :], values[:, :, s + w :])
         return keys, values
 
     def to_dense(self) -> QuantizedDenseStore:
         """A padded quantized dense copy (e.g. to score the entries again). Its keys are quantized again in groups
-        of its padded columns; a row's kept part starts at column 0, so its groups are the same ones."""
+        of its padded columns; a row's kept part starts right after the sink's columns, so its groups are the same
+        ones when every row fills the sink."""
         keys, values = self.dequantized()
         positions = self.padded_positions()
         return QuantizedDenseStore.from_dense(DenseStore(keys, values, positions, keys.shape[2]), self.kv_quant)
@@ -266,12 +305,19 @@ class QuantizedRaggedStore:
         self._min_len = 0
 
     def drop_last(self, n: int) -> None:
-        """Remove the last ``n`` token columns: the tail's first, then each row's newest kept entries."""
+        """Remove the last ``n`` token columns: the tail's first, then each row's newest kept entries, then its
+        newest sink entries."""
         t = self.tail.length
         self.tail.truncate(max(t - n, 0))
         if n > t:
+            over = (n - t) - self.length  # [rows] columns past each row's kept part
             self.length = (self.length - (n - t)).clamp(min=0)
             self._min_len = 0
+            if self.sink_width:
+                b, h = self.batch_size, self.kv_heads
+                left = (self._spos >= 0).sum(-1) - over.clamp(min=0).view(b, h)
+                cols = torch.arange(self.sink_width, device=self._spos.device)
+                self._spos = self._spos.masked_fill(cols >= left[..., None], INVALID)
 
     # ------------------------------------------------------------------ copies
     def _flat(self) -> tuple[torch.Tensor, ...]:
@@ -281,6 +327,7 @@ class QuantizedRaggedStore:
         return QuantizedRaggedStore(
             self.kv_quant, self.dtype, tuple(t.clone() for t in self._flat()), self._pos.clone(), self.start.clone(),
             self.length.clone(), self.capacity.clone(), self.group_start.clone(), self.tail.copy(),
+            (self._sk.clone(), self._sv.clone(), self._spos.clone()),
         )  # fmt: skip
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -295,23 +342,30 @@ class QuantizedRaggedStore:
         self._pos = self._pos[slots]
         self.start, self.length, self.capacity = cap.cumsum(0) - cap, self.length[rows], cap
         self.group_start = groups.cumsum(0) - groups
+        self._sk, self._sv, self._spos = self._sk[index], self._sv[index], self._spos[index]
         self.tail.select_batch(index)
         self._sync_layout()
 
     # ------------------------------------------------------------------ accounting
     def entries(self) -> int:
-        return int(self.length.sum()) + self.tail.entries()
+        return int(self.length.sum()) + self.tail.entries() + int((self._spos >= 0).sum())
 
     def entries_per_head(self) -> torch.Tensor:
-        return self.length.view(self.batch_size, self.kv_heads) + self.tail.entries_per_head()
+        sink = (self._spos >= 0).sum(-1)
+        return self.length.view(self.batch_size, self.kv_heads) + self.tail.entries_per_head() + sink
 
     def nbytes(self) -> int:
-        """Bytes held by the packed codes, their scales and zero points, and the tail (codes, scales, window)."""
-        return sum(t.untyped_storage().nbytes() for t in self._flat()) + self.tail.nbytes()
+        """Bytes held by the packed codes, their scales and zero points, the sink and the tail (codes, scales,
+        window)."""
+        own = (*self._flat(), self._sk, self._sv)
+        return sum(t.untyped_storage().nbytes() for t in own) + self.tail.nbytes()
 
     def index_nbytes(self) -> int:
         """Bytes of bookkeeping: positions, row offsets and the gather indices."""
-        meta = (self._pos, self.start, self.length, self.capacity, self.group_start, self._index, self._group_index)
+        meta = (
+            self._pos, self._spos, self.start, self.length, self.capacity, self.group_start, self._index,
+            self._group_index,
+        )  # fmt: skip
         return sum(t.untyped_storage().nbytes() for t in meta) + self.tail.index_nbytes()
 
     # ------------------------------------------------------------------ attention
@@ -324,7 +378,9 @@ class QuantizedRaggedStore:
         self.tail._fresh = None
         keys, values = self.dequantized()
         if query.shape[2] == 1:
-            mask = torch.cat([self._filled(), (self.tail.positions >= 0)[:, :, None, :]], dim=-1)
+            mask = torch.cat(
+                [(self._spos >= 0)[:, :, None, :], self._filled(), (self.tail.positions >= 0)[:, :, None, :]], dim=-1
+            )
             empty_rows_possible = self._min_len == 0 and not (self.tail.length and self.tail.all_valid)
             return attend_padded(query, keys, values, mask, scaling, may_be_empty=empty_rows_possible)
         kpos = self.padded_positions()[:, :, None, :]  # dead columns at -1

@@ -219,15 +219,16 @@ def _bound_partial(interpret: bool):
 
 def check_format(kv_quant: str | KVQuant) -> KVQuant:
     """``kv_quant`` as a :class:`KVQuant` the kernel reads, or :class:`InvalidParameterError` naming the formats."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0)  # a pool's format: a name means no window
+    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0)  # a pool's format: a name means no window
     if fmt is None or fmt.name not in QUANT_FORMATS:
         raise InvalidParameterError(
             f"the fused dequantizing Triton kernel reads kv_quant {', '.join(QUANT_FORMATS)}; got "
             f"{None if fmt is None else fmt.name!r}"
         )
-    if fmt.residual:
-        raise InvalidParameterError(f"the fused dequantizing Triton kernel reads no full-precision window; "
-                                    f"KVQuant.residual must be 0, got {fmt.residual}")  # fmt: skip
+    if fmt.residual or fmt.sink:
+        field, value = ("residual", fmt.residual) if fmt.residual else ("sink", fmt.sink)
+        raise InvalidParameterError(f"the fused dequantizing Triton kernel reads no full-precision entries; "
+                                    f"KVQuant.{field} must be 0, got {value}")  # fmt: skip
     return fmt
 
 

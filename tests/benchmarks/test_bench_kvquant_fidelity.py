@@ -1,0 +1,44 @@
+"""benchmarks/bench_kvquant_fidelity.py on the tiny random Llama: the teacher-forced log-probabilities are the
+model's own over the whole sequence, and the KL it reports is zero only for the unquantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from script_loader import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("benchmarks/bench_kvquant_fidelity.py")
+
+
+def test_continuation_logprobs_are_the_models_own_and_quantization_moves_them(bench):
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    context, continuation = torch.randint(5, 250, (1, 150), generator=g), torch.randint(5, 250, (1, 9), generator=g)
+    ref = bench.continuation_logprobs(model, context, continuation, None)
+    with torch.no_grad():
+        whole = model(torch.cat([context, continuation[:, :-1]], 1)).logits[0, 149:].float().log_softmax(-1)
+    torch.testing.assert_close(ref, whole, rtol=1e-4, atol=1e-4)
+    answer = continuation[0, -3:]
+    same = bench.compare(ref, ref, answer)
+    assert same["kl"] == 0 and same["answer_nll_change"] == 0
+    int8_lp = bench.continuation_logprobs(model, context, continuation, "int8")
+    assert not torch.equal(int8_lp, ref)  # the context was really held quantized
+    int8 = bench.compare(ref, int8_lp, answer)
+    int4 = bench.compare(ref, bench.continuation_logprobs(model, context, continuation, "int4:sink=0"), answer)
+    assert abs(int8["kl"]) < int4["kl"] <= int4["kl_max"]
+
+
+def test_summary_and_table(bench):
+    spec = "int8:group_size=64,residual=0,sink=0"
+    rows = [{"formats": {"int8": {"resolved": spec, "kl": k, "kl_max": k, "answer_nll_change": d}}}
+            for k, d in ((0.1, 0.5), (0.3, -0.1), (0.2, 0.2))]  # fmt: skip
+    (s,) = bench.summarize(rows, ["int8"])
+    assert s["prompts"] == 3 and s["kl_mean"] == pytest.approx(0.2) and s["kl_median"] == 0.2
+    assert s["answer_nll_change_mean"] == pytest.approx(0.2)
+    md = bench.render([s], {"prompts": 3, "samples": 1, "seed": 0, "length": 100})
+    assert "| `int8` | `int8:group_size=64,residual=0,sink=0` | 0.20000 | 0.20000 | +0.2000 |" in md
