@@ -171,6 +171,8 @@ def test_sink_is_a_setting_of_every_format_and_the_pool_refuses_it():
     assert resolve_kv_quant(KVQuant("int4", sink=1).spec) == KVQuant("int4", sink=1)
     with pytest.raises(InvalidParameterError, match="sink must be an integer >= 0"):
         KVQuant("int4", sink=-1)
+    assert KVQuant("int4").full_precision == ("residual", 32) and KVQuant("int8", sink=2).full_precision == ("sink", 2)
+    assert KVQuant("int4", residual=0).full_precision is None
     assert pool_kv_quant("int4").sink == 0  # a pool reads a name without a sink, whatever the default
     with pytest.raises(InvalidParameterError, match=r"KVQuant\.sink must be 0, got 1"):
         pool_kv_quant("int4:sink=1")

@@ -552,12 +552,12 @@ def _choose_quantized(
     kernel = None
     if reason is None:
         kernel = triton_quant_kernel()
-        if fmt.name not in kernel.kv_quant or fmt.residual or fmt.sink:
+        if fmt.name not in kernel.kv_quant or fmt.full_precision:
             what = repr(fmt.name)
-            if fmt.residual:
-                what = f"KVQuant.residual={fmt.residual} (a full-precision window)"
-            elif fmt.sink:
-                what = f"KVQuant.sink={fmt.sink} (full-precision oldest entries)"
+            if fmt.full_precision:
+                field, value = fmt.full_precision
+                kind = "a full-precision window" if field == "residual" else "full-precision oldest entries"
+                what = f"KVQuant.{field}={value} ({kind})"
             reason = f"it reads kv_quant {', '.join(kernel.kv_quant)} with no full-precision entries, got {what}"
     if reason is None:
         reason = probe_kernel(

@@ -138,6 +138,16 @@ class KVQuant:
         return f"{self.name}:{','.join(settings)}"
 
     @property
+    def full_precision(self) -> tuple[str, int] | None:
+        """``(field, value)`` of the first setting that keeps entries in the model's dtype (``residual``, then
+        ``sink``), or None when every entry is packed: what a paged pool and its kernel cannot hold."""
+        if self.residual:
+            return "residual", self.residual
+        if self.sink:
+            return "sink", self.sink
+        return None
+
+    @property
     def is_float(self) -> bool:
         """Codes are float8 bit patterns (``fp8``), not unsigned integers."""
         return self.name == "fp8"
@@ -175,7 +185,6 @@ def resolve_kv_quant(
     *,
     default_residual: int | None = None,
     default_sink: int | None = None,
-    default_group_size: int | None = None,
 ) -> KVQuant | None:
     """``None``, a format name, a spec string or a :class:`KVQuant` -> a :class:`KVQuant` (or None).
 
@@ -184,9 +193,9 @@ def resolve_kv_quant(
     ``"int4:residual=0"`` (what ``--kv-quant`` takes on the command line). A setting left out takes the format's
     default (``DEFAULT_GROUP_SIZE``, ``DEFAULT_RESIDUAL``), except that ``default_residual`` (not None) replaces
     the default window of a name or spec string that sets no ``residual``: a store without a window (the paged
-    block pool) reads ``"int4"`` as ``residual=0``; ``default_sink`` and ``default_group_size`` do the same for
-    ``sink`` (the pool holds no full-precision entries at all) and ``group_size`` (a record written under older
-    defaults). A :class:`KVQuant` is returned as it is.
+    block pool) reads ``"int4"`` as ``residual=0``; ``default_sink`` does the same for ``sink`` (the pool holds no
+    full-precision entries at all; a record written before the sink existed meant none). A :class:`KVQuant` is
+    returned as it is.
     """
     if kv_quant is None or isinstance(kv_quant, KVQuant):
         return kv_quant
@@ -212,8 +221,6 @@ def resolve_kv_quant(
         fields.setdefault("residual", default_residual)
     if default_sink is not None:
         fields.setdefault("sink", default_sink)
-    if default_group_size is not None:
-        fields.setdefault("group_size", default_group_size)
     return KVQuant(name, **fields)
 
 

@@ -47,8 +47,8 @@ def pool_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
     for (``"int4:residual=32"``, ``KVQuant("int4")`` whose residual is that default) is refused. The same holds for
     ``sink`` (full-precision oldest entries): a name means ``sink=0``, a sink asked for is refused."""
     fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0)
-    if fmt is not None and (fmt.residual or fmt.sink):
-        field, value = ("residual", fmt.residual) if fmt.residual else ("sink", fmt.sink)
+    if fmt is not None and fmt.full_precision:
+        field, value = fmt.full_precision
         raise InvalidParameterError(
             f"a paged block pool packs every entry when it is written: KVQuant.{field} must be 0, got {value} "
             f"(pass {fmt.name!r} or KVQuant({fmt.name!r}, residual=0, sink=0))"

@@ -225,8 +225,8 @@ def check_format(kv_quant: str | KVQuant) -> KVQuant:
             f"the fused dequantizing Triton kernel reads kv_quant {', '.join(QUANT_FORMATS)}; got "
             f"{None if fmt is None else fmt.name!r}"
         )
-    if fmt.residual or fmt.sink:
-        field, value = ("residual", fmt.residual) if fmt.residual else ("sink", fmt.sink)
+    if fmt.full_precision:
+        field, value = fmt.full_precision
         raise InvalidParameterError(f"the fused dequantizing Triton kernel reads no full-precision entries; "
                                     f"KVQuant.{field} must be 0, got {value}")  # fmt: skip
     return fmt

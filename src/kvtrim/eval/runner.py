@@ -81,18 +81,13 @@ _CONSISTENT = (
 )  # fmt: skip
 
 
-_LEGACY_GROUP_SIZE = {"int4": 32, "int8": 64, "fp8": 64}  # the defaults while settings went unrecorded
-
-
 def _stored(name: str, value: Any) -> Any:
     """A setting as an earlier run recorded it, in today's terms: a ``kv_quant`` written before every setting was
-    spelled out (``"int4"``, ``"int8:group_size=32"``) meant no full-precision window whatever the format, and key
-    groups of 32 for int4 (64 for the 8-bit formats, unchanged); one written before ``sink`` existed
-    (``"int4:group_size=32,residual=32"``) meant no sink."""
+    spelled out (``"int4"``, ``"int8:group_size=32"``) meant no full-precision window whatever the format, and one
+    written before ``sink`` existed (``"int4:group_size=32,residual=32"``) meant no sink."""
     if name == "kv_quant" and isinstance(value, str):
         try:
-            group = _LEGACY_GROUP_SIZE.get(value.partition(":")[0])
-            return resolve_kv_quant(value, default_residual=0, default_sink=0, default_group_size=group).spec
+            return resolve_kv_quant(value, default_residual=0, default_sink=0).spec
         except InvalidParameterError:
             return value
     return value
