@@ -12,6 +12,9 @@ tokens equal the unquantized run's of the same method.
 ``--methods think think_snapkv`` runs ThinK (ratio 0.5 of the key channels, no token evicted) and ThinK on SnapKV
 (ratio 0.875 of the tokens, half of the kept keys' channels) instead: channel-pruned keys, quantized or not.
 
+``--formats`` names the entry formats to run, ``none`` and any ``kv_quant`` spec (``int8:sink=0``,
+``int4:group_size=64``); the first is the reference of "tokens = unquantized", so it should be ``none``.
+
 ``--layer-only`` measures instead the two parts of one layer's decoding step on a SmolLM2-shaped layer (3 KV
 heads, 9 query heads, head_dim 64, ``--length`` entries, float32): dequantizing the keys and values into the
 attention buffer, and the attention call itself (CPU time, the median of 300 calls).
@@ -38,7 +41,14 @@ import torch
 
 import kvtrim
 from kvtrim.cache.packed_attention import attend_padded
-from kvtrim.cache.quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from kvtrim.cache.quant import (
+    KVQuant,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+    resolve_kv_quant,
+)
 from kvtrim.compression.compressor import BudgetSpec
 from kvtrim.eval.tasks import generate_task
 from kvtrim.integration.attention import kvtrim_attention_enabled
@@ -47,7 +57,7 @@ from kvtrim.prompts import prompt_template
 from kvtrim.runtime import Prefill, greedy_decode
 
 MODEL = "smollm2-135m"
-FORMATS = (None, "int8", "int4", "fp8")
+FORMATS = ("none", "int8", "int4", "fp8")
 # (label, method, ratio, layout)
 METHODS = (
     ("full", None, None, None),
@@ -116,7 +126,13 @@ def main() -> None:
     parser.add_argument(
         "--methods", nargs="+", choices=labels, default=[m[0] for m in METHODS], help="configurations to run"
     )
+    parser.add_argument(
+        "--formats", nargs="+", default=list(FORMATS), help="entry formats: none and kv_quant specs (first: reference)"
+    )
     args = parser.parse_args()
+    formats = [None if f == "none" else f for f in args.formats]
+    for fmt in formats:
+        resolve_kv_quant(fmt)  # a bad spec fails here, before the model loads
     if args.quick:
         args.length, args.tokens, args.reps = 512, 16, 1
     torch.set_num_threads(args.threads)
@@ -142,7 +158,7 @@ def main() -> None:
                 pipeline = dataclasses.replace(pipeline, layout=layout)
             spec = None if ratio is None else BudgetSpec(ratio=ratio)
             reference = None
-            for fmt in FORMATS:
+            for fmt in formats:
                 wall, cpu = [], []
                 for _ in range(args.reps):
                     compressed = pre.compressed(pipeline, spec, fmt)
@@ -159,6 +175,7 @@ def main() -> None:
                     "ratio": ratio,
                     "store": type(cache.layers[0].store).__name__,
                     "kv_quant": fmt or "none",
+                    "kv_quant_spec": None if fmt is None else resolve_kv_quant(fmt).spec,
                     "entries": stats.entries,
                     "kv_bytes": stats.kv_bytes,
                     "bytes_per_entry": round(stats.kv_bytes / stats.entries, 1),

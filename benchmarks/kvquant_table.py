@@ -9,6 +9,9 @@ the change against the unquantized folder (``none``) in brackets, and the KV MiB
 
 ``--pool ROOT2,ROOT3`` adds the records of the same formats from other draws of prompts (``kvtrim eval --seed``),
 so each row averages every prompt any draw ran for it (a ``prompts`` column counts them), written to ``--out``.
+
+The change in brackets is paired: both sides are averaged over the prompts (seed, task, index, length) that the
+format and ``none`` both ran for that row, so a baseline with more draws than a format does not enter its change.
 """
 
 from __future__ import annotations
@@ -21,11 +24,30 @@ from kvtrim.eval.report import macro_averages
 from kvtrim.eval.runner import load_records
 
 
+def _prompt(record: dict) -> tuple:
+    return record.get("seed"), record["task"], record.get("index"), record.get("length")
+
+
+def paired_change(records: list[dict], baseline: list[dict]) -> float | None:
+    """Macro-average change (×100) of ``records`` against ``baseline`` (one row each) over the prompts both ran;
+    None when they share none."""
+    common = {_prompt(r) for r in records} & {_prompt(r) for r in baseline}
+    if not common:
+        return None
+    (mine,) = macro_averages(r for r in records if _prompt(r) in common).values()
+    (ref,) = macro_averages(r for r in baseline if _prompt(r) in common).values()
+    return mine[0] - ref[0]
+
+
 def build(root: Path, formats: list[str], pool: list[Path] | None = None) -> str:
     roots = [root, *(pool or [])]
     records = {fmt: [r for d in roots for r in load_records(d / fmt)] for fmt in formats}
     data = {fmt: macro_averages(recs) for fmt, recs in records.items() if recs}
-    counts = {fmt: Counter((r["mode"], r["method"], r["ratio"]) for r in recs) for fmt, recs in records.items()}
+    by_row: dict[str, dict[tuple, list[dict]]] = {fmt: {} for fmt in records}
+    for fmt, recs in records.items():
+        for r in recs:
+            by_row[fmt].setdefault((r["mode"], r["method"], r["ratio"]), []).append(r)
+    counts = {fmt: Counter({key: len(recs) for key, recs in rows.items()}) for fmt, rows in by_row.items()}
     all_tasks = max((n for rows in data.values() for *_, n in rows.values()), default=0)
     keys = sorted(
         {k for rows in data.values() for k in rows},
@@ -36,16 +58,21 @@ def build(root: Path, formats: list[str], pool: list[Path] | None = None) -> str
     lines = [
         f"# {title}: average score (×100) over {all_tasks} tasks per entry format",
         "",
-        "In brackets: the change against the same row with unquantized entries (`none`). `*`: a task is missing",
-        "from that cell (the sweep did not reach it). `KV MiB`: mean key + value bytes held after compression.",
+        "In brackets: the change against the same row with unquantized entries (`none`), both averaged over the",
+        "prompts they share. `*`: a task is missing from that cell (the sweep did not reach it). `KV MiB`: mean",
+        "key + value bytes held after compression.",
         "",
-        "| mode | method | ratio | " + " | ".join(cols) + " | " + " | ".join(f"KV MiB {c}" for c in cols) + " |"
+        "| mode | method | ratio | "
+        + " | ".join(cols)
+        + " | "
+        + " | ".join(f"KV MiB {c}" for c in cols)
+        + " |"
         + (" prompts (" + " / ".join(cols) + ") |" if pool else ""),
         "|---|---|---|" + "---:|" * (2 * len(cols) + bool(pool)),
     ]
     for key in keys:
         mode, method, ratio = key
-        ref = data.get("none", {}).get(key)
+        baseline = by_row.get("none", {}).get(key)
         cells, mibs = [], []
         for fmt in cols:
             got = data[fmt].get(key)
@@ -55,7 +82,8 @@ def build(root: Path, formats: list[str], pool: list[Path] | None = None) -> str
                 continue
             avg, mb, _, n = got
             star = "*" if n < all_tasks else ""
-            delta = f" ({avg - ref[0]:+.1f})" if ref is not None and fmt != "none" else ""
+            change = None if baseline is None or fmt == "none" else paired_change(by_row[fmt][key], baseline)
+            delta = f" ({change:+.1f})" if change is not None else ""
             cells.append(f"{avg:.1f}{star}{delta}")
             mibs.append(f"{mb:.2f}")
         ratio_s = "-" if ratio is None else f"{ratio:g}"

@@ -46,3 +46,18 @@ def test_pooled_draws_average_every_prompt_of_each_task(table, tmp_path):
     assert "d1 pooled with d2" in pooled
     # none: a = 3/4, b = 1/2 → 62.5; int8: a = 2/4, b = 1/2 → 50.0; six prompts each
     assert _row(pooled, "kvzip")[3:5] == ["62.5", "50.0 (-12.5)"] and _row(pooled, "kvzip")[-1] == "6 / 6"
+
+
+def test_change_is_paired_over_the_prompts_both_formats_ran(table, tmp_path):
+    def prompt(seed, index, score):
+        return {**_record("kvzip", "a", score), "seed": seed, "index": index}
+
+    # none ran two draws (seed 1: 0, 0; seed 2: 1, 1), int8 only the first (1, 0)
+    first = _draw(
+        tmp_path / "d1", {"none": [prompt(1, 0, 0), prompt(1, 1, 0)], "int8": [prompt(1, 0, 1), prompt(1, 1, 0)]}
+    )
+    second = _draw(tmp_path / "d2", {"none": [prompt(2, 0, 1), prompt(2, 1, 1)]})
+    row = _row(table.build(first, ["none", "int8"], [second]), "kvzip")
+    # none over its four prompts: 50.0; int8 50.0, but +50.0 against none's 0.0 on the two prompts both ran
+    assert row[3:5] == ["50.0", "50.0 (+50.0)"] and row[-1] == "4 / 2"
+    assert table.paired_change([prompt(3, 0, 1)], [prompt(1, 0, 1)]) is None  # no prompt in common
