@@ -12,6 +12,8 @@ so each row averages every prompt any draw ran for it (a ``prompts`` column coun
 
 The change in brackets is paired: both sides are averaged over the prompts (seed, task, index, length) that the
 format and ``none`` both ran for that row, so a baseline with more draws than a format does not enter its change.
+``--ci N`` adds its 95 % interval from N bootstrap resamples of those prompts, drawn within each task (the average
+is over tasks): a row whose interval holds both a target's bound and 0 has too few prompts to tell the two apart.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from pathlib import Path
+
+import numpy as np
 
 from kvtrim.eval.report import macro_averages
 from kvtrim.eval.runner import load_records
@@ -39,7 +43,28 @@ def paired_change(records: list[dict], baseline: list[dict]) -> float | None:
     return mine[0] - ref[0]
 
 
-def build(root: Path, formats: list[str], pool: list[Path] | None = None) -> str:
+def paired_interval(
+    records: list[dict], baseline: list[dict], resamples: int, seed: int = 0
+) -> tuple[float, float] | None:
+    """95 % bootstrap interval (×100) of :func:`paired_change`: the shared prompts resampled with replacement
+    within each task, ``resamples`` times (seeded); None when they share no prompt."""
+    base = {_prompt(r): r["score"] for r in baseline}
+    diffs: dict[str, list[float]] = {}
+    for r in records:
+        if _prompt(r) in base:
+            diffs.setdefault(r["task"], []).append(r["score"] - base[_prompt(r)])
+    if not diffs:
+        return None
+    rng = np.random.default_rng(seed)
+    total = np.zeros(resamples)
+    for task in sorted(diffs):
+        d = np.asarray(diffs[task], dtype=float)
+        total += d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
+    low, high = np.percentile(100 * total / len(diffs), [2.5, 97.5])
+    return float(low), float(high)
+
+
+def build(root: Path, formats: list[str], pool: list[Path] | None = None, ci: int = 0) -> str:
     roots = [root, *(pool or [])]
     records = {fmt: [r for d in roots for r in load_records(d / fmt)] for fmt in formats}
     data = {fmt: macro_averages(recs) for fmt, recs in records.items() if recs}
@@ -60,7 +85,8 @@ def build(root: Path, formats: list[str], pool: list[Path] | None = None) -> str
         "",
         "In brackets: the change against the same row with unquantized entries (`none`), both averaged over the",
         "prompts they share. `*`: a task is missing from that cell (the sweep did not reach it). `KV MiB`: mean",
-        "key + value bytes held after compression.",
+        "key + value bytes held after compression."
+        + (f" After `;`: the change's 95 % interval, {ci:,} bootstrap resamples of the shared prompts." if ci else ""),
         "",
         "| mode | method | ratio | "
         + " | ".join(cols)
@@ -83,7 +109,10 @@ def build(root: Path, formats: list[str], pool: list[Path] | None = None) -> str
             avg, mb, _, n = got
             star = "*" if n < all_tasks else ""
             change = None if baseline is None or fmt == "none" else paired_change(by_row[fmt][key], baseline)
-            delta = f" ({change:+.1f})" if change is not None else ""
+            delta = ""
+            if change is not None:
+                interval = paired_interval(by_row[fmt][key], baseline, ci) if ci else None
+                delta = f" ({change:+.1f}" + (f"; {interval[0]:+.1f}…{interval[1]:+.1f}" if interval else "") + ")"
             cells.append(f"{avg:.1f}{star}{delta}")
             mibs.append(f"{mb:.2f}")
         ratio_s = "-" if ratio is None else f"{ratio:g}"
@@ -99,9 +128,12 @@ def main() -> None:
     parser.add_argument("--formats", default="none,int8,int4,fp8", help="comma-separated folder names")
     parser.add_argument("--pool", default="", help="comma-separated folders of other draws to pool in")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: ROOT/comparison.md)")
+    parser.add_argument("--ci", type=int, default=0, help="bootstrap resamples for a 95%% interval (0: none)")
     args = parser.parse_args()
     pool = [Path(p) for p in args.pool.split(",") if p]
-    text = build(args.root, [f for f in args.formats.split(",") if f], pool)
+    if args.ci < 0:
+        parser.error(f"--ci must be >= 0, got {args.ci}")
+    text = build(args.root, [f for f in args.formats.split(",") if f], pool, args.ci)
     (args.out or args.root / "comparison.md").write_text(text, encoding="utf-8")
     print(text)
 

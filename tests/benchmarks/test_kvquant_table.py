@@ -61,3 +61,21 @@ def test_change_is_paired_over_the_prompts_both_formats_ran(table, tmp_path):
     # none over its four prompts: 50.0; int8 50.0, but +50.0 against none's 0.0 on the two prompts both ran
     assert row[3:5] == ["50.0", "50.0 (+50.0)"] and row[-1] == "4 / 2"
     assert table.paired_change([prompt(3, 0, 1)], [prompt(1, 0, 1)]) is None  # no prompt in common
+
+
+def test_interval_is_seeded_holds_the_change_and_shrinks_with_more_prompts(table, tmp_path):
+    def prompts(seed, scores, task="a"):
+        return [{**_record("kvzip", task, s), "seed": seed, "index": i} for i, s in enumerate(scores)]
+
+    base = prompts(1, [1, 1, 0, 0, 1, 0]) + prompts(1, [1, 0], task="b")
+    mine = prompts(1, [1, 0, 0, 0, 1, 1]) + prompts(1, [1, 0], task="b")
+    change = table.paired_change(mine, base)  # task a: 0 on average (one lost, one gained), task b: 0
+    low, high = table.paired_interval(mine, base, 2000)
+    assert change == 0.0 and low < 0.0 < high and (low, high) == table.paired_interval(mine, base, 2000)
+    assert table.paired_interval(base, base, 500) == (0.0, 0.0)  # no prompt changed: no spread
+    wide = table.paired_interval(prompts(1, [0, 1]), prompts(1, [1, 1]), 4000)
+    narrow = table.paired_interval(prompts(1, [0, 1] * 20), prompts(1, [1, 1] * 20), 4000)
+    assert wide[1] - wide[0] > narrow[1] - narrow[0] > 0
+    first = _draw(tmp_path / "d1", {"none": base, "int8": mine})
+    cell = _row(table.build(first, ["none", "int8"], ci=1000), "kvzip")[4]
+    assert cell.startswith("50.0 (+0.0; -") and "…+" in cell, cell  # a: 3/6, b: 1/2; interval around 0
