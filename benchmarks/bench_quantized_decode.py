@@ -131,8 +131,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     formats = [None if f == "none" else f for f in args.formats]
-    for fmt in formats:
-        resolve_kv_quant(fmt)  # a bad spec fails here, before the model loads
+    # resolved once, before the model loads: a bad spec fails here
+    specs = {fmt: None if fmt is None else resolve_kv_quant(fmt).spec for fmt in formats}
     if args.quick:
         args.length, args.tokens, args.reps = 512, 16, 1
     torch.set_num_threads(args.threads)
@@ -175,7 +175,7 @@ def main() -> None:
                     "ratio": ratio,
                     "store": type(cache.layers[0].store).__name__,
                     "kv_quant": fmt or "none",
-                    "kv_quant_spec": None if fmt is None else resolve_kv_quant(fmt).spec,
+                    "kv_quant_spec": specs[fmt],
                     "entries": stats.entries,
                     "kv_bytes": stats.kv_bytes,
                     "bytes_per_entry": round(stats.kv_bytes / stats.entries, 1),
