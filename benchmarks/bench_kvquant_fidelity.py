@@ -55,6 +55,49 @@ def compare(ref: torch.Tensor, other: torch.Tensor, answer: torch.Tensor) -> dic
     return {"kl": kl.mean().item(), "kl_max": kl.max().item(), "answer_nll_change": nll(other) - nll(ref)}
 
 
+def prompt_arguments(ap: argparse.ArgumentParser, samples: int) -> None:
+    """The arguments that pick the retrieval prompts, the model and where results go (shared with
+    ``bench_kvquant_regroup.py``)."""
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--samples", type=int, default=samples, help="prompts per task")
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--name", default="results")
+
+
+def retrieval_prompts(tokenizer, args: argparse.Namespace):
+    """Yield ``(sample, context [1, n], continuation [1, m], answer [k])`` token ids per prompt of ``args.tasks``:
+    the context as it is (no chat template), then the question, answer prefix and reference answer."""
+    from kvtrim.eval.tasks import generate_task
+
+    for task in args.tasks.split(","):
+        for sample in generate_task(task, tokenizer, args.length, args.samples, seed=args.seed):
+            context = tokenizer(sample.context, return_tensors="pt").input_ids
+            asked = tokenizer(sample.question + sample.answer_prefix, add_special_tokens=False).input_ids
+            answer = tokenizer(" " + sample.answers[0], add_special_tokens=False).input_ids
+            yield sample, context, torch.tensor([asked + answer]), torch.tensor(answer)
+
+
+def write_result(
+    args: argparse.Namespace, prompts: int, summary: list[dict], rows: list[dict], render, **extra
+) -> dict:
+    """Write ``OUT_DIR/NAME.{json,md}`` (settings, summary, per-prompt rows; the table ``render(summary, settings)``),
+    print the table and return the result."""
+    settings = {"model": args.model, **extra, "tasks": args.tasks, "samples": args.samples, "seed": args.seed,
+                "length": args.length, "prompts": prompts, "threads": args.threads,
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "command": " ".join(sys.argv),
+                "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}  # fmt: skip
+    result = {"settings": settings, "summary": summary, "rows": rows}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    md = render(summary, settings)
+    (args.out_dir / f"{args.name}.md").write_text(md, encoding="utf-8")
+    print(md)
+    return result
+
+
 def summarize(rows: list[dict], specs: list[str]) -> list[dict]:
     out = []
     for spec in specs:
@@ -83,48 +126,25 @@ def render(summary: list[dict], settings: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv-quant", nargs="+", required=True, help="kv_quant specs to compare")
-    ap.add_argument("--tasks", default=",".join(TASKS))
-    ap.add_argument("--samples", type=int, default=4, help="prompts per task")
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--length", type=int, default=1024)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--name", default="results")
+    prompt_arguments(ap, samples=4)
     ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import kvtrim
     from kvtrim.cache.quant import resolve_kv_quant
-    from kvtrim.eval.tasks import generate_task
 
     formats = {spec: resolve_kv_quant(spec) for spec in args.kv_quant}  # bad specs fail before the model loads
     model, tokenizer = kvtrim.load_model(args.model, dtype="float32", device="cpu")
     rows = []
-    for task in args.tasks.split(","):
-        for sample in generate_task(task, tokenizer, args.length, args.samples, seed=args.seed):
-            context = tokenizer(sample.context, return_tensors="pt").input_ids
-            asked = tokenizer(sample.question + sample.answer_prefix, add_special_tokens=False).input_ids
-            answer = tokenizer(" " + sample.answers[0], add_special_tokens=False).input_ids
-            continuation = torch.tensor([asked + answer])
-            ref = continuation_logprobs(model, context, continuation, None)
-            row = {"task": task, "index": sample.index, "context_tokens": context.shape[1], "formats": {}}
-            for spec, fmt in formats.items():
-                other = continuation_logprobs(model, context, continuation, fmt)
-                row["formats"][spec] = {"resolved": fmt.spec, **compare(ref, other, torch.tensor(answer))}
-            rows.append(row)
-            print(task, sample.index, {s: round(v["kl"], 5) for s, v in row["formats"].items()}, flush=True)
-    settings = {"model": args.model, "tasks": args.tasks, "samples": args.samples, "seed": args.seed,
-                "length": args.length, "prompts": len(rows), "threads": args.threads,
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "command": " ".join(sys.argv),
-                "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}  # fmt: skip
-    summary = summarize(rows, list(formats))
-    result = {"settings": settings, "summary": summary, "rows": rows}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    md = render(summary, settings)
-    (args.out_dir / f"{args.name}.md").write_text(md, encoding="utf-8")
-    print(md)
-    return result
+    for sample, context, continuation, answer in retrieval_prompts(tokenizer, args):
+        ref = continuation_logprobs(model, context, continuation, None)
+        row = {"task": sample.task, "index": sample.index, "context_tokens": context.shape[1], "formats": {}}
+        for spec, fmt in formats.items():
+            other = continuation_logprobs(model, context, continuation, fmt)
+            row["formats"][spec] = {"resolved": fmt.spec, **compare(ref, other, answer)}
+        rows.append(row)
+        print(sample.task, sample.index, {s: round(v["kl"], 5) for s, v in row["formats"].items()}, flush=True)
+    return write_result(args, len(rows), summarize(rows, list(formats)), rows, render)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ The change in brackets is paired: both sides are averaged over the prompts (seed
 format and ``none`` both ran for that row, so a baseline with more draws than a format does not enter its change.
 ``--ci N`` adds its 95 % interval from N bootstrap resamples of those prompts, drawn within each task (the average
 is over tasks): a row whose interval holds both a target's bound and 0 has too few prompts to tell the two apart.
+``--differ`` adds the share of those prompts whose score differs from the unquantized one, gains and losses alike
+(a change near 0 can hide as many gains as losses).
 """
 
 from __future__ import annotations
@@ -64,7 +66,17 @@ def paired_interval(
     return float(low), float(high)
 
 
-def build(root: Path, formats: list[str], pool: list[Path] | None = None, ci: int = 0) -> str:
+def differing_share(records: list[dict], baseline: list[dict]) -> float | None:
+    """Percentage of the prompts both ran whose score differs from the baseline's (any change, either way); None
+    when they share none. Where the change averages gains against losses, this counts both."""
+    base = {_prompt(r): r["score"] for r in baseline}
+    shared = [r["score"] != base[_prompt(r)] for r in records if _prompt(r) in base]
+    return 100 * sum(shared) / len(shared) if shared else None
+
+
+def build(
+    root: Path, formats: list[str], pool: list[Path] | None = None, ci: int = 0, differ: bool = False
+) -> str:
     roots = [root, *(pool or [])]
     records = {fmt: [r for d in roots for r in load_records(d / fmt)] for fmt in formats}
     data = {fmt: macro_averages(recs) for fmt, recs in records.items() if recs}
@@ -86,7 +98,8 @@ def build(root: Path, formats: list[str], pool: list[Path] | None = None, ci: in
         "In brackets: the change against the same row with unquantized entries (`none`), both averaged over the",
         "prompts they share. `*`: a task is missing from that cell (the sweep did not reach it). `KV MiB`: mean",
         "key + value bytes held after compression."
-        + (f" After `;`: the change's 95 % interval, {ci:,} bootstrap resamples of the shared prompts." if ci else ""),
+        + (f" After `;`: the change's 95 % interval, {ci:,} bootstrap resamples of the shared prompts." if ci else "")
+        + (" `≠`: the share of the shared prompts whose score differs from the unquantized one." if differ else ""),
         "",
         "| mode | method | ratio | "
         + " | ".join(cols)
@@ -112,7 +125,13 @@ def build(root: Path, formats: list[str], pool: list[Path] | None = None, ci: in
             delta = ""
             if change is not None:
                 interval = paired_interval(by_row[fmt][key], baseline, ci) if ci else None
-                delta = f" ({change:+.1f}" + (f"; {interval[0]:+.1f}…{interval[1]:+.1f}" if interval else "") + ")"
+                share = differing_share(by_row[fmt][key], baseline) if differ else None
+                delta = (
+                    f" ({change:+.1f}"
+                    + (f"; {interval[0]:+.1f}…{interval[1]:+.1f}" if interval else "")
+                    + (f"; ≠ {share:.0f} %" if share is not None else "")
+                    + ")"
+                )
             cells.append(f"{avg:.1f}{star}{delta}")
             mibs.append(f"{mb:.2f}")
         ratio_s = "-" if ratio is None else f"{ratio:g}"
@@ -129,11 +148,14 @@ def main() -> None:
     parser.add_argument("--pool", default="", help="comma-separated folders of other draws to pool in")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: ROOT/comparison.md)")
     parser.add_argument("--ci", type=int, default=0, help="bootstrap resamples for a 95%% interval (0: none)")
+    parser.add_argument(
+        "--differ", action="store_true", help="add the share of shared prompts whose score differs from `none`"
+    )
     args = parser.parse_args()
     pool = [Path(p) for p in args.pool.split(",") if p]
     if args.ci < 0:
         parser.error(f"--ci must be >= 0, got {args.ci}")
-    text = build(args.root, [f for f in args.formats.split(",") if f], pool, args.ci)
+    text = build(args.root, [f for f in args.formats.split(",") if f], pool, args.ci, args.differ)
     (args.out or args.root / "comparison.md").write_text(text, encoding="utf-8")
     print(text)
 

@@ -296,7 +296,8 @@ class Prefill:
 
         Plain prefill: an independent clone is compressed (the prefill serves any number of methods); with
         ``kv_quant`` the clone's entries are quantized before scoring, so the method scores the keys attention will
-        see. Chunked prefill: its own cache, built for this one method (and format), is compressed in place.
+        see, and the entries it keeps are quantized from the prefill's float keys (once, not from their codes).
+        Chunked prefill: its own cache, built for this one method (and format), is compressed in place.
 
         Raises:
             InvalidParameterError: the prefill did not record the observations ``pipeline`` needs
@@ -310,7 +311,8 @@ class Prefill:
                     f"record them (it recorded {self.observation}); list the method in the prefill's methods "
                     "(kvtrim.Session(methods=...), kvtrim.eval.fidelity.prefill(methods=...))"
                 )
-            cache = self.cache.clone(pipeline, spec, kv_quant)
+            # the prefill is never modified: a quantized clone quantizes its kept keys from the prefill's, once
+            cache = self.cache.clone(pipeline, spec, kv_quant, share_source_keys=True)
         if pipeline is None:
             return Compressed(cache, None, 0.0)
         t0, c0 = time.perf_counter(), time.process_time()

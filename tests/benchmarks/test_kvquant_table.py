@@ -79,3 +79,16 @@ def test_interval_is_seeded_holds_the_change_and_shrinks_with_more_prompts(table
     first = _draw(tmp_path / "d1", {"none": base, "int8": mine})
     cell = _row(table.build(first, ["none", "int8"], ci=1000), "kvzip")[4]
     assert cell.startswith("50.0 (+0.0; -") and "…+" in cell, cell  # a: 3/6, b: 1/2; interval around 0
+
+
+def test_differing_share_counts_gains_and_losses_alike(table, tmp_path):
+    def prompts(scores):
+        return [{**_record("kvzip", "a", s), "seed": 1, "index": i} for i, s in enumerate(scores)]
+
+    base, mine = prompts([1, 1, 0, 0]), prompts([1, 0, 1, 0])  # one lost, one gained: no change, half differ
+    assert table.paired_change(mine, base) == 0.0 and table.differing_share(mine, base) == 50.0
+    assert table.differing_share(base, base) == 0.0
+    assert table.differing_share(prompts([1]), [{**_record("kvzip", "a", 1), "seed": 2, "index": 0}]) is None
+    first = _draw(tmp_path / "d1", {"none": base, "int8": mine})
+    assert _row(table.build(first, ["none", "int8"], differ=True), "kvzip")[4] == "50.0 (+0.0; ≠ 50 %)"
+    assert "≠" not in table.build(first, ["none", "int8"])  # only when asked

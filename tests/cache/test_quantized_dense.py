@@ -383,3 +383,57 @@ def test_any_sequence_of_appends_compactions_and_truncations_keeps_the_layout(op
             qpos = torch.full((1, 1), 1000)
             ref = DenseStore(store.keys.clone(), store.values.clone(), store.positions.clone(), store.length)
             assert torch.allclose(store.attend(q, qpos, 0.25, False), ref.attend(q, qpos, 0.25, False), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
+def test_compaction_quantizes_kept_keys_once_from_the_prefills_float_keys(name):
+    """A store made from an unquantized prefill with ``keep_source`` regroups its kept keys from the float keys:
+    each kept key group holds exactly the codes of its float keys quantized in one pass, closer to them than
+    keys regrouped from their codes; values move as codes either way."""
+    fmt = KVQuant(name, group_size=8, residual=2, sink=1)
+    b, h, n, d = 2, 2, 40, 16
+    keys, values = _kv(b, h, n, d, seed=3)
+    keys[..., 5] += 4.0  # an outlier channel
+    dense = DenseStore(keys, values, torch.arange(n).expand(b, h, n).clone(), n)
+    once = QuantizedDenseStore.from_dense(dense, fmt, keep_source=True)
+    twice = QuantizedDenseStore.from_dense(dense, fmt)
+    assert once.source_keys is not None and once.source_keys.data_ptr() == keys.data_ptr()  # a reference
+    assert twice.source_keys is None
+    assert once.nbytes() == twice.nbytes()  # the prefill's keys are its owner's bytes
+    assert torch.equal(once.keys, twice.keys)  # scoring sees the same keys
+    g = torch.Generator().manual_seed(1)
+    k = 21
+    idx = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(b * h)]).view(b, h, k)
+    once.keep(idx)
+    twice.keep(idx)
+    assert once.source_keys is None  # dropped once used
+    kept = keys.gather(2, idx[..., None].expand(-1, -1, -1, d))
+    # 21 kept: 1 in the sink, 16 in two whole groups, a partial group of 2, 2 in the window
+    assert (once.sink_length, once.quantized_length, once.window_length) == (1, 18, 2)
+    kc, ks, kz = quantize_keys(kept[:, :, 1:17], fmt)
+    whole = dequantize_keys(kc, ks, kz, fmt, torch.float32)
+    pc, ps, pz = quantize_keys(kept[:, :, 17:19], fmt, group_size=2)
+    partial = dequantize_keys(pc, ps, pz, fmt, torch.float32)
+    assert torch.equal(once.keys, torch.cat([kept[:, :, :1], whole, partial, kept[:, :, 19:]], dim=2))
+    assert torch.equal(once.values, twice.values)
+    err_once, err_twice = (once.keys - kept).norm(), (twice.keys - kept).norm()
+    assert err_once < err_twice, (float(err_once), float(err_twice))
+
+
+def test_the_source_keys_go_with_any_other_change_of_the_slots():
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
+    keys, values = _kv(2, 2, 20, 16)
+    dense = DenseStore(keys, values, torch.arange(20).expand(2, 2, 20).clone(), 20)
+
+    def made():
+        return QuantizedDenseStore.from_dense(dense, fmt, keep_source=True)
+
+    twin = made().copy()
+    assert twin.source_keys is not None  # a copy holds the same entries, made from the same keys
+    appended = made()
+    appended.append(keys[:, :, :1], values[:, :, :1], torch.full((2, 1), 20), padded=False)
+    truncated = made()
+    truncated.truncate(12)
+    selected = made()
+    selected.select_batch(torch.tensor([1, 0]))
+    assert appended.source_keys is None and truncated.source_keys is None and selected.source_keys is None

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvtrim.cache.dense import INVALID
+from kvtrim.cache.dense import INVALID, DenseStore
 from kvtrim.cache.quant import KVQuant
 from kvtrim.cache.quantized_dense import QuantizedDenseStore
 from kvtrim.cache.quantized_ragged import QuantizedRaggedStore
@@ -156,3 +156,27 @@ def test_to_dense_gives_the_entries_back_for_scoring():
     # keys quantized again in the same groups: within a step of the stored ones (int8 steps are ~1/255 of a range)
     torch.testing.assert_close(back.keys[:, :, :16][mask], dense.keys[mask], rtol=0, atol=0.05)
     torch.testing.assert_close(back.values[:, :, :16][mask], dense.values[mask], rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
+def test_kept_keys_are_quantized_once_from_the_prefills_float_keys(name):
+    """From a store that still holds its prefill's float keys (``from_dense(..., keep_source=True)``), every row's
+    kept key groups hold its kept float keys quantized in one pass: the padded dense store's keys from the same
+    source, and closer to the float keys than keys regrouped from their codes."""
+    fmt = KVQuant(name, group_size=8, residual=0, sink=0)
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    keys[..., 3] += 6.0
+    prefill = DenseStore(keys, values, torch.arange(N).expand(B, H, N).clone(), N)
+    idx, mask = _selection(COUNTS)
+    source = QuantizedDenseStore.from_dense(prefill, fmt, keep_source=True)
+    once = QuantizedRaggedStore.from_selection(source, idx, mask)
+    twice = QuantizedRaggedStore.from_selection(QuantizedDenseStore.from_dense(prefill, fmt), idx, mask)
+    dense = QuantizedDenseStore.from_dense(prefill, fmt, keep_source=True)
+    dense.keep(idx, mask)
+    got, want = once.dequantized()[0][:, :, :16][mask], dense.keys[mask]
+    assert torch.equal(got, want)
+    kept = keys.gather(2, idx[..., None].expand(-1, -1, -1, D))[mask]
+    err_once, err_twice = (got - kept).norm(), (twice.dequantized()[0][:, :, :16][mask] - kept).norm()
+    assert err_once < err_twice, (float(err_once), float(err_twice))
+    assert torch.equal(once.dequantized()[1], twice.dequantized()[1])  # values move as codes either way

@@ -152,3 +152,30 @@ def test_recompressing_a_quantized_ragged_cache(llama, tokenizer):
     cache.compress()
     assert isinstance(cache.layers[0].store, QuantizedRaggedStore)
     assert cache.stats().entries < before
+
+
+def test_a_prefills_quantized_copy_quantizes_the_kept_keys_once(llama, tokenizer):
+    """``Prefill.compressed`` with ``kv_quant`` (what ``Session``, ``generate`` and ``kvtrim eval`` run): the same
+    entries are kept as in a plain quantized clone (scoring reads the same quantized keys), but the kept keys are
+    quantized from the prefill's float keys, so they are closer to them; the prefill is unchanged."""
+    from kvtrim.runtime import Prefill, observation_of
+
+    ids = tokenizer(CTX, return_tensors="pt").input_ids
+    pipeline, spec, fmt = get_method("adakv"), BudgetSpec(ratio=0.75), resolve_kv_quant("int4")
+    with torch.no_grad(), kvtrim_attention_enabled(llama):
+        pre = Prefill.plain(llama, ids, torch.ones_like(ids), observation_of([pipeline]), None)
+        before = [layer.store.keys.clone() for layer in pre.cache.layers]
+        once = pre.compressed(pipeline, spec, fmt).cache
+        twice = pre.cache.clone(pipeline, spec, fmt)  # no reference to the prefill's keys
+        twice.compress(logits=pre.logits)
+    for mine, theirs, src, kept_before in zip(once.layers, twice.layers, pre.cache.layers, before, strict=True):
+        assert isinstance(mine.store, QuantizedRaggedStore)
+        pos = mine.store.padded_positions()
+        assert torch.equal(pos, theirs.store.padded_positions())
+        live = pos >= 0
+        float_keys = src.store.keys.gather(2, pos.clamp(min=0)[..., None].expand(-1, -1, -1, src.store.keys.shape[-1]))
+        err_once = (mine.store.dequantized()[0] - float_keys)[live].norm()
+        err_twice = (theirs.store.dequantized()[0] - float_keys)[live].norm()
+        assert err_once < err_twice, (float(err_once), float(err_twice))
+        assert torch.equal(src.store.keys, kept_before)
+    assert once.kv_nbytes() == twice.kv_nbytes()

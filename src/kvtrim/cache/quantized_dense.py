@@ -21,9 +21,12 @@ Scoring reads :attr:`keys` / :attr:`values`, the dequantized entries, i.e. what 
 Compaction (:meth:`keep`) moves each kept value's codes and per-token scales unchanged. Keys cannot move with
 their scales: a key scale is shared by ``group_size`` tokens, and after eviction the survivors of a group are too
 few to amortise it (at 1/8 kept and groups of 64, about 8 per group: the scales would outweigh the int4 codes).
-The kept keys are therefore regrouped: dequantized, and quantized again in groups of ``group_size`` consecutive
-kept entries. The added error of a key is at most half a step of its new group, whose range lies within the
-range of the old groups it came from (docs/quantization.md). The oldest ``sink`` kept entries form the sink; every
+The kept keys are therefore regrouped: quantized again in groups of ``group_size`` consecutive kept entries. A
+store made from an unquantized prefill (:meth:`from_dense` with ``keep_source=True``: what a clone of a prefilled
+cache does) still holds a reference to the prefill's float keys until its first compaction, and the kept keys are
+quantized from those, once. Otherwise (a store filled by appends, a second compaction) they are dequantized first
+and the added error of a key is at most half a step of its new group, whose range lies within the range of the old
+groups it came from (docs/quantization.md, "Compaction"). The oldest ``sink`` kept entries form the sink; every
 other kept entry but the newest ``residual`` is quantized: when their count is not a multiple of ``group_size``,
 the last ones form one partial key group with its own scales (as the ragged store's rows do), so a compaction
 leaves exactly ``residual`` entries in the window and later appends quantize whole groups after the partial one.
@@ -97,6 +100,10 @@ class QuantizedDenseStore(SlotBookkeeping):
         self._stats: dict[str, torch.Tensor] = {}
         self.all_valid = True
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # a prefill chunk appended to an empty store
+        # The float keys ``[batch, kv_heads, length, key_dim]`` the entries were quantized from (slot-aligned): a
+        # reference to an unquantized prefill's keys, which their owner holds, kept until the first compaction so
+        # that kept keys are quantized once (module docstring); None once anything changes the slots.
+        self._source: torch.Tensor | None = None
 
     @classmethod
     def empty(
@@ -112,8 +119,13 @@ class QuantizedDenseStore(SlotBookkeeping):
         return cls(kv_quant, dtype, batch, kv_heads, head_dim, device, key_dim)
 
     @classmethod
-    def from_dense(cls, dense: DenseStore, kv_quant: KVQuant) -> QuantizedDenseStore:
-        """Quantize the entries of ``dense`` (left unchanged) in slot order, keeping its positions and statistics."""
+    def from_dense(cls, dense: DenseStore, kv_quant: KVQuant, keep_source: bool = False) -> QuantizedDenseStore:
+        """Quantize the entries of ``dense`` (left unchanged) in slot order, keeping its positions and statistics.
+
+        ``keep_source``: hold a reference to ``dense``'s keys (no copy, not counted by :meth:`nbytes`: ``dense``'s
+        owner holds them) until the first compaction, which then quantizes the kept keys from them instead of from
+        their dequantized codes (:attr:`source_keys`). For a prefill that outlives the compression, as a
+        :class:`~kvtrim.Session`'s does; the reference is dropped by any other change of the slots."""
         b, h, _, dk = dense.keys.shape
         store = cls(kv_quant, dense.keys.dtype, b, h, dense.values.shape[-1], dense.keys.device, dk)
         store._wk, store._wv = dense.keys.clone(), dense.values.clone()
@@ -122,9 +134,18 @@ class QuantizedDenseStore(SlotBookkeeping):
         store._stats = {n: s[:, :, : dense.length].clone() for n, s in dense._stats.items()}
         store.all_valid = dense.all_valid
         store._flush()
+        if keep_source:
+            store._source = dense.keys
         return store
 
     # ------------------------------------------------------------------ views
+    @property
+    def source_keys(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, length, key_dim]`` the float keys the entries were quantized from, while this store
+        still holds them (:meth:`from_dense` with ``keep_source``), else None. A compaction quantizes kept keys
+        from these."""
+        return self._source
+
     @property
     def sink_length(self) -> int:
         """Slots in the sink (the oldest entries, held in the model's dtype)."""
@@ -278,6 +299,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         """
         q = keys.shape[2]
         self._fresh = (keys, values) if self.length == 0 else None
+        self._source = None
         self._reserve_positions(q)
         end = self.length + q
         self._pos[:, :, self.length : end] = positions[:, None, :]
@@ -300,6 +322,8 @@ class QuantizedDenseStore(SlotBookkeeping):
         """
         fmt, old_ns, old_nq, k = self.kv_quant, self.sink_length, self.quantized_length, indices.shape[2]
         keys, values = self.dequantized()
+        if self._source is not None:  # quantize kept keys once, from the float keys (module docstring)
+            keys, self._source = self._source, None
         idx = indices.unsqueeze(-1)
         kept_k = torch.gather(keys, 2, idx.expand(-1, -1, -1, self.key_dim))
         kept_v = torch.gather(values, 2, idx.expand(-1, -1, -1, self.head_dim))
@@ -397,7 +421,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         self._pos[:, :, length : self.length] = INVALID
         self.length = length
         self.all_valid = bool((self.positions >= 0).all())
-        self._fresh = None
+        self._fresh = self._source = None
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self._kc, self._ks, self._kz, self._vc, self._vs, self._vz, self._wk, self._wv, self._sk, self._sv
@@ -414,6 +438,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         out.length, out._partial = self.length, self._partial
         out._stats = {n: s[:, :, : self.length].clone() for n, s in self._stats.items()}
         out.all_valid = self.all_valid
+        out._source = self._source  # a reference to keys this store does not own either
         return out
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -423,7 +448,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         )
         self._pos = self._pos[index]
         self._stats = {n: s[index] for n, s in self._stats.items()}
-        self._fresh = None
+        self._fresh = self._source = None
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:

@@ -117,7 +117,9 @@ class QuantizedRaggedStore:
         quantized dense store (left unchanged), as :meth:`QuantizedDenseStore.keep` would but without padding.
 
         Kept values that were quantized keep their codes and scales; kept keys are regrouped in groups of
-        ``group_size`` consecutive kept entries of their row (as the dense store does, docs/quantization.md)."""
+        ``group_size`` consecutive kept entries of their row, quantized from the float keys ``store`` was made from
+        while it holds them (:attr:`QuantizedDenseStore.source_keys`), as the dense store does
+        (docs/quantization.md)."""
         fmt, g = store.kv_quant, store.kv_quant.group_size
         b, h, _ = indices.shape
         rows = b * h
@@ -135,6 +137,8 @@ class QuantizedRaggedStore:
         if idx.shape[-1] < need:
             idx = torch.cat([idx, idx.new_zeros(b, h, need - idx.shape[-1])], -1)
         keys, values = store.dequantized()
+        if store.source_keys is not None:  # quantize kept keys once, from the float keys
+            keys = store.source_keys
         positions_all = store.positions
 
         def take(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:

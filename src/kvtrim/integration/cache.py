@@ -153,12 +153,16 @@ class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
         pipeline: Pipeline | None = None,
         budget: BudgetSpec | None = None,
         kv_quant: str | KVQuant | None = None,
+        share_source_keys: bool = False,
     ) -> KVTrimCache:
         """An independent copy (tensors copied) that may carry another method and budget.
 
         Lets one prefill serve several methods: observations recorded for the union of their needs are copied
         with the entries. ``kv_quant`` quantizes the copy's entries (an unquantized source only; None keeps this
-        cache's format).
+        cache's format). ``share_source_keys`` (with ``kv_quant``): the copy's stores keep a reference to this
+        cache's float keys until their first compaction, which quantizes the kept keys from them once instead of
+        from their codes (:meth:`QuantizedDenseStore.from_dense`); only for a source that is not modified before
+        the copy is compressed (a :class:`~kvtrim.runtime.Prefill`'s cache).
         """
         quant = resolve_kv_quant(kv_quant)
         if quant is not None and self.kv_quant is not None and quant != self.kv_quant:
@@ -180,7 +184,9 @@ class KVTrimCache(Cache, RecordsPromptIds, RecordsHiddenStates):
             if pipeline is not None and pipeline is self.pipeline and mine.compressed_until is not None:
                 theirs.compressed_until = mine.compressed_until.clone()
             if mine.store is not None and quant is not None and self.kv_quant is None:
-                theirs.store = QuantizedDenseStore.from_dense(mine.store.to_dense(), quant)
+                theirs.store = QuantizedDenseStore.from_dense(
+                    mine.store.to_dense(), quant, keep_source=share_source_keys
+                )
                 theirs.is_initialized = True
                 theirs.dtype, theirs.device = mine.dtype, mine.device
             elif mine.store is not None:
