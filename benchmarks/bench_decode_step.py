@@ -90,6 +90,7 @@ def measure(model, tok, prompts: list[list[int]], args) -> dict:
         prefill_chunk=args.prefill_chunk, decode_kernel=args.decode_kernel,
         decode_buckets=args.decode_buckets or args.cuda_graphs or args.static_decode, cuda_graphs=args.cuda_graphs,
         static_decode=args.static_decode, cuda_graph_max_batch=max(64, b),
+        kv_quant=None if args.kv_quant == "none" else args.kv_quant,
     )  # fmt: skip
     gc.collect()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -171,6 +172,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"Model {meta['model']} ({meta['device']}, {meta['dtype']}), {meta['context']}-token prompts, "
         f"{meta['method']} at compression rate {meta['rate']:g} (continual), block size {meta['block_size']}, "
+        f"KV entries {meta.get('kv_quant', 'none')}, "
         f"decode attention {', '.join(sorted({r['decode_kernel'] for r in rows}))}, CUDA graphs "
         f"{'on' if meta['cuda_graphs'] else 'off'}, static decode {'on' if meta['static_decode'] else 'off'}, "
         f"torch threads {meta['threads']}; {meta['steps']} timed steps after {meta['warmup']} warm-up steps.",
@@ -209,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode-kernel", choices=["auto", "gather", "flash", "triton"], default="auto")
+    ap.add_argument("--kv-quant", choices=["none", "int8", "int4", "fp8"], default="none",
+                    help="the pool's entries: the model's dtype (none) or packed")  # fmt: skip
     ap.add_argument("--decode-buckets", action="store_true", help="pad decode batches to static buckets")
     ap.add_argument("--static-decode", action="store_true", help="the CUDA-graph step, run eagerly (any device)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA only)")
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None, model=None, tok=None) -> dict:
     meta = {
         "model": "smollm2-135m" if args.shape is None else f"random {args.shape}",
         **{k: getattr(args, k) for k in ("device", "dtype", "context", "rate", "method", "block_size", "steps",
-                                          "warmup", "threads", "cuda_graphs", "static_decode", "decode_kernel")},
+                                          "warmup", "threads", "cuda_graphs", "static_decode", "decode_kernel",
+                                          "kv_quant")},
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "python": platform.python_version(),

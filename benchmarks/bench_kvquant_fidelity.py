@@ -49,7 +49,9 @@ def continuation_logprobs(model, context: torch.Tensor, continuation: torch.Tens
 def compare(ref: torch.Tensor, other: torch.Tensor, answer: torch.Tensor) -> dict:
     """KL(ref || other) per position, averaged, and the answer tokens' NLL change (``answer`` ``[k]``: the last
     ``k`` continuation tokens)."""
-    kl = (ref.exp() * (ref - other)).sum(-1)
+    from kvtrim.eval.fidelity import kl_divergence
+
+    kl = kl_divergence(ref, other)
     k = answer.numel()
     nll = lambda lp: -lp[-k:].gather(-1, answer[:, None]).sum().item()  # noqa: E731
     return {"kl": kl.mean().item(), "kl_max": kl.max().item(), "answer_nll_change": nll(other) - nll(ref)}

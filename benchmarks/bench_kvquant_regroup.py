@@ -58,7 +58,9 @@ def key_error(cache, prefill_cache) -> float:
 
 def kl(ref: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over positions of ``KL(ref || other)`` from ``[batch, m, vocab]`` log-distributions."""
-    return float((ref.exp() * (ref - other)).sum(-1).mean())
+    from kvtrim.eval.fidelity import kl_divergence
+
+    return float(kl_divergence(ref, other).mean())
 
 
 def compare_row(model, pre, pipeline, spec, fmt, continuation: torch.Tensor) -> dict:

@@ -181,6 +181,9 @@ def run_setting(model, tok, prompts, output_tokens: int, rate: float, kv_bytes: 
         "compress_s": s.compress_s,
         "decode_kernel": s.decode_kernel,
         "graph_replays": s.graph_replays,
+        "graph_captures": s.graph_captures,
+        "graph_invalidations": 0 if engine.runner.graphs is None else engine.runner.graphs.invalidations,
+        "graph_capture_s": 0.0 if engine.runner.graphs is None else engine.runner.graphs.capture_s,
         "static_decode_steps": s.static_decode_steps,
     }
 
@@ -210,8 +213,9 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         "",
         "| input | cr | kv_quant | pool blocks | B/entry | prompts | out tok/s (wall) | out tok/s (CPU) | vs 1x "
         "| vs none (CPU) | decode tok/s | max batch | mean batch "
-        "| preempt | compressions | evicted blocks | prefill s | decode s | compress s | wall s |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| preempt | compressions | evicted blocks | prefill s | decode s | compress s | wall s "
+        "| graphs captured (s) |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     quant = lambda r: r.get("kv_quant", "none")  # noqa: E731
     base = {(r["input_len"], quant(r)): r["out_tok_per_s_wall"] for r in rows if r["compression_rate"] == 1}
@@ -227,7 +231,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
             f"| {r['out_tok_per_s_cpu']:.1f} | {speedup} | {vs_none} | {r['decode_tok_per_s']:.1f} "
             f"| {r['max_decode_batch']} "
             f"| {r['mean_decode_batch']:.1f} | {r['preemptions']} | {r['compressions']} | {r['blocks_evicted']} "
-            f"| {r['prefill_s']:.1f} | {r['decode_s']:.1f} | {r['compress_s']:.1f} | {r['wall_s']:.1f} |"
+            f"| {r['prefill_s']:.1f} | {r['decode_s']:.1f} | {r['compress_s']:.1f} | {r['wall_s']:.1f} "
+            f"| {r.get('graph_captures', 0)} ({r.get('graph_capture_s', 0.0):.1f}) |"
         )
     lines += ["", f"Total wall time {meta.get('total_wall_s', float('nan')):.0f} s.", ""]
     path.write_text("\n".join(lines))

@@ -45,16 +45,22 @@ def paired_change(records: list[dict], baseline: list[dict]) -> float | None:
     return mine[0] - ref[0]
 
 
-def paired_interval(
-    records: list[dict], baseline: list[dict], resamples: int, seed: int = 0
-) -> tuple[float, float] | None:
-    """95 % bootstrap interval (×100) of :func:`paired_change`: the shared prompts resampled with replacement
-    within each task, ``resamples`` times (seeded); None when they share no prompt."""
+def _paired_diffs(records: list[dict], baseline: list[dict]) -> dict[str, list[float]]:
+    """Per task, the score change of each prompt both ran (``records`` minus ``baseline``)."""
     base = {_prompt(r): r["score"] for r in baseline}
     diffs: dict[str, list[float]] = {}
     for r in records:
         if _prompt(r) in base:
             diffs.setdefault(r["task"], []).append(r["score"] - base[_prompt(r)])
+    return diffs
+
+
+def paired_interval(
+    records: list[dict], baseline: list[dict], resamples: int, seed: int = 0
+) -> tuple[float, float] | None:
+    """95 % bootstrap interval (×100) of :func:`paired_change`: the shared prompts resampled with replacement
+    within each task, ``resamples`` times (seeded); None when they share no prompt."""
+    diffs = _paired_diffs(records, baseline)
     if not diffs:
         return None
     rng = np.random.default_rng(seed)
@@ -69,9 +75,8 @@ def paired_interval(
 def differing_share(records: list[dict], baseline: list[dict]) -> float | None:
     """Percentage of the prompts both ran whose score differs from the baseline's (any change, either way); None
     when they share none. Where the change averages gains against losses, this counts both."""
-    base = {_prompt(r): r["score"] for r in baseline}
-    shared = [r["score"] != base[_prompt(r)] for r in records if _prompt(r) in base]
-    return 100 * sum(shared) / len(shared) if shared else None
+    changes = [d for task in _paired_diffs(records, baseline).values() for d in task]
+    return 100 * sum(d != 0 for d in changes) / len(changes) if changes else None
 
 
 def build(

@@ -437,3 +437,21 @@ def test_the_source_keys_go_with_any_other_change_of_the_slots():
     selected = made()
     selected.select_batch(torch.tensor([1, 0]))
     assert appended.source_keys is None and truncated.source_keys is None and selected.source_keys is None
+
+
+@pytest.mark.parametrize(
+    ("fmt", "n"),
+    [
+        (KVQuant("int4", group_size=8, residual=3, sink=1), 37),  # sink, quantized part, window
+        (KVQuant("int8", group_size=8, residual=0, sink=0), 32),  # quantized part only
+        (KVQuant("int8", group_size=8, residual=0, sink=0), 5),  # window only
+        (KVQuant("fp8", group_size=8, residual=4, sink=2), 30),
+    ],
+)
+def test_values_alone_equal_the_values_of_both(fmt, n):
+    """``dequantized_values`` (what ``values`` and a compaction from the float keys read) is ``dequantized()``'s
+    values, in every layout of the store, and leaves the keys alone."""
+    store, _, values = _filled(fmt, n=n)
+    got = store.dequantized_values()
+    assert torch.equal(got, store.dequantized()[1]) and torch.equal(store.values, got)
+    assert got.shape == values.shape

@@ -254,10 +254,10 @@ def test_triton_decode_equals_gather_path(head_dim, accumulate, buffer, pad):
     pool, gather_pool = assert_triton_equals_gather(cfg, lengths, _pool(cfg), kernel_name="triton", block_size=16,
                                                     accumulate=accumulate, buffer=buffer, pad=pad, atol=1e-5,
                                                     rtol=1e-5)  # fmt: skip
-    torch.testing.assert_close(pool.keys, gather_pool.keys, atol=0, rtol=0)
+    real = slice(0, pool.num_blocks)  # padding rows share the scratch block; their writes race on a GPU
+    torch.testing.assert_close(pool.keys[real], gather_pool.keys[real], atol=0, rtol=0)
     if accumulate:
         base = decode("gather", cfg, lengths, _pool(cfg), accumulate=False, buffer=0, pad=pad, block_size=16)[2]
-        real = slice(0, pool.num_blocks)
         assert not torch.equal(pool.metric[real], base.metric[real])  # the metric did move
 
 

@@ -65,10 +65,12 @@ def _case(fmt, lengths, block_size, head_dim, group, dtype, *, seed=0, heads=1, 
 
 
 def _dequantized(pool, slots, side: str) -> torch.Tensor:
-    """The entries at ``slots`` dequantized in float32 (the gather path's arithmetic for per-token scales), then
-    rounded once to the pool's dtype (what the kernel feeds its dot products)."""
+    """The entries at ``slots`` dequantized in float32. With value groups they are then rounded once to the pool's
+    dtype (what that path feeds its dot products); with one scale per entry the kernel folds the scale and zero
+    point out of its dots and computes with the exact dequantized values."""
     codes, scale, zero = (getattr(pool, f"{side}_{part}").flatten(0, 1)[slots] for part in ("codes", "scale", "zero"))
-    return dequantize_values(codes, scale, zero, pool.quant, torch.float32).to(pool.dtype)
+    exact = dequantize_values(codes, scale, zero, pool.quant, torch.float32)
+    return exact if scale.shape[-1] == 1 else exact.to(pool.dtype)
 
 
 def _reference(case):
@@ -123,7 +125,7 @@ def test_fused_kernel_equals_dequantize_then_attention(fmt, dtype, group, head_d
     check(case, got, _reference(case), metric=metric, lse_tol=(2e-5, 1e-3), metric_tol=(1e-4, 1e-3))
 
 
-_fp8_device = None  # the kernel's fp8 decoder, wrapped in the mode in force by the test below
+_fp8_device = None  # one of the kernel's fp8 decoders, wrapped in the mode in force by the test below
 
 
 def _fp8_table_kernel(src_ptr, dst_ptr):
@@ -131,13 +133,16 @@ def _fp8_table_kernel(src_ptr, dst_ptr):
     tl.store(dst_ptr + offs, _fp8_device(tl.load(src_ptr + offs)))
 
 
-def test_every_fp8_code_decodes_exactly():
-    """The kernel decodes e4m3 bytes with integer operations: every finite pattern (subnormals, zeros of both
-    signs, ±448) equals torch's float8_e4m3fn value."""
+@pytest.mark.parametrize("decoder", ["_fp8_to_float", "_fp8_native"])
+def test_every_fp8_code_decodes_exactly(decoder):
+    """Both e4m3 decoders (integer operations for GPUs before sm_89; the hardware's conversion): every finite
+    pattern (subnormals, zeros of both signs, ±448) equals torch's float8_e4m3fn value."""
     global _fp8_device
     from kvtrim.cache import triton_paged_quant
 
-    _fp8_device = triton.jit(triton_paged_quant._fp8_to_float)
+    if decoder == "_fp8_native" and not triton_paged_quant.native_fp8(torch.device(DEVICE)):
+        pytest.skip("this GPU has no e4m3 conversion (before sm_89)")
+    _fp8_device = triton.jit(getattr(triton_paged_quant, decoder))
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
     got = torch.empty(256, dtype=torch.float32, device=DEVICE)
     triton.jit(_fp8_table_kernel)[(1,)](codes, got)
@@ -145,6 +150,18 @@ def test_every_fp8_code_decodes_exactly():
     finite = ~torch.isnan(want)
     assert int(finite.sum()) == 254 and torch.equal(got.cpu()[finite], want[finite])
     assert torch.equal(torch.signbit(got.cpu()[finite]), torch.signbit(want[finite]))
+
+
+def test_both_fp8_decoders_give_the_same_attention(monkeypatch):
+    """The kernel with the integer decoder (GPUs before sm_89) and with the hardware's conversion: equal outputs."""
+    from kvtrim.cache import triton_paged_quant
+
+    case = _case("fp8", [21, 9], 8, 16, 2, torch.float32, seed=5)
+    native = _run(case, metric=True)
+    monkeypatch.setattr(triton_paged_quant, "native_fp8", lambda device: False)
+    integer = _run(case, metric=True)
+    for a, b in zip(native, integer, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_split_count_does_not_change_the_result():

@@ -30,8 +30,8 @@ def main(metric: bool) -> dict:
     partial = tq._partial(False)[0]
     result = {}
     for fmt, code in tq._FMT_CODE.items():
-        consts = dict(G=4, G_PAD=16, BS=16, D=128, HALF=64, HALF_PAD=64, FMT=code, GROUPS=1, VG=128, METRIC=metric,
-                      PRECISION="tf32", DOT_F32=False, BLOCK_N=64)  # fmt: skip
+        consts = dict(G=4, G_PAD=16, BS=16, D=128, HALF=64, HALF_PAD=64, FMT=code, GROUPS=1, VG=128, NATIVE_FP8=True,
+                      METRIC=metric, PRECISION="tf32", DOT_F32=False, BLOCK_N=64)  # fmt: skip
         result[fmt] = build(partial, PARTIAL, consts, num_warps=4, num_stages=2)
     return result
 

@@ -16,6 +16,7 @@ from kvtrim.eval.fidelity import (
     capture_decoding_queries,
     continuation_fidelity,
     continuation_nll,
+    kl_divergence,
     layer_errors,
     prefill,
     text_fidelity,
@@ -393,3 +394,15 @@ def test_methods_with_offline_artifacts_are_bound_to_the_model(models, text_ids,
     for method in ("headkv", "compilerkv"):
         result = continuation_fidelity(model, None, None, cont, method, budget=20, full=pre)
         assert result.kept_fraction < 1.0 and result.delta_nll == result.delta_nll  # ran, finite
+
+
+def test_kl_divergence_matches_torch_and_is_zero_on_equal_distributions():
+    g = torch.Generator().manual_seed(0)
+    log_p = torch.randn(3, 5, 11, generator=g).log_softmax(-1)
+    log_q = torch.randn(3, 5, 11, generator=g).log_softmax(-1)
+    got = kl_divergence(log_p, log_q)
+    want = torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    assert got.shape == (3, 5)
+    torch.testing.assert_close(got, want)
+    assert bool((got > 0).all())
+    assert float(kl_divergence(log_p, log_p).abs().max()) == 0.0

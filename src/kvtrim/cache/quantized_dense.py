@@ -214,7 +214,7 @@ class QuantizedDenseStore(SlotBookkeeping):
     @property
     def values(self) -> torch.Tensor:
         """``[batch, kv_heads, length, head_dim]`` the values as attention sees them (a dequantized copy)."""
-        return self.dequantized()[1]
+        return self.dequantized_values()
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[batch, kv_heads, length, head_dim]`` in the model's dtype: the quantized part
@@ -231,6 +231,23 @@ class QuantizedDenseStore(SlotBookkeeping):
         v = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self._wk.device)
         self.dequantize_into(k, v)
         return k, v
+
+    def dequantized_values(self) -> torch.Tensor:
+        """``[batch, kv_heads, length, head_dim]`` the values alone, as :meth:`dequantized` returns them (the keys
+        are not dequantized)."""
+        ns, nq = self.sink_length, self.quantized_length
+        if nq == 0 and ns == 0:
+            return self._wv
+        if self.window_length == 0 and ns == 0:
+            return dequantize_values(self._vc, self._vs, self._vz, self.kv_quant, self.dtype)
+        v = torch.empty(*self._wv.shape[:2], self.length, self.head_dim, dtype=self.dtype, device=self._wv.device)
+        if ns:
+            v[:, :, :ns] = self._sv
+        if nq:
+            dequantize_values(self._vc, self._vs, self._vz, self.kv_quant, self.dtype, out=v[:, :, ns : ns + nq])
+        if self.window_length:
+            v[:, :, ns + nq :] = self._wv
+        return v
 
     def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write the entries, as attention sees them, into ``keys`` ``[batch, kv_heads, length, key_dim]`` and
@@ -321,9 +338,10 @@ class QuantizedDenseStore(SlotBookkeeping):
         Kept values that were quantized keep their codes and scales; kept keys are regrouped (module docstring).
         """
         fmt, old_ns, old_nq, k = self.kv_quant, self.sink_length, self.quantized_length, indices.shape[2]
-        keys, values = self.dequantized()
         if self._source is not None:  # quantize kept keys once, from the float keys (module docstring)
-            keys, self._source = self._source, None
+            keys, values, self._source = self._source, self.dequantized_values(), None
+        else:
+            keys, values = self.dequantized()
         idx = indices.unsqueeze(-1)
         kept_k = torch.gather(keys, 2, idx.expand(-1, -1, -1, self.key_dim))
         kept_v = torch.gather(values, 2, idx.expand(-1, -1, -1, self.head_dim))

@@ -136,9 +136,10 @@ class QuantizedRaggedStore:
         need = max(sink_w + width, longest, 1)
         if idx.shape[-1] < need:
             idx = torch.cat([idx, idx.new_zeros(b, h, need - idx.shape[-1])], -1)
-        keys, values = store.dequantized()
         if store.source_keys is not None:  # quantize kept keys once, from the float keys
-            keys = store.source_keys
+            keys, values = store.source_keys, store.dequantized_values()
+        else:
+            keys, values = store.dequantized()
         positions_all = store.positions
 
         def take(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Paged decode attention over a :class:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool`'s packed entries,
-written in Triton: the codes and their scales are read straight from the pool's tensors and dequantized in
-registers inside the attention loop (no dequantized copy of the cache is made, not even of one layer).
+written in Triton: the codes and their scales are read straight from the pool's tensors inside the attention loop
+and used in registers (no dequantized copy of the cache is made, not even of one layer).
 
 The same split-K (flash-decoding) plan as :mod:`kvtrim.cache.triton_paged` (KV-Compress's per-head block tables,
 Rehg, 2024, arXiv:2410.00161; the per-token packed entries of KIVI, Liu et al., 2024, arXiv:2402.02750, without its
@@ -8,33 +8,32 @@ per-channel keys, see the pool's docstring): a partial kernel per ``(row, split)
 ``m, l, acc``, and :mod:`kvtrim.cache.triton_paged`'s combine kernel merges the splits, writes the output and lse,
 and adds the continual metric from the stored logits; the launch is its
 :func:`~kvtrim.cache.triton_paged.split_k_decode`. Only the partial kernel differs: where the float kernel loads
-a ``[BLOCK_N, head_dim]`` tile of keys, this one loads the tile's codes and the entries' float16 scale and zero
-point and computes ``k = zero + scale · code`` in float32 registers (then the pool's dtype, as
-:meth:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool.read_keys` returns them), and the same for values.
+a ``[BLOCK_N, head_dim]`` tile of keys, this one loads the tile's codes and the entries' float16 scales and zero
+points.
 
-The pool's layout, exactly (``quantized_block_pool.py``):
+**One scale per entry (the pool's default): the scales are folded out of the tile.** An entry is
+``k = zero + scale · code`` with one ``(scale, zero)`` per token, so for query head ``g`` and token ``n``
 
-* codes ``[num_blocks, block_size, head_dim · bits / 8]`` uint8, the entry of token ``t`` of a row at slot
-  ``table[t // block_size] · block_size + t % block_size``; ``int8``: one code per channel; ``int4``: channel
-  ``2i`` in the low nibble and ``2i + 1`` in the high nibble of byte ``i``; ``fp8``: the byte is a float8 e4m3 bit
-  pattern (decoded with integer ops: sign, 4 exponent bits of bias 7, 3 mantissa bits, subnormals below exponent
-  1; the quantizer never writes the NaN pattern);
-* scale and zero point ``[num_blocks, block_size, groups]`` float16, **per token for keys as well as values**,
-  channel ``c`` in group ``c // (head_dim / groups)`` (``groups`` 1 by default); ``fp8``'s zero points are 0;
-* no full-precision window: every entry of the pool is packed when written.
+* ``q_g · k_n = scale_n · (q_g · code_n) + zero_n · Σ_c q_g,c``: the dot reads the codes themselves (small integers,
+  or e4m3 values, each exact in float16 and bfloat16), and the scale and zero point are applied to the
+  ``[G, BLOCK_N]`` logits, not to the ``[BLOCK_N, head_dim]`` tile;
+* ``Σ_n p_g,n · v_n = (p · scale) · code + Σ_n p_g,n · zero_n``: the probabilities are scaled per token before the
+  ``P·V`` dot, and the zero points add one number per query head, carried through the online softmax like ``l``.
 
-Channels are handled as two halves, even and odd (``2i`` and ``2i + 1``), each ``ceil(head_dim / 2)`` wide: an
-int4 byte is loaded once and gives both (low and high nibble) with no interleaving in registers; int8 and fp8 load
-each entry's row of bytes in one contiguous read and split it into the two halves (two strided reads instead made
-the sm_90 build spill registers). The logits are ``q_even · k_even + q_odd · k_odd`` (two ``tl.dot``), ``P·V``
-accumulates the two halves apart, and the partial accumulator is stored back interleaved, so the combine kernel
-sees the float kernel's ``acc [rows, splits, G, head_dim]``.
+Per element of the tile only the code's conversion (and the even / odd split below) is left: no multiply-add, no
+mask. The logits are those of the
+exactly dequantized keys (float32 arithmetic; the gather path rounds them to the pool's dtype first), and
+``P · scale`` is rounded to the pool's dtype for the dot as the float kernel rounds ``P`` (in a float16 pool a
+product below 2^-14 keeps fewer bits: a subnormal, the terms that contribute least). **With value groups**
+(``groups > 1``) each channel group has its own scale, and the tile is dequantized in registers,
+``k = zero + scale · code`` in float32, then rounded to the pool's dtype as
+:meth:`~kvtrim.cache.quantized_block_pool.QuantizedBlockPool.read_keys` returns it.
 
 No host reads: lengths, block ids and positions are loaded on the device; the grid and buffers depend on the shapes
 only (CUDA graphs capture it as they capture the float kernel). Checked on CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``, tests/cache/test_triton_paged_quant.py) against dequantize-then-attention, and built for
-sm_90 with Triton's bundled ``ptxas`` (tests/cache/test_triton_paged_quant_compile.py: tensor-core dots, no
-register spills); not yet run or measured on a GPU.
+(``TRITON_INTERPRET=1``, tests/cache/test_triton_paged_quant.py) against attention over the dequantized entries,
+built for sm_90 with Triton's bundled ``ptxas`` (tests/cache/test_triton_paged_quant_compile.py: tensor-core dots,
+no register spills), and run and timed on an H100 and an H200 (docs/gpu-check.md).
 """
 
 from __future__ import annotations
@@ -55,11 +54,12 @@ __all__ = ["QUANT_FORMATS", "interpreter_on", "paged_decode_quant"]
 QUANT_FORMATS = ("int8", "int4", "fp8")  # the packed formats the kernel reads (KVQuant.name)
 _FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2}
 # the device functions the kernels call, bound per mode by _bind_device_functions
-_fp8 = _affine = _entries = _bf16 = None
+_fp8 = _fp8n = _affine = _codes = _entries = _bf16 = None
 
 
 def _fp8_to_float(b):
-    """uint8 float8 e4m3 bit patterns -> float32 (exact; the NaN pattern never occurs in the pool)."""
+    """uint8 float8 e4m3 bit patterns -> float32 with integer operations (exact; the NaN pattern never occurs in the
+    pool), for devices without e4m3 conversion instructions (before sm_89)."""
     b = b.to(tl.int32)
     exp = (b >> 3) & 15
     man = b & 7
@@ -68,6 +68,12 @@ def _fp8_to_float(b):
     # The sign goes in as a bit: compiled for a GPU, ``-mag`` turned the -0 pattern into +0.
     sign = (b >> 7).to(tl.uint32) << 31
     return (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+def _fp8_native(b):
+    """uint8 float8 e4m3 bit patterns -> float32 by the hardware's conversion (sm_89 and later; Triton's interpreter
+    converts them too)."""
+    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 def _round_to_bf16(x):
@@ -90,23 +96,34 @@ def _group_affine(scale_ptr, zero_ptr, slot, ok, ch, mask, GROUPS: tl.constexpr,
     return scale, zero
 
 
-def _load_entries(codes_ptr, scale_ptr, zero_ptr, slot, ok, FMT: tl.constexpr, D: tl.constexpr,
-                  GROUPS: tl.constexpr, VG: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                  BLOCK_N: tl.constexpr):  # fmt: skip
-    """The entries at ``slot [BLOCK_N]`` dequantized, as float32 ``(even, odd)`` channels ``[BLOCK_N, HALF_PAD]``
-    (channel ``2h`` and ``2h + 1`` at column ``h``; 0 where masked)."""
+def _load_codes(codes_ptr, slot, ok, FMT: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_FP8: tl.constexpr):  # fmt: skip
+    """The codes of the entries at ``slot [BLOCK_N]`` as float32 numbers ``(even, odd)`` ``[BLOCK_N, HALF_PAD]``
+    (channel ``2h`` and ``2h + 1`` at column ``h``; 0 where masked): small integers or e4m3 values, each exact in
+    float16 and bfloat16."""
     offs_h = tl.arange(0, HALF_PAD)
-    even_mask = ok[:, None] & (offs_h * 2 < D)[None, :]
-    odd_mask = ok[:, None] & (offs_h * 2 + 1 < D)[None, :]
     if FMT == 1:  # int4: byte h holds channels 2h (low nibble) and 2h + 1 (high nibble)
-        byte = tl.load(codes_ptr + slot[:, None] * HALF + offs_h[None, :], mask=even_mask, other=0).to(tl.int32)
+        byte = tl.load(codes_ptr + slot[:, None] * HALF + offs_h[None, :], mask=ok[:, None] & (offs_h * 2 < D)[None, :],
+                       other=0).to(tl.int32)  # fmt: skip
         even, odd = (byte & 15).to(tl.float32), (byte >> 4).to(tl.float32)
     else:  # one byte per channel: the entry's row of bytes in one contiguous load, then split even / odd
         offs_c = tl.arange(0, 2 * HALF_PAD)
         byte = tl.load(codes_ptr + slot[:, None] * D + offs_c[None, :], mask=ok[:, None] & (offs_c < D)[None, :],
                        other=0)  # fmt: skip
-        code = _fp8(byte) if FMT == 2 else byte.to(tl.float32)
+        code = (_fp8n(byte) if NATIVE_FP8 else _fp8(byte)) if FMT == 2 else byte.to(tl.float32)
         even, odd = tl.split(tl.reshape(code, [BLOCK_N, HALF_PAD, 2]))
+    return even, odd
+
+
+def _load_entries(codes_ptr, scale_ptr, zero_ptr, slot, ok, FMT: tl.constexpr, D: tl.constexpr,
+                  GROUPS: tl.constexpr, VG: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NATIVE_FP8: tl.constexpr):  # fmt: skip
+    """The entries at ``slot [BLOCK_N]`` dequantized (``zero + scale · code`` per channel), as float32 ``(even, odd)``
+    channels ``[BLOCK_N, HALF_PAD]`` (0 where masked): the path for value groups (``GROUPS > 1``)."""
+    offs_h = tl.arange(0, HALF_PAD)
+    even_mask = ok[:, None] & (offs_h * 2 < D)[None, :]
+    odd_mask = ok[:, None] & (offs_h * 2 + 1 < D)[None, :]
+    even, odd = _codes(codes_ptr, slot, ok, FMT, D, HALF, HALF_PAD, BLOCK_N, NATIVE_FP8)
     scale, zero = _affine(scale_ptr, zero_ptr, slot, ok, offs_h * 2, even_mask, GROUPS, VG)
     even = tl.where(even_mask, even * scale + zero, 0.0)
     if GROUPS != 1:  # with an odd value_group (int8, fp8) channel 2h + 1 may sit in another group than 2h
@@ -119,12 +136,16 @@ def _quant_partial_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, score_ptr,
     stride_qr, stride_qg, stride_tr, chunk, score_len, n_splits, scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr, FMT: tl.constexpr, GROUPS: tl.constexpr, VG: tl.constexpr, METRIC: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF_PAD: tl.constexpr, FMT: tl.constexpr, GROUPS: tl.constexpr, VG: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    METRIC: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program ``(row, split)``: the split's online softmax over the packed entries of tokens ``[split·chunk,
     min((split+1)·chunk, length))``, written as the float kernel's ``m, l [rows, splits, G]`` and ``acc [rows,
-    splits, G, D]`` (float32, log2 domain); with ``METRIC`` the scaled logits to ``score``."""
+    splits, G, D]`` (float32, log2 domain); with ``METRIC`` the scaled logits to ``score``.
+
+    With one scale per entry (``GROUPS == 1``) the scale and zero point are folded out of the tile: the dots read
+    the codes themselves, the logits are ``scale · (q · code) + zero · Σq`` per entry, and ``P·V`` is
+    ``(P · scale) · code`` plus ``Σ P · zero`` per query head (module docstring)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     offs_g = tl.arange(0, G_PAD)
@@ -136,7 +157,8 @@ def _quant_partial_kernel(
     q_row = q_ptr + row * stride_qr + offs_g[:, None] * stride_qg
     q_even = tl.load(q_row + offs_h[None, :] * 2, mask=g_ok[:, None] & even_ok[None, :], other=0.0)
     q_odd = tl.load(q_row + offs_h[None, :] * 2 + 1, mask=g_ok[:, None] & odd_ok[None, :], other=0.0)
-    kv_ty = q_ptr.dtype.element_ty  # the pool's dtype: keys and values dequantized to it, as read_keys does
+    kv_ty = q_ptr.dtype.element_ty  # the pool's dtype: the dots' operands are in it
+    q_sum = tl.sum(q_even.to(tl.float32), axis=1) + tl.sum(q_odd.to(tl.float32), axis=1)  # [G_PAD]
     if DOT_F32:
         q_even, q_odd = q_even.to(tl.float32), q_odd.to(tl.float32)
     length = tl.load(len_ptr + row)
@@ -149,17 +171,29 @@ def _quant_partial_kernel(
     l_sum = tl.zeros([G_PAD], tl.float32)
     acc_even = tl.zeros([G_PAD, HALF_PAD], tl.float32)
     acc_odd = tl.zeros([G_PAD, HALF_PAD], tl.float32)
+    acc_zero = tl.zeros([G_PAD], tl.float32)  # Σ P · zero of the values (GROUPS == 1)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + offs_n
         ok = t < end
         slot = tl.load(table_row + t // BS, mask=ok, other=0).to(tl.int64) * BS + t % BS
-        k_even, k_odd = _entries(kc_ptr, ks_ptr, kz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N)
-        if DOT_F32:  # bfloat16 values held in float32 (the interpreter's bf16 dot), rounded as a GPU rounds
-            k_even, k_odd = _bf16(k_even), _bf16(k_odd)
-        else:  # rounded to the pool's dtype, as read_keys returns them
-            k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
-        s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
-        s = (s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)) * scale_log2  # [G_PAD, BLOCK_N]
+        if GROUPS == 1:
+            k_even, k_odd = _codes(kc_ptr, slot, ok, FMT, D, HALF, HALF_PAD, BLOCK_N, NATIVE_FP8)
+            k_scale = tl.load(ks_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+            k_zero = tl.load(kz_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+            if not DOT_F32:  # exact: the codes are small integers or e4m3 values
+                k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
+            s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
+            s = s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)  # [G_PAD, BLOCK_N]
+            s = (s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]) * scale_log2
+        else:
+            k_even, k_odd = _entries(kc_ptr, ks_ptr, kz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N,
+                                     NATIVE_FP8)  # fmt: skip
+            if DOT_F32:  # bfloat16 values held in float32 (the interpreter's bf16 dot), rounded as a GPU rounds
+                k_even, k_odd = _bf16(k_even), _bf16(k_odd)
+            else:  # rounded to the pool's dtype, as read_keys returns them
+                k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
+            s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
+            s = (s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)) * scale_log2  # [G_PAD, BLOCK_N]
         s = tl.where(ok[None, :], s, float("-inf"))
         if METRIC:
             tl.store(score_row + t[None, :], s, mask=g_ok[:, None] & ok[None, :])
@@ -167,15 +201,30 @@ def _quant_partial_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v_even, v_odd = _entries(vc_ptr, vs_ptr, vz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N)
-        if DOT_F32:
-            p, v_even, v_odd = _bf16(p), _bf16(v_even), _bf16(v_odd)
-        else:  # P·V in the pool's dtype, as the float kernel does
-            p, v_even, v_odd = p.to(kv_ty), v_even.to(kv_ty), v_odd.to(kv_ty)
+        if GROUPS == 1:
+            v_even, v_odd = _codes(vc_ptr, slot, ok, FMT, D, HALF, HALF_PAD, BLOCK_N, NATIVE_FP8)
+            v_scale = tl.load(vs_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+            v_zero = tl.load(vz_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+            acc_zero = acc_zero * alpha + tl.sum(p * v_zero[None, :], axis=1)
+            p = p * v_scale[None, :]
+            if DOT_F32:
+                p = _bf16(p)
+            else:
+                p, v_even, v_odd = p.to(kv_ty), v_even.to(kv_ty), v_odd.to(kv_ty)
+        else:
+            v_even, v_odd = _entries(vc_ptr, vs_ptr, vz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N,
+                                     NATIVE_FP8)  # fmt: skip
+            if DOT_F32:
+                p, v_even, v_odd = _bf16(p), _bf16(v_even), _bf16(v_odd)
+            else:  # P·V in the pool's dtype, as the float kernel does
+                p, v_even, v_odd = p.to(kv_ty), v_even.to(kv_ty), v_odd.to(kv_ty)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
         m = m_new
 
+    if GROUPS == 1:
+        acc_even += acc_zero[:, None]
+        acc_odd += acc_zero[:, None]
     part = row.to(tl.int64) * n_splits + split
     tl.store(m_ptr + part * G + offs_g, m, mask=g_ok)
     tl.store(l_ptr + part * G + offs_g, l_sum, mask=g_ok)
@@ -194,14 +243,15 @@ def _prune(configs, named_args, **kwargs):
 @functools.cache
 def _device_functions(interpret: bool) -> dict:
     """The kernel's device functions wrapped in the mode in force (``interpret`` is the cache key only)."""
-    return {"_fp8": triton.jit(_fp8_to_float), "_affine": triton.jit(_group_affine),
-            "_entries": triton.jit(_load_entries), "_bf16": triton.jit(_round_to_bf16)}  # fmt: skip
+    return {"_fp8": triton.jit(_fp8_to_float), "_fp8n": triton.jit(_fp8_native), "_affine": triton.jit(_group_affine),
+            "_codes": triton.jit(_load_codes), "_entries": triton.jit(_load_entries),
+            "_bf16": triton.jit(_round_to_bf16)}  # fmt: skip
 
 
 def _bind_device_functions(interpret: bool) -> None:
-    """Point the names the kernels call (``_fp8``, ``_affine``, ``_entries``, ``_bf16``) at the device functions of
-    this mode: ``triton.jit`` picks interpreted or compiled when it wraps, and a kernel of one mode cannot call a
-    function of the other."""
+    """Point the names the kernels call (``_fp8``, ``_fp8n``, ``_affine``, ``_codes``, ``_entries``, ``_bf16``) at the
+    device functions of this mode: ``triton.jit`` picks interpreted or compiled when it wraps, and a kernel of one
+    mode cannot call a function of the other."""
     globals().update(_device_functions(interpret))
 
 
@@ -215,6 +265,20 @@ def _bound_partial(interpret: bool):
     """:func:`_partial`, with the device functions it calls bound to the same mode."""
     _bind_device_functions(interpret)
     return _partial(interpret)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether the kernel decodes fp8 codes with the device's e4m3 conversion: CUDA from compute capability 8.9 on,
+    and Triton's interpreter (a CPU tensor); older GPUs take the integer decoder. A property of the device, read
+    once per device (no tensor is read)."""
+    if device.type != "cuda":
+        return True
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def check_format(kv_quant: str | KVQuant) -> KVQuant:
@@ -280,7 +344,8 @@ def paged_decode_quant(
         if not all(t.is_contiguous() for t in (side.codes, side.scale, side.zero)):
             raise InvalidParameterError(f"{name}: the pool's codes, scales and zero points must be contiguous")
     half = (d + 1) // 2
-    consts = dict(D=d, HALF=half, HALF_PAD=max(16, _pow2(half)), FMT=_FMT_CODE[fmt.name], GROUPS=groups, VG=d // groups)
+    consts = dict(D=d, HALF=half, HALF_PAD=max(16, _pow2(half)), FMT=_FMT_CODE[fmt.name], GROUPS=groups, VG=d // groups,
+                  NATIVE_FP8=native_fp8(q.device))  # fmt: skip
     return split_k_decode(
         q, q.dtype, (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero), seqlens,
         block_table, block_size, scale, metric, _bound_partial, consts, num_splits=num_splits, block_n=block_n,

@@ -48,6 +48,7 @@ __all__ = [
     "capture_decoding_queries",
     "continuation_fidelity",
     "continuation_nll",
+    "kl_divergence",
     "layer_errors",
     "prefill",
     "text_fidelity",
@@ -300,8 +301,9 @@ class ContinuationFidelity:
         return out
 
 
-def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """``KL(p || q)`` over the last axis from log-distributions; clamped at 0 against rounding."""
+def kl_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``KL(p || q)`` over the last axis from log-distributions ``[..., vocab]`` (``[...]``); clamped at 0 against
+    rounding."""
     return (log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0.0)
 
 
@@ -366,7 +368,7 @@ def continuation_fidelity(
         before = pre.cache.stats()
         nll_full, lp_full = _reference(pre, model, cont)
         nll_comp, lp_comp = continuation_nll(model, compressed, pre.mask, pre.logits, cont)
-        kl = _kl(lp_full, lp_comp).mean(0)  # [m]
+        kl = kl_divergence(lp_full, lp_comp).mean(0)  # [m]
         tok = cont.unsqueeze(-1)
         nll_pos_full = -lp_full.gather(-1, tok).squeeze(-1).mean(0)
         nll_pos_comp = -lp_comp.gather(-1, tok).squeeze(-1).mean(0)

@@ -16,6 +16,7 @@ captured into it lives.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -83,7 +84,8 @@ class DecodeGraphRunner:
 
     Attributes:
         captures: graphs captured; replays: steps replayed from a graph; eager_steps: static steps run eagerly;
-        invalidations: times the shared block table moved (it grew), which drops every captured graph
+        invalidations: times the shared block table moved (it grew), which drops every captured graph;
+        capture_s: wall seconds spent in captures (their warm-up forwards included; each capture synchronizes)
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class DecodeGraphRunner:
         self._table: torch.Tensor | None = None  # the shared block table the graphs read
         self._mempool = GraphMemPool() if capture else None
         self.captures = self.replays = self.eager_steps = self.invalidations = 0
+        self.capture_s = 0.0
 
     def handles(self, n: int) -> bool:
         """Whether a decode batch of ``n`` sequences runs here (its bucket is at most ``max_batch``)."""
@@ -179,6 +182,7 @@ class DecodeGraphRunner:
         allocator before every capture: each graph captured later (a new bucket key, or a recapture after the table
         grew) would hand its memory back to the driver and allocate it again, with a device-wide synchronization.
         Every graph here shares one memory pool, so there is nothing to free between captures."""
+        t0 = time.perf_counter()
         entry.cache.load_padding(sequences)
         device = self.pool.device
         stream = torch.cuda.Stream(device=device)
@@ -204,6 +208,7 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(device)
         entry.graph, entry.logits = graph, logits
         self.captures += 1
+        self.capture_s += time.perf_counter() - t0
 
     def _drop_graphs(self) -> None:
         self.invalidations += 1
