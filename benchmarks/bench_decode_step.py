@@ -1,15 +1,15 @@
 """Engine decode-step time vs. decode batch (the engine's H100 target: a step at batch 32 <= 1.5x the step at 4).
 
 For each batch size ``b`` a fresh :class:`kvtrim.serve.engine.Engine` gets ``b`` prompts of ``--context`` tokens
-(prose from the jargon haystack, as ``bench_serving_throughput.py``) and a pool that holds all of them uncompressed,
-so nothing waits, nothing is preempted, and the decode batch stays ``b``. Once every prompt is prefilled (and, at
-``--rate`` > 1, compressed), the engine takes ``--warmup`` steps, then ``--steps`` timed steps; each step is one
-batched decode forward plus, with continual compression, one batched eviction. Recorded per batch: step wall ms
-(the whole ``Engine.step``), decode ms (the decode forward up to its token read, from ``EngineStats.decode_s``),
-compression ms per step, KV entries held per sequence, the decode attention / graph counters the engine reports,
-and the aten ops of one more step (counted with a dispatch mode: on an accelerator each non-view op is a kernel
-launch of an eager step; ``--shape llama-8b-narrow`` has llama-8b's layers and heads at a width a CPU can run, so
-the same op count).
+(prose from the jargon haystack, as ``bench_serving_throughput.py``) and a pool that holds each of them twice
+uncompressed, so nothing waits, nothing is preempted, and the decode batch stays ``b``. Once every prompt is
+prefilled (and, at ``--rate`` > 1, compressed), the engine takes ``--warmup`` steps, then ``--steps`` timed steps;
+each step is one batched decode forward plus, with continual compression, one batched eviction. Recorded per batch:
+step wall ms (the whole ``Engine.step``), decode ms (the decode forward up to its token read, from
+``EngineStats.decode_s``), compression ms per step, KV entries held per sequence, the decode attention / graph
+counters the engine reports, and the aten ops of one more step (counted with a dispatch mode: on an accelerator each
+non-view op is a kernel launch of an eager step; ``--shape llama-8b-narrow`` has llama-8b's layers and heads at a
+width a CPU can run, so the same op count).
 
 Nothing here is specific to a device: ``--shape llama-8b --device cuda --dtype bfloat16 --cuda-graphs`` is the GPU
 run of the issue; the default (SmolLM2, CPU, fp32) is what this repository's CPU machine can run.
@@ -83,7 +83,10 @@ def measure(model, tok, prompts: list[list[int]], args) -> dict:
     # worst one chunk per step); the requests are cancelled once measured.
     max_tokens = b * math.ceil(args.context / args.prefill_chunk) + args.warmup + args.steps + 3
     total = args.context + max_tokens + 1
-    blocks = b * cfg.num_hidden_layers * cfg.num_key_value_heads * math.ceil(total / args.block_size)
+    # Twice every sequence uncompressed: admission counts a running sequence for what it holds and a newcomer for its
+    # projected (compressed) size plus its first prefill chunk, uncompressed; with one pool's worth the second of two
+    # prompts shorter than a chunk waited for the first to finish.
+    blocks = 2 * b * cfg.num_hidden_layers * cfg.num_key_value_heads * math.ceil(total / args.block_size)
     engine = Engine(
         model, tok, kv_blocks=blocks, block_size=args.block_size, compression_rate=args.rate, method=args.method,
         protected_window=args.protected_window, min_cache_tokens=args.min_cache_tokens,

@@ -39,6 +39,21 @@ def test_tiny_run_measures_each_batch_at_its_size(bench, tmp_path, extra):
     assert "| 3 |" in md and "static decode " + ("on" if extra else "off") in md
 
 
+def test_prompts_shorter_than_a_chunk_decode_together_on_a_quantized_pool(bench, tmp_path):
+    """Two prompts shorter than a prefill chunk, with a budget above their length (nothing to compress at first):
+    admission counts the second for its projection plus its whole prompt uncompressed, and the pool leaves room
+    for both, so the batch is 2 (a pool of one uncompressed copy each ran them one after the other). The packed
+    pool's format is recorded."""
+    result = bench.main(
+        ["--shape", "tiny", "--batches", "2", "--context", "100", "--steps", "2", "--warmup", "1",
+         "--kv-quant", "int8", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    (row,) = result["rows"]
+    assert row["batch"] == 2 and row["step_ms_median"] > 0
+    assert result["meta"]["kv_quant"] == "int8"
+    assert "KV entries int8" in (tmp_path / "decode_step.md").read_text()
+
+
 def test_cuda_graphs_on_a_cpu_is_refused(bench, tmp_path):
     from kvtrim.errors import InvalidParameterError
 
