@@ -12,7 +12,7 @@ non-view op is a kernel launch of an eager step; ``--shape llama-8b-narrow`` has
 width a CPU can run, so the same op count).
 
 Nothing here is specific to a device: ``--shape llama-8b --device cuda --dtype bfloat16 --cuda-graphs`` is the GPU
-run of the issue; the default (SmolLM2, CPU, fp32) is what this repository's CPU machine can run.
+run; the default (SmolLM2, CPU, fp32) is what this repository's CPU machine can run.
 
 Usage::
 

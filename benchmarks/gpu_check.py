@@ -75,7 +75,7 @@ SUBPROCESS_LIMIT_S = 450
 STEP_KERNELS = ("gather", "triton", "flash")
 REQUIRED_KERNELS = ("gather", "triton")
 
-# Per device: the shape and sizes of every stage. CUDA: the llama-8b runs; CPU: the same code, tiny.
+# Per device: the shape and sizes of every stage. CUDA: docs/gpu-check.md's llama-8b runs; CPU: the same code, tiny.
 PROFILES: dict[str, dict[str, Any]] = {
     "cuda": {
         "dtype": "bfloat16",
