@@ -84,15 +84,12 @@ def _round_to_bf16(x):
     return b.to(tl.float32, bitcast=True)
 
 
-def _group_affine(scale_ptr, zero_ptr, slot, ok, ch, mask, GROUPS: tl.constexpr, VG: tl.constexpr):
-    """``(scale, zero)`` float32 of channels ``ch`` of the entries at ``slot`` (``[BLOCK_N, 1]`` with one group)."""
-    if GROUPS == 1:
-        scale = tl.load(scale_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
-        zero = tl.load(zero_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
-    else:
-        s_off = slot[:, None] * GROUPS + (ch // VG)[None, :]
-        scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+def _group_affine(scale_ptr, zero_ptr, slot, mask, ch, GROUPS: tl.constexpr, VG: tl.constexpr):
+    """``(scale, zero)`` float32 ``[BLOCK_N, len(ch)]`` of channels ``ch`` of the entries at ``slot`` (value groups:
+    ``GROUPS > 1``)."""
+    s_off = slot[:, None] * GROUPS + (ch // VG)[None, :]
+    scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
     return scale, zero
 
 
@@ -124,10 +121,10 @@ def _load_entries(codes_ptr, scale_ptr, zero_ptr, slot, ok, FMT: tl.constexpr, D
     even_mask = ok[:, None] & (offs_h * 2 < D)[None, :]
     odd_mask = ok[:, None] & (offs_h * 2 + 1 < D)[None, :]
     even, odd = _codes(codes_ptr, slot, ok, FMT, D, HALF, HALF_PAD, BLOCK_N, NATIVE_FP8)
-    scale, zero = _affine(scale_ptr, zero_ptr, slot, ok, offs_h * 2, even_mask, GROUPS, VG)
+    scale, zero = _affine(scale_ptr, zero_ptr, slot, even_mask, offs_h * 2, GROUPS, VG)
     even = tl.where(even_mask, even * scale + zero, 0.0)
-    if GROUPS != 1:  # with an odd value_group (int8, fp8) channel 2h + 1 may sit in another group than 2h
-        scale, zero = _affine(scale_ptr, zero_ptr, slot, ok, offs_h * 2 + 1, odd_mask, GROUPS, VG)
+    # with an odd value_group (int8, fp8) channel 2h + 1 may sit in another group than 2h
+    scale, zero = _affine(scale_ptr, zero_ptr, slot, odd_mask, offs_h * 2 + 1, GROUPS, VG)
     odd = tl.where(odd_mask, odd * scale + zero, 0.0)
     return even, odd
 
@@ -176,48 +173,41 @@ def _quant_partial_kernel(
         t = t0 + offs_n
         ok = t < end
         slot = tl.load(table_row + t // BS, mask=ok, other=0).to(tl.int64) * BS + t % BS
-        if GROUPS == 1:
+        if GROUPS == 1:  # the codes themselves (exact in the pool's dtype); scale and zero point per entry
             k_even, k_odd = _codes(kc_ptr, slot, ok, FMT, D, HALF, HALF_PAD, BLOCK_N, NATIVE_FP8)
             k_scale = tl.load(ks_ptr + slot, mask=ok, other=0.0).to(tl.float32)
             k_zero = tl.load(kz_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-            if not DOT_F32:  # exact: the codes are small integers or e4m3 values
-                k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
-            s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
-            s = s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)  # [G_PAD, BLOCK_N]
-            s = (s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]) * scale_log2
-        else:
+        else:  # dequantized per channel group
             k_even, k_odd = _entries(kc_ptr, ks_ptr, kz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N,
                                      NATIVE_FP8)  # fmt: skip
-            if DOT_F32:  # bfloat16 values held in float32 (the interpreter's bf16 dot), rounded as a GPU rounds
-                k_even, k_odd = _bf16(k_even), _bf16(k_odd)
-            else:  # rounded to the pool's dtype, as read_keys returns them
-                k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
-            s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
-            s = (s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)) * scale_log2  # [G_PAD, BLOCK_N]
-        s = tl.where(ok[None, :], s, float("-inf"))
+        if DOT_F32:  # bfloat16 values held in float32 (the interpreter's bf16 dot), rounded as a GPU rounds
+            k_even, k_odd = _bf16(k_even), _bf16(k_odd)
+        else:  # rounded to the pool's dtype, as read_keys returns them
+            k_even, k_odd = k_even.to(kv_ty), k_odd.to(kv_ty)
+        s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
+        s = s + tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)  # [G_PAD, BLOCK_N]
+        if GROUPS == 1:
+            s = s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
+        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
         if METRIC:
             tl.store(score_row + t[None, :], s, mask=g_ok[:, None] & ok[None, :])
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        if GROUPS == 1:
+        if GROUPS == 1:  # (P · scale) · code, and Σ P · zero per query head
             v_even, v_odd = _codes(vc_ptr, slot, ok, FMT, D, HALF, HALF_PAD, BLOCK_N, NATIVE_FP8)
             v_scale = tl.load(vs_ptr + slot, mask=ok, other=0.0).to(tl.float32)
             v_zero = tl.load(vz_ptr + slot, mask=ok, other=0.0).to(tl.float32)
             acc_zero = acc_zero * alpha + tl.sum(p * v_zero[None, :], axis=1)
             p = p * v_scale[None, :]
-            if DOT_F32:
-                p = _bf16(p)
-            else:
-                p, v_even, v_odd = p.to(kv_ty), v_even.to(kv_ty), v_odd.to(kv_ty)
         else:
             v_even, v_odd = _entries(vc_ptr, vs_ptr, vz_ptr, slot, ok, FMT, D, GROUPS, VG, HALF, HALF_PAD, BLOCK_N,
                                      NATIVE_FP8)  # fmt: skip
-            if DOT_F32:
-                p, v_even, v_odd = _bf16(p), _bf16(v_even), _bf16(v_odd)
-            else:  # P·V in the pool's dtype, as the float kernel does
-                p, v_even, v_odd = p.to(kv_ty), v_even.to(kv_ty), v_odd.to(kv_ty)
+        if DOT_F32:
+            p, v_even, v_odd = _bf16(p), _bf16(v_even), _bf16(v_odd)
+        else:  # P·V in the pool's dtype, as the float kernel does
+            p, v_even, v_odd = p.to(kv_ty), v_even.to(kv_ty), v_odd.to(kv_ty)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
         m = m_new
