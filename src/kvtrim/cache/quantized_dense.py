@@ -241,32 +241,38 @@ class QuantizedDenseStore(SlotBookkeeping):
         if self.window_length == 0 and ns == 0:
             return dequantize_values(self._vc, self._vs, self._vz, self.kv_quant, self.dtype)
         v = torch.empty(*self._wv.shape[:2], self.length, self.head_dim, dtype=self.dtype, device=self._wv.device)
-        if ns:
-            v[:, :, :ns] = self._sv
-        if nq:
-            dequantize_values(self._vc, self._vs, self._vz, self.kv_quant, self.dtype, out=v[:, :, ns : ns + nq])
-        if self.window_length:
-            v[:, :, ns + nq :] = self._wv
+        self.dequantize_into(None, v)
         return v
 
-    def dequantize_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write the entries, as attention sees them, into ``keys`` ``[batch, kv_heads, length, key_dim]`` and
-        ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the sink, the quantized
-        part dequantized, then the window."""
+    def compaction_entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` a compaction quantizes its kept entries from: the float keys while this store holds
+        them (:attr:`source_keys`; the values dequantized alone), else :meth:`dequantized`."""
+        if self._source is not None:
+            return self._source, self.dequantized_values()
+        return self.dequantized()
+
+    def dequantize_into(self, keys: torch.Tensor | None, values: torch.Tensor) -> None:
+        """Write the entries, as attention sees them, into ``keys`` ``[batch, kv_heads, length, key_dim]`` (None:
+        values only) and ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the
+        sink, the quantized part dequantized, then the window."""
         fmt, ns, nq = self.kv_quant, self.sink_length, self.quantized_length
         if ns:
-            keys[:, :, :ns] = self._sk
             values[:, :, :ns] = self._sv
+        if nq:
+            dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, ns : ns + nq])
+        if self.window_length:
+            values[:, :, ns + nq :] = self._wv
+        if keys is None:
+            return
+        if ns:
+            keys[:, :, :ns] = self._sk
         for s0, s1, g0, g1 in self._key_segments():
             dequantize_keys(
                 self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], fmt, self.dtype,
                 out=keys[:, :, ns + s0 : ns + s1],
             )  # fmt: skip
-        if nq:
-            dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, ns : ns + nq])
         if self.window_length:
             keys[:, :, ns + nq :] = self._wk
-            values[:, :, ns + nq :] = self._wv
 
     # ------------------------------------------------------------------ growth
     def _reserve_positions(self, extra: int) -> None:
@@ -338,10 +344,8 @@ class QuantizedDenseStore(SlotBookkeeping):
         Kept values that were quantized keep their codes and scales; kept keys are regrouped (module docstring).
         """
         fmt, old_ns, old_nq, k = self.kv_quant, self.sink_length, self.quantized_length, indices.shape[2]
-        if self._source is not None:  # quantize kept keys once, from the float keys (module docstring)
-            keys, values, self._source = self._source, self.dequantized_values(), None
-        else:
-            keys, values = self.dequantized()
+        keys, values = self.compaction_entries()  # kept keys quantized once from the float keys (module docstring)
+        self._source = None
         idx = indices.unsqueeze(-1)
         kept_k = torch.gather(keys, 2, idx.expand(-1, -1, -1, self.key_dim))
         kept_v = torch.gather(values, 2, idx.expand(-1, -1, -1, self.head_dim))

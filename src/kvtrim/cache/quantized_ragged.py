@@ -136,10 +136,7 @@ class QuantizedRaggedStore:
         need = max(sink_w + width, longest, 1)
         if idx.shape[-1] < need:
             idx = torch.cat([idx, idx.new_zeros(b, h, need - idx.shape[-1])], -1)
-        if store.source_keys is not None:  # quantize kept keys once, from the float keys
-            keys, values = store.source_keys, store.dequantized_values()
-        else:
-            keys, values = store.dequantized()
+        keys, values = store.compaction_entries()  # kept keys quantized once from the float keys, where held
         positions_all = store.positions
 
         def take(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
