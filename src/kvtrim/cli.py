@@ -150,8 +150,8 @@ def generate(
         typer.Option(
             "--kv-quant",
             help="hold the kept entries as int8, int4 or fp8, optionally with settings, e.g. int4:group_size=64; "
-            "int4 keeps a 32-entry full-precision window by default (int4:residual=0 packs every full group) "
-            "(docs/quantization.md)",
+            "int4 keeps a 32-entry full-precision window by default (int4:residual=0 packs every full group); "
+            "rotate=1 quantizes in a rotated basis (docs/quantization.md)",
         ),
     ] = None,
 ) -> None:
@@ -313,8 +313,8 @@ def eval_command(
         typer.Option(
             "--kv-quant",
             help="hold every config's entries as int8, int4 or fp8, optionally with settings, e.g. "
-            "int4:group_size=64; int4 keeps a 32-entry full-precision window by default (int4:residual=0 packs "
-            "every full group); recorded with every setting resolved (one format per --out)",
+            "int4:group_size=64,sink=1,rotate=1; int4 keeps a 32-entry full-precision window by default "
+            "(int4:residual=0 packs every full group); recorded with every setting resolved (one format per --out)",
         ),
     ] = None,
 ) -> None:

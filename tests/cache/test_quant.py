@@ -136,7 +136,9 @@ def test_default_residual_windows_come_from_one_table():
     assert KVQuant("int8", residual=16).residual == 16
     assert resolve_kv_quant("int4:residual=0") == KVQuant("int4", residual=0) != KVQuant("int4")
     assert resolve_kv_quant("int4:group_size=64").residual == 32
-    assert repr(KVQuant("int4")) == "KVQuant(name='int4', group_size=32, residual=32, value_group=None, sink=0)"
+    assert repr(KVQuant("int4")) == (
+        "KVQuant(name='int4', group_size=32, residual=32, value_group=None, sink=0, rotate=False)"
+    )
 
 
 def test_spec_names_every_resolved_setting_and_reads_back():
@@ -164,7 +166,7 @@ def test_resolve_kv_quant_spec_strings():
     )
     for bad, match in [
         ("int4:", "nothing after ':'"),
-        ("int4:size=3", "fields \\('group_size', 'residual', 'value_group', 'sink'\\), each once"),
+        ("int4:size=3", "fields \\('group_size', 'residual', 'value_group', 'sink', 'rotate'\\), each once"),
         ("int4:residual=1,residual=2", "each once"),
         ("int4:group_size=x", "group_size must be an integer, got 'x'"),
         ("int4:group_size=0", "group_size must be an integer >= 1"),

@@ -17,6 +17,13 @@
   read back as a number is the float8 value (``x ~ code * scale``); the relative error of an element is at most
   2^-4 of its own magnitude (3 mantissa bits) above the float8 subnormal range.
 
+* **Rotation** (``rotate``, off by default): keys and values are quantized as ``x @ R``, ``R`` a fixed orthogonal
+  matrix (:func:`rotation`, a Hadamard transform with fixed random signs; QuaRot, arXiv 2404.00456). A channel
+  carrying outliers (RoPE'd keys have several) then spreads over every channel of its Hadamard block, so the ranges
+  a group shares narrow. Codes, scales and bytes keep their shapes; :func:`dequantize_keys` /
+  :func:`dequantize_values` return the model's channels unless asked for the rotated basis, which attention reads
+  with a rotated query (``q·k = (qR)·(kR)``) and an output rotated back (``p·V = (p·VR)Rᵀ``).
+
 Packed bytes of one entry (key + value, per head): ``2 * head_dim * bits / 8``, plus its share of the scales:
 ``4 * head_dim / group_size`` (keys) and ``4 * head_dim / value_group`` (values), 4 = float16 scale + zero.
 A store's full-precision window (``residual``, KIVI's ``R``) holds its newest entries in the model's dtype, and its
@@ -35,6 +42,7 @@ from ..errors import InvalidParameterError
 __all__ = [
     "DEFAULT_GROUP_SIZE",
     "DEFAULT_RESIDUAL",
+    "DEFAULT_ROTATE",
     "DEFAULT_SINK",
     "KV_QUANT_CHOICES",
     "SCALE_DTYPE",
@@ -46,6 +54,8 @@ __all__ = [
     "quantize_keys",
     "quantize_values",
     "resolve_kv_quant",
+    "rotate",
+    "rotation",
     "take_code_channels",
     "unpack_codes",
     "unpack_codes_as",
@@ -70,6 +80,9 @@ DEFAULT_RESIDUAL = {"int8": 0, "int4": 32, "fp8": 0}
 # retrieval rows of groups of 64 within 3 points, and groups of 32 with it were not swept (docs/quantization.md,
 # "The sink"). A paged block pool holds no full-precision entries (sink 0 always).
 DEFAULT_SINK = {"int8": 0, "int4": 0, "fp8": 0}
+# Keys and values quantized in a rotated basis (a fixed orthogonal transform of the channels, below) when none is
+# given: none.
+DEFAULT_ROTATE = {"int8": False, "int4": False, "fp8": False}
 _MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
 
 
@@ -91,6 +104,11 @@ class KVQuant:
             KVQuant, Hooper et al. 2024, arXiv 2401.18079, keeps the first token in full precision; its outlier
             channels would otherwise widen the first key group's range, and nearly every query attends to it).
             Default (None): 0 (see ``DEFAULT_SINK``)
+        rotate: quantize keys and values in a rotated basis, ``x @ R`` with ``R`` a fixed orthogonal matrix
+            (:func:`rotation`: a block-diagonal Hadamard transform with fixed random signs; QuaRot, Ashkboos et al.
+            2024, arXiv 2404.00456): an outlier channel's magnitude is spread over every channel, so group ranges
+            shrink. Attention never rotates the stored entries back: it rotates the query and the output instead
+            (``q·k = (qR)·(kR)``, ``p·V = (p·VR)Rᵀ``). Default (None): off (see ``DEFAULT_ROTATE``)
     """
 
     name: str
@@ -98,6 +116,7 @@ class KVQuant:
     residual: int | None = None
     value_group: int | None = None
     sink: int | None = None
+    rotate: bool | None = None
 
     def __post_init__(self):
         if self.name not in KV_QUANT_CHOICES:
@@ -108,6 +127,11 @@ class KVQuant:
             object.__setattr__(self, "residual", DEFAULT_RESIDUAL[self.name])
         if self.sink is None:
             object.__setattr__(self, "sink", DEFAULT_SINK[self.name])
+        if self.rotate is None:
+            object.__setattr__(self, "rotate", DEFAULT_ROTATE[self.name])
+        if self.rotate not in (True, False):  # 0 / 1 from a spec string
+            raise InvalidParameterError(f"rotate must be 0 or 1 (False or True), got {self.rotate!r}")
+        object.__setattr__(self, "rotate", bool(self.rotate))
         for field, value, low in (
             ("group_size", self.group_size, 1), ("residual", self.residual, 0), ("sink", self.sink, 0),
         ):  # fmt: skip
@@ -129,12 +153,15 @@ class KVQuant:
     @property
     def spec(self) -> str:
         """The format with every resolved setting, as :func:`resolve_kv_quant` reads it back: ``"int4:group_size=32,
-        residual=32,sink=0"`` (``value_group`` only when set). What run records and command output name, so that a
-        change of a default never makes two records with the same name hold differently quantized entries."""
+        residual=32,sink=0"`` (``value_group`` only when set, ``rotate=1`` only when on: a spec written before
+        rotation existed reads back as it was meant). What run records and command output name, so that a change of
+        a default never makes two records with the same name hold differently quantized entries."""
         settings = [f"group_size={self.group_size}", f"residual={self.residual}"]
         if self.value_group is not None:
             settings.append(f"value_group={self.value_group}")
         settings.append(f"sink={self.sink}")
+        if self.rotate:
+            settings.append("rotate=1")
         return f"{self.name}:{','.join(settings)}"
 
     @property
@@ -177,7 +204,7 @@ class KVQuant:
         )
 
 
-_SPEC_FIELDS = ("group_size", "residual", "value_group", "sink")
+_SPEC_FIELDS = ("group_size", "residual", "value_group", "sink", "rotate")
 
 
 def resolve_kv_quant(
@@ -185,6 +212,7 @@ def resolve_kv_quant(
     *,
     default_residual: int | None = None,
     default_sink: int | None = None,
+    default_rotate: bool | None = None,
 ) -> KVQuant | None:
     """``None``, a format name, a spec string or a :class:`KVQuant` -> a :class:`KVQuant` (or None).
 
@@ -194,8 +222,9 @@ def resolve_kv_quant(
     default (``DEFAULT_GROUP_SIZE``, ``DEFAULT_RESIDUAL``), except that ``default_residual`` (not None) replaces
     the default window of a name or spec string that sets no ``residual``: a store without a window (the paged
     block pool) reads ``"int4"`` as ``residual=0``; ``default_sink`` does the same for ``sink`` (the pool holds no
-    full-precision entries at all; a record written before the sink existed meant none). A :class:`KVQuant` is
-    returned as it is.
+    full-precision entries at all; a record written before the sink existed meant none) and ``default_rotate`` for
+    ``rotate`` (the pool holds the model's channels; a record written before rotation existed meant none). A
+    :class:`KVQuant` is returned as it is.
     """
     if kv_quant is None or isinstance(kv_quant, KVQuant):
         return kv_quant
@@ -221,7 +250,48 @@ def resolve_kv_quant(
         fields.setdefault("residual", default_residual)
     if default_sink is not None:
         fields.setdefault("sink", default_sink)
+    if default_rotate is not None:
+        fields.setdefault("rotate", int(default_rotate))
     return KVQuant(name, **fields)
+
+
+# ---------------------------------------------------------------------------------------------------- rotation
+_ROTATION_SEED = 20240404  # fixed: codes written by one process must be read the same way by another
+_rotations: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def rotation(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[d, d]`` float32 orthogonal ``R`` of :attr:`KVQuant.rotate`: ``diag(signs) · blockdiag(H, ..., H)``, with
+    ``H`` the normalized Sylvester-Hadamard matrix of the largest power of two dividing ``d`` (``d`` itself for
+    every power of two, e.g. 64 and 128; blocks of 16 for 80) and fixed random signs. A vector is rotated by
+    ``x @ R`` and back by ``y @ R.T``. The same matrix for every layer and head; cached per ``(d, device)``."""
+    key = (d, str(device))
+    if key not in _rotations:
+        n = d & -d  # the largest power of two dividing d
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(_ROTATION_SEED)) * 2.0 - 1.0
+        r = signs.double()[:, None] * torch.block_diag(*[h / n**0.5] * (d // n))
+        _rotations[key] = r.float().to(device)
+    return _rotations[key]
+
+
+def rotate(x: torch.Tensor, fmt: KVQuant | None, inverse: bool = False) -> torch.Tensor:
+    """``x`` ``[..., d]`` in the basis ``fmt`` quantizes in (``x @ R``; ``inverse``: back, ``x @ R.T``), in
+    ``x``'s dtype, computed in float32; ``x`` itself when ``fmt`` does not rotate."""
+    if fmt is None or not fmt.rotate:
+        return x
+    r = rotation(x.shape[-1], x.device)
+    return (x.float() @ (r.T if inverse else r)).to(x.dtype)
+
+
+def _unrotate_into(out: torch.Tensor, fmt: KVQuant, rotated: bool) -> torch.Tensor:
+    """Dequantized entries ``out`` (in the rotated basis) brought back to the model's channels in place, unless
+    ``rotated`` asks to leave them there."""
+    if fmt.rotate and not rotated:
+        out.copy_(rotate(out, fmt, inverse=True))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- packing
@@ -291,14 +361,14 @@ def _fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------- values
 def quantize_values(x: torch.Tensor, fmt: KVQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token quantization of values ``[..., n, d]``.
+    """Per-token quantization of values ``[..., n, d]`` (in the rotated basis when ``fmt.rotate``).
 
     Returns:
         codes ``[..., n, d * bits / 8]`` uint8, scale and zero ``[..., n, d / value_group]`` float16
     """
     d = x.shape[-1]
     g = fmt.value_group_for(d)
-    xg = x.float().unflatten(-1, (d // g, g))  # [..., n, groups, g]
+    xg = rotate(x.float(), fmt).unflatten(-1, (d // g, g))  # [..., n, groups, g]
     if fmt.is_float:
         scale, zero = _fp8_scale(xg.abs().amax(-1))
         return _fp8_codes(xg, scale[..., None]).flatten(-2), scale, zero
@@ -314,13 +384,15 @@ def dequantize_values(
     fmt: KVQuant,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    rotated: bool = False,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_values`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given)."""
+    """Inverse of :func:`quantize_values`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given).
+    ``rotated``: leave them in the rotated basis of ``fmt.rotate`` (for attention that rotates its output back)."""
     out = _codes_into(codes, fmt.bits, dtype, out, fmt.is_float)
     groups = scale.shape[-1]
     grouped = out.unflatten(-1, (groups, out.shape[-1] // groups))
     grouped.mul_(scale.to(dtype)[..., None]).add_(zero.to(dtype)[..., None])
-    return out
+    return _unrotate_into(out, fmt, rotated)
 
 
 def _codes_into(
@@ -358,6 +430,8 @@ def quantize_keys(
     ``fmt.group_size``; ``n`` a multiple). A store passes a smaller ``group_size`` for the one partial group a
     compaction leaves (``n`` tokens in one group).
 
+    With ``fmt.rotate`` the keys are quantized in the rotated basis (``x @ R``, :func:`rotation`).
+
     ``valid`` ``[..., n]`` (optional) marks the tokens whose range counts: padding slots, never attended to, do not
     widen their group's steps (their own codes are clamped to the range of the others).
 
@@ -368,7 +442,7 @@ def quantize_keys(
     n, g = x.shape[-2], fmt.group_size if group_size is None else group_size
     if n % g:
         raise InvalidParameterError(f"keys to quantize must fill whole groups: {n} tokens, group_size={g}")
-    xg = x.float().unflatten(-2, (n // g, g))  # [..., groups, g, d]
+    xg = rotate(x.float(), fmt).unflatten(-2, (n // g, g))  # [..., groups, g, d]
     if fmt.is_float:
         mag = xg.abs() if valid is None else xg.abs().masked_fill(~valid.unflatten(-1, (n // g, g))[..., None], 0.0)
         scale, zero = _fp8_scale(mag.amax(-2))
@@ -393,11 +467,13 @@ def dequantize_keys(
     fmt: KVQuant,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    rotated: bool = False,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: ``[..., n, d]`` in ``dtype`` (written into ``out`` when given; ``d`` is the
-    scales' last axis)."""
+    scales' last axis). ``rotated``: leave them in the rotated basis of ``fmt.rotate`` (for attention that rotates
+    its query instead)."""
     out = _codes_into(codes, fmt.bits, dtype, out, fmt.is_float, width=scale.shape[-1])
     groups = scale.shape[-2]
     grouped = out.unflatten(-2, (groups, out.shape[-2] // groups))
     grouped.mul_(scale.to(dtype)[..., None, :]).add_(zero.to(dtype)[..., None, :])
-    return out
+    return _unrotate_into(out, fmt, rotated)

@@ -45,13 +45,19 @@ def pool_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
     A name or spec string that sets no ``residual`` means ``residual=0`` here, whatever the format's default for
     the dense and ragged stores (``"int4"`` keeps a 32-entry window there, ``DEFAULT_RESIDUAL``); a window asked
     for (``"int4:residual=32"``, ``KVQuant("int4")`` whose residual is that default) is refused. The same holds for
-    ``sink`` (full-precision oldest entries): a name means ``sink=0``, a sink asked for is refused."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0)
+    ``sink`` (full-precision oldest entries): a name means ``sink=0``, a sink asked for is refused, and for
+    ``rotate`` (entries in a rotated basis), which a pool does not hold."""
+    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0, default_rotate=False)
     if fmt is not None and fmt.full_precision:
         field, value = fmt.full_precision
         raise InvalidParameterError(
             f"a paged block pool packs every entry when it is written: KVQuant.{field} must be 0, got {value} "
             f"(pass {fmt.name!r} or KVQuant({fmt.name!r}, residual=0, sink=0))"
+        )
+    if fmt is not None and fmt.rotate:
+        raise InvalidParameterError(
+            "a paged block pool holds entries in the model's channels: KVQuant.rotate must be 0 (rotated entries are "
+            "held by the dense and ragged stores: kvtrim.generate, kvtrim.compressing, kvtrim eval)"
         )
     return fmt
 

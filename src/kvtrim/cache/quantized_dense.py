@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidParameterError
 from .attention import grouped_attention
 from .dense import INVALID, DenseStore, SlotBookkeeping
 from .packed_attention import attend_padded
@@ -46,6 +47,7 @@ from .quant import (
     packed_width,
     quantize_keys,
     quantize_values,
+    rotate,
     take_code_channels,
 )
 
@@ -216,20 +218,23 @@ class QuantizedDenseStore(SlotBookkeeping):
         """``[batch, kv_heads, length, head_dim]`` the values as attention sees them (a dequantized copy)."""
         return self.dequantized_values()
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(self, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[batch, kv_heads, length, head_dim]`` in the model's dtype: the quantized part
-        dequantized, followed by the window (a transient copy of this layer)."""
+        dequantized, followed by the window (a transient copy of this layer). ``rotated``: every entry in the basis
+        of ``kv_quant.rotate`` (``x @ R``), what attention with a rotated query reads; the model's channels
+        otherwise."""
         fmt, nq = self.kv_quant, self.quantized_length
+        rotated = rotated and fmt.rotate
         if nq == 0 and self.sink_length == 0:
-            return self._wk, self._wv
+            return rotate(self._wk, fmt) if rotated else self._wk, rotate(self._wv, fmt) if rotated else self._wv
         if self.window_length == 0 and not self._partial[1] and self.sink_length == 0:
-            k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype)
-            return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype)
+            k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, rotated=rotated)
+            return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, rotated=rotated)
         # dequantize straight into the layer's buffer, the window after it (no concatenation copy)
         shape = (*self._wk.shape[:2], self.length)
         k = torch.empty(*shape, self.key_dim, dtype=self.dtype, device=self._wk.device)
         v = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self._wk.device)
-        self.dequantize_into(k, v)
+        self.dequantize_into(k, v, rotated)
         return k, v
 
     def dequantized_values(self) -> torch.Tensor:
@@ -251,28 +256,32 @@ class QuantizedDenseStore(SlotBookkeeping):
             return self._source, self.dequantized_values()
         return self.dequantized()
 
-    def dequantize_into(self, keys: torch.Tensor | None, values: torch.Tensor) -> None:
+    def dequantize_into(self, keys: torch.Tensor | None, values: torch.Tensor, rotated: bool = False) -> None:
         """Write the entries, as attention sees them, into ``keys`` ``[batch, kv_heads, length, key_dim]`` (None:
         values only) and ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the
-        sink, the quantized part dequantized, then the window."""
+        sink, the quantized part dequantized, then the window. ``rotated``: all of them in the basis of
+        ``kv_quant.rotate`` (the sink and the window rotated, the quantized part left as it is held)."""
         fmt, ns, nq = self.kv_quant, self.sink_length, self.quantized_length
+        full = (lambda x: rotate(x, fmt)) if rotated and fmt.rotate else (lambda x: x)
         if ns:
-            values[:, :, :ns] = self._sv
+            values[:, :, :ns] = full(self._sv)
         if nq:
-            dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, ns : ns + nq])
+            dequantize_values(
+                self._vc, self._vs, self._vz, fmt, self.dtype, out=values[:, :, ns : ns + nq], rotated=rotated
+            )
         if self.window_length:
-            values[:, :, ns + nq :] = self._wv
+            values[:, :, ns + nq :] = full(self._wv)
         if keys is None:
             return
         if ns:
-            keys[:, :, :ns] = self._sk
+            keys[:, :, :ns] = full(self._sk)
         for s0, s1, g0, g1 in self._key_segments():
             dequantize_keys(
                 self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], fmt, self.dtype,
-                out=keys[:, :, ns + s0 : ns + s1],
+                out=keys[:, :, ns + s0 : ns + s1], rotated=rotated,
             )  # fmt: skip
         if self.window_length:
-            keys[:, :, ns + nq :] = self._wk
+            keys[:, :, ns + nq :] = full(self._wk)
 
     # ------------------------------------------------------------------ growth
     def _reserve_positions(self, extra: int) -> None:
@@ -389,6 +398,11 @@ class QuantizedDenseStore(SlotBookkeeping):
 
         A key scale and zero point belong to one channel of one group, so the kept channels keep their codes, scales
         and zero points unchanged: the new store's keys, dequantized, are exactly this store's on those channels."""
+        if self.kv_quant.rotate:
+            raise InvalidParameterError(
+                "key channel pruning (ThinK) keeps channels of the model's keys; keys quantized with rotate=1 hold "
+                "rotated channels: use kv_quant without rotate for this method"
+            )
         b, h, dk = channels.shape
         out = QuantizedDenseStore(self.kv_quant, self.dtype, b, h, self.head_dim, self._pos.device, dk)
 
@@ -486,10 +500,15 @@ class QuantizedDenseStore(SlotBookkeeping):
         fresh, self._fresh = self._fresh, None
         if fresh_causal and fresh is not None:
             return grouped_attention(query, fresh[0], fresh[1], None, scaling, causal=True)
-        keys, values = self.dequantized()
+        rotated = self.kv_quant.rotate and self.quantized_length > 0
+        keys, values = self.dequantized(rotated)
         kpos = self.positions
         if query.shape[2] == 1:
             mask = None if self.all_valid else (kpos >= 0)[:, :, None, :]
         else:
             mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= query_positions[:, None, :, None])
-        return attend_padded(query, keys, values, mask, scaling)
+        if not rotated:
+            return attend_padded(query, keys, values, mask, scaling)
+        # entries in the rotated basis: (qR)·(kR) = q·k, and the output comes back by Rᵀ
+        out = attend_padded(rotate(query, self.kv_quant), keys, values, mask, scaling)
+        return rotate(out, self.kv_quant, inverse=True)

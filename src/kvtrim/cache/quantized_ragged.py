@@ -40,9 +40,18 @@ import dataclasses
 
 import torch
 
+from ..errors import InvalidParameterError
 from .dense import INVALID, DenseStore
 from .packed_attention import attend_padded, gather_index, gather_rows, ragged_mask
-from .quant import KVQuant, dequantize_keys, dequantize_values, quantize_keys, quantize_values, take_code_channels
+from .quant import (
+    KVQuant,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+    rotate,
+    take_code_channels,
+)
 from .quantized_dense import QuantizedDenseStore
 from .ragged import _ranges
 
@@ -198,6 +207,11 @@ class QuantizedRaggedStore:
         (ThinK), in the kept part and the tail; values, positions and row bookkeeping are shared with this store.
         Every slot and key group of row ``r = b * kv_heads + h`` keeps the channels of ``(b, h)`` with their codes,
         scales and zero points unchanged (as :meth:`QuantizedDenseStore.with_key_channels`)."""
+        if self.kv_quant.rotate:
+            raise InvalidParameterError(
+                "key channel pruning (ThinK) keeps channels of the model's keys; keys quantized with rotate=1 hold "
+                "rotated channels: use kv_quant without rotate for this method"
+            )
         b, h, dk = channels.shape
         rows = torch.arange(b * h, device=channels.device)
         per_row = channels.reshape(b * h, dk)
@@ -252,24 +266,25 @@ class QuantizedRaggedStore:
         kept = kept.masked_fill(~self._filled()[:, :, 0], INVALID)
         return torch.cat([self._spos, kept, self.tail.positions], dim=-1)
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(self, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` of a padded view ``[batch, kv_heads, sink + width + tail, key_dim / head_dim]`` in the
         model's dtype: the sink, every row's kept part (the columns past its entries hold arbitrary finite values),
-        then the tail. A transient copy of this layer."""
+        then the tail. A transient copy of this layer. ``rotated``: every entry in the basis of
+        ``kv_quant.rotate`` (what attention with a rotated query reads)."""
         b, h, w, fmt, s = self.batch_size, self.kv_heads, self._width, self.kv_quant, self.sink_width
         shape = (b, h, s + w + self.tail.length)
         keys = torch.empty(*shape, self.key_dim, dtype=self.dtype, device=self._pos.device)
         values = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self._pos.device)
         if s:
-            keys[:, :, :s] = self._sk
-            values[:, :, :s] = self._sv
+            keys[:, :, :s] = rotate(self._sk, fmt) if rotated else self._sk
+            values[:, :, :s] = rotate(self._sv, fmt) if rotated else self._sv
         if w:
             kc, vc = gather_rows(self._kc, self._index, b, h), gather_rows(self._vc, self._index, b, h)
             ks, kz = gather_rows(self._ks, self._group_index, b, h), gather_rows(self._kz, self._group_index, b, h)
             vs, vz = gather_rows(self._vs, self._index, b, h), gather_rows(self._vz, self._index, b, h)
-            dequantize_keys(kc, ks, kz, fmt, self.dtype, out=keys[:, :, s : s + w])
-            dequantize_values(vc, vs, vz, fmt, self.dtype, out=values[:, :, s : s + w])
-        self.tail.dequantize_into(keys[:, :, s + w :], values[:, :, s + w :])
+            dequantize_keys(kc, ks, kz, fmt, self.dtype, out=keys[:, :, s : s + w], rotated=rotated)
+            dequantize_values(vc, vs, vz, fmt, self.dtype, out=values[:, :, s : s + w], rotated=rotated)
+        self.tail.dequantize_into(keys[:, :, s + w :], values[:, :, s + w :], rotated)
         return keys, values
 
     def to_dense(self) -> QuantizedDenseStore:
@@ -378,14 +393,20 @@ class QuantizedRaggedStore:
         this call only, in one batched call; returns ``[batch, q, q_heads, head_dim]``. A single decoding query sees
         every stored entry of its rows; a longer chunk sees the entries whose position is not after its own."""
         self.tail._fresh = None
-        keys, values = self.dequantized()
+        fmt = self.kv_quant
+        # with rotate=1, attention reads the entries as they are held (rotated) and rotates the query and the output
+        rotated = fmt.rotate
+        keys, values = self.dequantized(rotated)
+        q = rotate(query, fmt) if rotated else query
         if query.shape[2] == 1:
             mask = torch.cat(
                 [(self._spos >= 0)[:, :, None, :], self._filled(), (self.tail.positions >= 0)[:, :, None, :]], dim=-1
             )
             empty_rows_possible = self._min_len == 0 and not (self.tail.length and self.tail.all_valid)
-            return attend_padded(query, keys, values, mask, scaling, may_be_empty=empty_rows_possible)
-        kpos = self.padded_positions()[:, :, None, :]  # dead columns at -1
-        qpos = query_positions[:, None, :, None]
-        mask = (kpos >= 0) & (kpos <= qpos) & (qpos >= 0)
-        return attend_padded(query, keys, values, mask, scaling)
+            out = attend_padded(q, keys, values, mask, scaling, may_be_empty=empty_rows_possible)
+        else:
+            kpos = self.padded_positions()[:, :, None, :]  # dead columns at -1
+            qpos = query_positions[:, None, :, None]
+            mask = (kpos >= 0) & (kpos <= qpos) & (qpos >= 0)
+            out = attend_padded(q, keys, values, mask, scaling)
+        return rotate(out, fmt, inverse=True) if rotated else out

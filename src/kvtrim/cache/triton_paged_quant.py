@@ -273,7 +273,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 def check_format(kv_quant: str | KVQuant) -> KVQuant:
     """``kv_quant`` as a :class:`KVQuant` the kernel reads, or :class:`InvalidParameterError` naming the formats."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0)  # a pool's format: a name means no window
+    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0, default_rotate=False)  # a pool's: no window
     if fmt is None or fmt.name not in QUANT_FORMATS:
         raise InvalidParameterError(
             f"the fused dequantizing Triton kernel reads kv_quant {', '.join(QUANT_FORMATS)}; got "
@@ -283,6 +283,9 @@ def check_format(kv_quant: str | KVQuant) -> KVQuant:
         field, value = fmt.full_precision
         raise InvalidParameterError(f"the fused dequantizing Triton kernel reads no full-precision entries; "
                                     f"KVQuant.{field} must be 0, got {value}")  # fmt: skip
+    if fmt.rotate:
+        raise InvalidParameterError("the fused dequantizing Triton kernel reads entries in the model's channels; "
+                                    "KVQuant.rotate must be 0")  # fmt: skip
     return fmt
 
 

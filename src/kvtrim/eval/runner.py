@@ -84,10 +84,11 @@ _CONSISTENT = (
 def _stored(name: str, value: Any) -> Any:
     """A setting as an earlier run recorded it, in today's terms: a ``kv_quant`` written before every setting was
     spelled out (``"int4"``, ``"int8:group_size=32"``) meant no full-precision window whatever the format, and one
-    written before ``sink`` existed (``"int4:group_size=32,residual=32"``) meant no sink."""
+    written before ``sink`` existed (``"int4:group_size=32,residual=32"``) meant no sink, one written before
+    ``rotate`` existed no rotation."""
     if name == "kv_quant" and isinstance(value, str):
         try:
-            return resolve_kv_quant(value, default_residual=0, default_sink=0).spec
+            return resolve_kv_quant(value, default_residual=0, default_sink=0, default_rotate=False).spec
         except InvalidParameterError:
             return value
     return value
