@@ -51,7 +51,17 @@ from .quant import (
     take_code_channels,
 )
 
-__all__ = ["QuantizedDenseStore"]
+__all__ = ["QuantizedDenseStore", "refuse_rotated_key_channels"]
+
+
+def refuse_rotated_key_channels(fmt: KVQuant) -> None:
+    """:class:`InvalidParameterError` when ``fmt`` rotates: key channel pruning (ThinK) keeps channels of the
+    model's keys, which rotated codes do not hold."""
+    if fmt.rotate:
+        raise InvalidParameterError(
+            "key channel pruning (ThinK) keeps channels of the model's keys; keys quantized with rotate=1 hold "
+            "rotated channels: use kv_quant without rotate for this method"
+        )
 
 
 class QuantizedDenseStore(SlotBookkeeping):
@@ -398,11 +408,7 @@ class QuantizedDenseStore(SlotBookkeeping):
 
         A key scale and zero point belong to one channel of one group, so the kept channels keep their codes, scales
         and zero points unchanged: the new store's keys, dequantized, are exactly this store's on those channels."""
-        if self.kv_quant.rotate:
-            raise InvalidParameterError(
-                "key channel pruning (ThinK) keeps channels of the model's keys; keys quantized with rotate=1 hold "
-                "rotated channels: use kv_quant without rotate for this method"
-            )
+        refuse_rotated_key_channels(self.kv_quant)
         b, h, dk = channels.shape
         out = QuantizedDenseStore(self.kv_quant, self.dtype, b, h, self.head_dim, self._pos.device, dk)
 

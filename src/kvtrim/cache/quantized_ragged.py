@@ -40,7 +40,6 @@ import dataclasses
 
 import torch
 
-from ..errors import InvalidParameterError
 from .dense import INVALID, DenseStore
 from .packed_attention import attend_padded, gather_index, gather_rows, ragged_mask
 from .quant import (
@@ -52,7 +51,7 @@ from .quant import (
     rotate,
     take_code_channels,
 )
-from .quantized_dense import QuantizedDenseStore
+from .quantized_dense import QuantizedDenseStore, refuse_rotated_key_channels
 from .ragged import _ranges
 
 __all__ = ["QuantizedRaggedStore"]
@@ -207,11 +206,7 @@ class QuantizedRaggedStore:
         (ThinK), in the kept part and the tail; values, positions and row bookkeeping are shared with this store.
         Every slot and key group of row ``r = b * kv_heads + h`` keeps the channels of ``(b, h)`` with their codes,
         scales and zero points unchanged (as :meth:`QuantizedDenseStore.with_key_channels`)."""
-        if self.kv_quant.rotate:
-            raise InvalidParameterError(
-                "key channel pruning (ThinK) keeps channels of the model's keys; keys quantized with rotate=1 hold "
-                "rotated channels: use kv_quant without rotate for this method"
-            )
+        refuse_rotated_key_channels(self.kv_quant)
         b, h, dk = channels.shape
         rows = torch.arange(b * h, device=channels.device)
         per_row = channels.reshape(b * h, dk)
