@@ -121,9 +121,10 @@ class Case:
         as a ``QuantizedBlockPool`` writes entries (per-token scales)."""
         if fmt not in self._packed:
             from kvtrim.cache.paged_kernels import PackedKV
-            from kvtrim.cache.quant import KVQuant, dequantize_values, quantize_values
+            from kvtrim.cache.quant import dequantize_values, quantize_values
+            from kvtrim.cache.quantized_block_pool import pool_kv_quant
 
-            quant = KVQuant(fmt, residual=0, sink=0)  # a pool's format: no full-precision entries
+            quant = pool_kv_quant(fmt)  # a pool's format: no full-precision entries, no rotation
             sides, plain = [], []
             for x in (self.keys, self.values):
                 codes, scale, zero = quantize_values(x, quant)

@@ -38,14 +38,16 @@ def test_kv_quant_holds_fewer_bytes_for_the_same_entries(saved_model, context_fi
     int4 = _generate(saved_model, context_file, "--json", "--kv-quant", "int4")
     assert plain.exit_code == 0 and int4.exit_code == 0, int4.output
     p, q = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (plain, int4))
-    assert q["kv_quant"] == "int4:group_size=32,residual=32,sink=0" and p["kv_quant"] is None  # every setting resolved
+    assert q["kv_quant"] == "int4:group_size=64,residual=32,sink=1,rotate=1"  # every setting resolved
+    assert p["kv_quant"] is None
     assert q["kv_entries_after"] == p["kv_entries_after"] and q["kv_bytes_after"] < p["kv_bytes_after"]
     text = _generate(saved_model, context_file, "--kv-quant", "int8")
-    assert text.exit_code == 0 and "kv_quant=int8:group_size=64,residual=0,sink=0]" in text.output
+    assert text.exit_code == 0 and "kv_quant=int8:group_size=64,residual=0,sink=0,rotate=0]" in text.output
     packed = _generate(saved_model, context_file, "--json", "--kv-quant", "int4:residual=0")
     assert packed.exit_code == 0, packed.output
     r = json.loads(packed.stdout.strip().splitlines()[-1])
-    assert r["kv_quant"] == "int4:group_size=32,residual=0,sink=0" and r["kv_bytes_after"] < q["kv_bytes_after"]
+    assert r["kv_quant"] == "int4:group_size=64,residual=0,sink=1,rotate=1"
+    assert r["kv_bytes_after"] < q["kv_bytes_after"]
 
 
 def test_bad_kv_quant_is_refused_before_loading(saved_model, context_file):
@@ -59,5 +61,9 @@ def test_think_takes_kv_quant_on_the_command_line(saved_model, context_file):
     fp8 = _generate(saved_model, context_file, "--json", "--method", "think", "--kv-quant", "fp8")
     assert plain.exit_code == 0 and fp8.exit_code == 0, fp8.output
     p, q = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (plain, fp8))
-    assert q["kv_quant"] == "fp8:group_size=64,residual=0,sink=0" and q["kv_entries_after"] == p["kv_entries_after"]
-    assert q["kv_bytes_after"] < p["kv_bytes_after"] / 2
+    assert q["kv_quant"] == "fp8:group_size=64,residual=0,sink=0,rotate=0"
+    assert q["kv_entries_after"] == p["kv_entries_after"] and q["kv_bytes_after"] < p["kv_bytes_after"] / 2
+    int4 = _generate(saved_model, context_file, "--json", "--method", "think", "--kv-quant", "int4")  # rotated
+    assert int4.exit_code == 0, int4.output
+    r = json.loads(int4.stdout.strip().splitlines()[-1])
+    assert r["kv_quant"].endswith("rotate=1") and r["kv_entries_after"] == p["kv_entries_after"]

@@ -375,9 +375,10 @@ def generate(
         seed: seed of the sampler (same seed, same answers)
         stop: string(s) ending an answer; the answer is cut before the stop string
         kv_quant: hold the kept entries quantized: ``"int8"``, ``"int4"`` or ``"fp8"`` (KIVI's layout, see
-            docs/quantization.md), a spec string (``"int4:group_size=64,residual=0"``) or a ``KVQuant``; ``"int4"``
-            keeps its newest 32 to 63 entries per head in the model's dtype (``DEFAULT_RESIDUAL``); None holds
-            them all in the model's dtype
+            docs/quantization.md), a spec string (``"int4:group_size=32,rotate=0"``) or a ``KVQuant``; ``"int4"``
+            means key groups of 64 tokens, its newest 32 to 63 entries and its first entry per head in the model's
+            dtype and entries quantized in a rotated basis (``int4:group_size=64,residual=32,sink=1,rotate=1``;
+            ``DEFAULT_*`` of :mod:`kvtrim.cache.quant`); None holds them all in the model's dtype
     Returns:
         :class:`Result` with ``answers`` and ``stats``. In question-aware mode with several questions, sizes
         are those of the first question's prompt and timings are summed.

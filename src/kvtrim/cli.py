@@ -149,9 +149,9 @@ def generate(
         str | None,
         typer.Option(
             "--kv-quant",
-            help="hold the kept entries as int8, int4 or fp8, optionally with settings, e.g. int4:group_size=64; "
-            "int4 keeps a 32-entry full-precision window by default (int4:residual=0 packs every full group); "
-            "rotate=1 quantizes in a rotated basis (docs/quantization.md)",
+            help="hold the kept entries as int8, int4 or fp8, optionally with settings, e.g. int4:group_size=32; "
+            "int4 means int4:group_size=64,residual=32,sink=1,rotate=1 (a 32-entry full-precision window, a "
+            "one-entry sink, a rotated basis; docs/quantization.md)",
         ),
     ] = None,
 ) -> None:
@@ -313,8 +313,8 @@ def eval_command(
         typer.Option(
             "--kv-quant",
             help="hold every config's entries as int8, int4 or fp8, optionally with settings, e.g. "
-            "int4:group_size=64,sink=1,rotate=1; int4 keeps a 32-entry full-precision window by default "
-            "(int4:residual=0 packs every full group); recorded with every setting resolved (one format per --out)",
+            "int4:residual=0,sink=0; int4 means int4:group_size=64,residual=32,sink=1,rotate=1 "
+            "(docs/quantization.md); recorded with every setting resolved (one format per --out)",
         ),
     ] = None,
 ) -> None:

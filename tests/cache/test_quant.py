@@ -35,7 +35,7 @@ def test_int4_packing_order_low_nibble_is_even_channel():
 
 @pytest.mark.parametrize("name,bits", [("int8", 8), ("int4", 4)])
 def test_value_round_trip_error_is_at_most_half_a_step(name, bits):
-    fmt = KVQuant(name, value_group=16)
+    fmt = KVQuant(name, value_group=16, rotate=False)  # the half-step bound holds in the basis quantized
     x = _x(2, 3, 10, 64)
     codes, scale, zero = quantize_values(x, fmt)
     assert codes.shape == (2, 3, 10, 64 * bits // 8) and codes.dtype == torch.uint8
@@ -50,7 +50,7 @@ def test_value_round_trip_error_is_at_most_half_a_step(name, bits):
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_key_round_trip_error_per_channel_group(name):
-    fmt = KVQuant(name, group_size=8)
+    fmt = KVQuant(name, group_size=8, rotate=False)
     x = _x(1, 2, 24, 16)
     x[..., 3] *= 50  # an outlier channel does not widen the other channels' steps
     codes, scale, zero = quantize_keys(x, fmt)
@@ -75,7 +75,7 @@ def test_key_groups_do_not_mix_tokens_across_a_boundary():
 
 
 def test_constant_group_is_exact():
-    fmt = KVQuant("int4", group_size=4)
+    fmt = KVQuant("int4", group_size=4, rotate=False)
     x = torch.full((1, 1, 4, 8), 2.5)
     back = dequantize_keys(*quantize_keys(x, fmt), fmt, torch.float32)
     assert torch.equal(back, x)
@@ -105,7 +105,8 @@ def test_bad_parameters_raise(kwargs, match):
 
 def test_resolve_kv_quant():
     assert resolve_kv_quant(None) is None
-    assert resolve_kv_quant("int4") == KVQuant("int4") == KVQuant("int4", group_size=32, residual=32, sink=0)
+    assert resolve_kv_quant("int4") == KVQuant("int4")
+    assert KVQuant("int4") == KVQuant("int4", group_size=64, residual=32, sink=1, rotate=True)
     assert resolve_kv_quant("fp8") == KVQuant("fp8")
     with pytest.raises(InvalidParameterError, match=r"kv_quant must be one of \('int8', 'int4', 'fp8'\)"):
         resolve_kv_quant("fp4")
@@ -116,15 +117,15 @@ def test_resolve_kv_quant():
 
 
 def test_default_group_sizes():
-    assert KVQuant("int4").group_size == 32 and KVQuant("int8").group_size == 64 and KVQuant("fp8").group_size == 64
-    assert KVQuant("int4", group_size=64).group_size == 64
+    assert KVQuant("int4").group_size == 64 and KVQuant("int8").group_size == 64 and KVQuant("fp8").group_size == 64
+    assert KVQuant("int4", group_size=32).group_size == 32
 
 
 def test_default_residual_windows_come_from_one_table():
-    """int4 keeps a 32-entry full-precision window (KIVI's R) by default, 8-bit formats none, and no format a sink;
-    an explicit ``residual=0`` stays 0 and a given setting is kept as given."""
+    """int4 keeps a 32-entry full-precision window (KIVI's R) by default, 8-bit formats none; int4 alone has a
+    one-entry sink; an explicit ``residual=0`` stays 0 and a given setting is kept as given."""
     assert DEFAULT_RESIDUAL == {"int8": 0, "int4": 32, "fp8": 0}
-    assert DEFAULT_SINK == {"int8": 0, "int4": 0, "fp8": 0}
+    assert DEFAULT_SINK == {"int8": 0, "int4": 1, "fp8": 0}
     assert set(DEFAULT_RESIDUAL) == set(DEFAULT_GROUP_SIZE) == set(DEFAULT_SINK) == set(KV_QUANT_CHOICES)
     for name in KV_QUANT_CHOICES:
         assert KVQuant(name).residual == DEFAULT_RESIDUAL[name]
@@ -137,15 +138,20 @@ def test_default_residual_windows_come_from_one_table():
     assert resolve_kv_quant("int4:residual=0") == KVQuant("int4", residual=0) != KVQuant("int4")
     assert resolve_kv_quant("int4:group_size=64").residual == 32
     assert repr(KVQuant("int4")) == (
-        "KVQuant(name='int4', group_size=32, residual=32, value_group=None, sink=0, rotate=False)"
+        "KVQuant(name='int4', group_size=64, residual=32, value_group=None, sink=1, rotate=True)"
     )
 
 
 def test_spec_names_every_resolved_setting_and_reads_back():
-    assert KVQuant("int4").spec == "int4:group_size=32,residual=32,sink=0"
-    assert KVQuant("int8").spec == "int8:group_size=64,residual=0,sink=0"
-    assert KVQuant("int4", residual=0, value_group=32).spec == "int4:group_size=32,residual=0,value_group=32,sink=0"
-    for fmt in (KVQuant("int4"), KVQuant("fp8", group_size=16, residual=8), KVQuant("int8", value_group=16)):
+    assert KVQuant("int4").spec == "int4:group_size=64,residual=32,sink=1,rotate=1"
+    assert KVQuant("int8").spec == "int8:group_size=64,residual=0,sink=0,rotate=0"
+    assert KVQuant("int4", residual=0, value_group=32, rotate=False).spec == (
+        "int4:group_size=64,residual=0,value_group=32,sink=1,rotate=0"
+    )
+    for fmt in (
+        KVQuant("int4"), KVQuant("int4", rotate=False, sink=0), KVQuant("fp8", group_size=16, residual=8),
+        KVQuant("int8", value_group=16), KVQuant("int8", rotate=True),
+    ):  # fmt: skip
         assert resolve_kv_quant(fmt.spec) == fmt
 
 

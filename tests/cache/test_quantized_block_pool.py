@@ -33,7 +33,8 @@ def test_bytes_are_blocks_times_packed_entries_plus_scales(fmt, codes):
 
 
 def test_value_groups_add_scales_per_group():
-    pool = QuantizedBlockPool(3, 4, 64, torch.float32, KVQuant("int4", residual=0, value_group=16, sink=0))
+    fmt = KVQuant("int4", residual=0, value_group=16, sink=0, rotate=False)
+    pool = QuantizedBlockPool(3, 4, 64, torch.float32, fmt)
     assert pool.key_scale.shape == (3, 4, 4)
     assert pool.entry_nbytes() == 2 * 32 + 2 * 2 * 4 * 2 == pool.nbytes() // 12
 
@@ -75,8 +76,8 @@ def test_bad_kv_quant_and_window_are_refused():
         QuantizedBlockPool(4, 4, 8, torch.float32, KVQuant("int8", residual=4))
     # int4's default window is the dense and ragged stores': a pool reads the name as residual=0 and refuses a
     # window asked for, by spec or by a KVQuant left at the default
-    assert QuantizedBlockPool(4, 4, 8, torch.float32, "int4").quant == KVQuant("int4", residual=0, sink=0)
-    assert pool_kv_quant("int4:group_size=64") == KVQuant("int4", group_size=64, residual=0, sink=0)
+    assert QuantizedBlockPool(4, 4, 8, torch.float32, "int4").quant == KVQuant("int4", residual=0, sink=0, rotate=False)
+    assert pool_kv_quant("int4:group_size=64") == KVQuant("int4", group_size=64, residual=0, sink=0, rotate=False)
     for windowed in ("int4:residual=32", KVQuant("int4")):
         with pytest.raises(InvalidParameterError, match=r"residual must be 0, got 32 \(pass 'int4' or KVQuant"):
             QuantizedBlockPool(4, 4, 8, torch.float32, windowed)
@@ -160,5 +161,5 @@ def test_decode_from_codes_equals_attention_over_dequantized_entries(fmt):
     torch.testing.assert_close(logits, query @ keys.transpose(-1, -2), atol=1e-4, rtol=1e-4)
     probs = torch.softmax(logits, -1)
     torch.testing.assert_close(pool.weighted_values(probs, slot), probs @ values, atol=1e-5, rtol=1e-4)
-    grouped = KVQuant(fmt, residual=0, value_group=8, sink=0)
+    grouped = KVQuant(fmt, residual=0, value_group=8, sink=0, rotate=False)
     assert not QuantizedBlockPool(2, 4, 16, torch.float32, grouped).per_token_scale

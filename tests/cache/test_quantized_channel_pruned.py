@@ -1,6 +1,6 @@
 """Channel-pruned keys (ThinK) held quantized: pruning moves codes and per-channel scales unchanged, attention equals
 a dequantize-then-prune reference (and full attention on exactly representable inputs), bytes come from the packed
-tensors, appends quantize over the kept channels."""
+tensors, appends quantize over the kept channels; rotated keys are pruned in the model's channels."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_take_code_channels_moves_codes_unchanged_for_odd_counts():
 def test_pruning_quantized_keys_equals_quantizing_pruned_keys(name, kept):
     """A key scale belongs to one channel, so prune(quantize(k)) and quantize(prune(k)) hold the same codes and
     scales, before and after appends that flush whole groups."""
-    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0, rotate=False)
     keys, values = _float_entries()
     channels = _channels(kept)
     pruned = ChannelPrunedStore.prune(_quantized(keys[:, :, :20], values[:, :, :20], fmt), channels)
@@ -88,7 +88,7 @@ def test_pruning_quantized_keys_equals_quantizing_pruned_keys(name, kept):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_attention_equals_dequantize_then_prune(name):
-    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0, rotate=False)
     keys, values = _float_entries()
     store = _quantized(keys, values, fmt)
     channels = _channels(11)
@@ -106,7 +106,7 @@ def test_attention_equals_dequantize_then_prune(name):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_exact_entries_with_every_channel_kept_equal_full_attention(name):
-    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0, rotate=False)
     keys, values = _exact_entries(name)
     store = _quantized(keys, values, fmt)
     assert torch.equal(store.keys, keys) and torch.equal(store.values, values)  # no quantization error
@@ -128,7 +128,7 @@ def test_exact_entries_with_every_channel_kept_equal_full_attention(name):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("kept", [9, 12])
 def test_bytes_are_kept_channels_of_packed_codes_plus_scales(name, kept):
-    fmt = KVQuant(name, group_size=G, residual=0, sink=0)
+    fmt = KVQuant(name, group_size=G, residual=0, sink=0, rotate=False)
     keys, values = _float_entries()
     pruned = ChannelPrunedStore.prune(_quantized(keys, values, fmt), _channels(kept))
     nq, w, bits = 24, N - 24, fmt.bits
@@ -160,7 +160,7 @@ def _selection(counts: torch.Tensor, seed: int = 2) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("residual", [0, 2])
 def test_ragged_rows_prune_their_own_channels(name, residual):
-    fmt = KVQuant(name, group_size=G, residual=residual, sink=0)
+    fmt = KVQuant(name, group_size=G, residual=residual, sink=0, rotate=False)
     keys, values = _float_entries()
     idx, mask = _selection(COUNTS)
     ragged = QuantizedRaggedStore.from_selection(_quantized(keys, values, fmt), idx, mask)
@@ -188,7 +188,7 @@ def test_ragged_rows_prune_their_own_channels(name, residual):
 
 
 def test_ragged_appends_after_pruning_keep_the_channels():
-    fmt = KVQuant("int4", group_size=G, residual=0, sink=0)
+    fmt = KVQuant("int4", group_size=G, residual=0, sink=0, rotate=False)
     keys, values = _float_entries(n=N + G)
     idx, mask = _selection(COUNTS)
     channels = _channels(9)
@@ -201,3 +201,83 @@ def test_ragged_appends_after_pruning_keep_the_channels():
     assert tail.quantized_length == G and tail.key_dim == 9
     reference = _quantized(gather_channels(keys[:, :, N:], channels), values[:, :, N:], fmt)
     assert torch.equal(tail.keys, reference.keys)
+
+
+# ---------------------------------------------------------------------------------------------- rotated entries
+def _scatter(pruned_keys: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """``[.., n, d_kept]`` keys placed on ``channels`` of a ``[.., n, D]`` tensor (zeros elsewhere)."""
+    out = pruned_keys.new_zeros(*pruned_keys.shape[:-1], D)
+    return out.scatter(3, channels[:, :, None, :].expand(-1, -1, pruned_keys.shape[2], -1), pruned_keys)
+
+
+def test_rotated_keys_are_pruned_in_the_models_channels_and_values_stay_rotated():
+    """int4's default rotates keys and values; pruning keeps the model's key channels, quantized again unrotated in
+    the same key groups, and keeps the values' rotated codes; attention reads both in their own basis."""
+    fmt = KVQuant("int4", group_size=G, residual=0, sink=0)
+    assert fmt.rotate
+    keys, values = _float_entries(n=N + G)
+    store = _quantized(keys[:, :, :N], values[:, :, :N], fmt)
+    channels = _channels(9)
+    pruned = ChannelPrunedStore.prune(store, channels)
+    inner = pruned.inner
+    assert isinstance(inner, QuantizedDenseStore) and inner.kv_quant == fmt and pruned.kv_quant == fmt
+    assert not inner.key_format.rotate and store.key_format.rotate
+    plain = KVQuant("int4", group_size=G, residual=0, sink=0, rotate=False)
+    reference = _quantized(gather_channels(store.keys, channels), store.values, plain)  # quantize(prune(keys))
+    torch.testing.assert_close(inner.keys, reference.keys, rtol=0, atol=1e-5)
+    assert torch.equal(inner._vc, store._vc) and torch.equal(pruned.values, store.values)  # values untouched
+    assert (inner.keys - gather_channels(keys[:, :, :N], channels)).abs().max() < 0.8  # within int4's steps here
+    # attention: pruned keys in the model's channels with the query's kept channels, the output rotated back
+    floats = ChannelPrunedStore.prune(DenseStore(_scatter(inner.keys, channels), inner.values,
+                                                 torch.arange(N).expand(B, H, N).clone(), N), channels)  # fmt: skip
+    query = torch.randn(B, 2 * H, 1, D, generator=torch.Generator().manual_seed(7))
+    qpos = torch.full((B, 1), N)
+    torch.testing.assert_close(pruned.attend(query, qpos, 0.25), floats.attend(query, qpos, 0.25), rtol=1e-4, atol=1e-5)
+    # appends after pruning quantize whole groups over the kept channels, unrotated
+    for t in range(N, N + G):
+        pruned.append(keys[:, :, t : t + 1], values[:, :, t : t + 1], torch.full((B, 1), t), padded=False)
+    assert inner.quantized_length == 32 and inner.key_dim == 9
+    fresh = _quantized(gather_channels(keys[:, :, 24 : N + G], channels), values[:, :, 24 : N + G], plain)
+    torch.testing.assert_close(inner.keys[:, :, 24:32], fresh.keys[:, :, :8], rtol=0, atol=1e-6)
+
+
+def test_rotated_keys_with_their_float_source_are_pruned_from_it_once():
+    """While a store holds the float keys it was quantized from, pruning quantizes their kept channels once."""
+    fmt = KVQuant("int4", group_size=G, residual=3, sink=0)
+    keys, values = _float_entries()
+    dense = DenseStore(keys, values, torch.arange(N).expand(B, H, N).clone(), N)
+    store = QuantizedDenseStore.from_dense(dense, fmt, keep_source=True)
+    assert store.source_keys is not None and store.quantized_length == 24
+    channels = _channels(9)
+    pruned = ChannelPrunedStore.prune(store, channels)
+    plain = KVQuant("int4", group_size=G, residual=3, sink=0, rotate=False)
+    reference = QuantizedDenseStore.from_dense(DenseStore(gather_channels(keys, channels), values, dense.positions, N),
+                                               plain)  # fmt: skip
+    for mine, theirs in zip(pruned.inner._tensors()[:3], reference._tensors()[:3], strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_rotated_ragged_rows_prune_the_models_channels():
+    fmt = KVQuant("int4", group_size=G, residual=2, sink=1)
+    keys, values = _float_entries()
+    idx, mask = _selection(COUNTS)
+    ragged = QuantizedRaggedStore.from_selection(_quantized(keys, values, fmt), idx, mask)
+    channels = _channels(9)
+    pruned = ChannelPrunedStore.prune(ragged, channels)
+    inner = pruned.inner
+    assert isinstance(inner, QuantizedRaggedStore) and not inner.key_format.rotate and inner.kv_quant.rotate
+    live = ragged.padded_positions() >= 0
+    full_k, full_v = ragged.dequantized()
+    got_k, got_v = inner.dequantized()
+    assert torch.equal(got_v[live], full_v[live])
+    assert (got_k[live] - gather_channels(full_k, channels)[live]).abs().max() < 0.5  # one more int4 rounding
+    floats = ChannelPrunedStore.prune(DenseStore(_scatter(got_k, channels), got_v, ragged.padded_positions(),
+                                                 got_k.shape[2]), channels)  # fmt: skip
+    query = torch.randn(B, 2 * H, 1, D, generator=torch.Generator().manual_seed(8))
+    qpos = torch.full((B, 1), N)
+    torch.testing.assert_close(pruned.attend(query, qpos, 0.25), floats.attend(query, qpos, 0.25), rtol=1e-4, atol=1e-5)
+    # the bytes of unrotated pruned keys: the same layout as an unrotated store's
+    plain = QuantizedRaggedStore.from_selection(
+        _quantized(keys, values, KVQuant("int4", group_size=G, residual=2, sink=1, rotate=False)), idx, mask
+    )
+    assert pruned.nbytes() == ChannelPrunedStore.prune(plain, channels).nbytes()

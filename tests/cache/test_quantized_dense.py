@@ -40,7 +40,7 @@ def _expected_bytes(fmt: KVQuant, b, h, nq, w, d, dtype_bytes=4, groups=None):
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("residual", [0, 3])
 def test_window_flushes_whole_groups_and_bytes_are_exact(name, residual):
-    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=0)
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=0, rotate=False)
     store, keys, values = _filled(fmt)
     assert isinstance(store, KVStore)
     # 37 entries: whole groups of 8 leave the window while it holds residual + 8 or more
@@ -91,7 +91,7 @@ def test_key_scales_are_per_channel_per_group_of_tokens():
 
 
 def test_attention_reads_the_dequantized_entries():
-    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0, rotate=False)
     store, _, _ = _filled(fmt, n=30)
     ref = DenseStore(store.keys.clone(), store.values.clone(), store.positions.clone(), store.length)
     q = torch.randn(2, 4, 1, 16)
@@ -103,7 +103,7 @@ def test_attention_reads_the_dequantized_entries():
 
 
 def test_prefill_into_an_empty_store_attends_over_full_precision_entries():
-    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0, rotate=False)
     keys, values = _kv(1, 2, 16, 16)
     store = QuantizedDenseStore.empty(1, 2, 16, torch.float32, "cpu", fmt)
     store.append(keys, values, torch.arange(16)[None], padded=False)
@@ -117,7 +117,7 @@ def test_prefill_into_an_empty_store_attends_over_full_precision_entries():
 
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_keep_moves_value_codes_and_regroups_keys(name):
-    fmt = KVQuant(name, group_size=8, residual=0, sink=0)
+    fmt = KVQuant(name, group_size=8, residual=0, sink=0, rotate=False)
     store, _, _ = _filled(fmt, n=43)  # 40 quantized + 3 in the window
     before_k, before_v = store.dequantized()
     old_vc, old_vs = store._vc.clone(), store._vs.clone()
@@ -172,7 +172,7 @@ def test_compaction_quantizes_all_but_the_newest_residual_entries(name, kept, re
     """After keep(), exactly ``min(residual, kept)`` entries stay in full precision: the rest are whole key groups
     and at most one partial group with its own scales. Appends then quantize whole groups after the partial one,
     leaving the entries already quantized untouched, and attention reads what :attr:`keys` shows."""
-    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=0)
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=0, rotate=False)
     store, _, _ = _filled(fmt, n=50, seed=5)
     before_k, _ = store.dequantized()
     g = torch.Generator().manual_seed(9)
@@ -263,7 +263,7 @@ def test_truncate_returns_straddling_groups_to_the_window(to):
 
 
 def test_copy_select_batch_and_from_dense():
-    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0, rotate=False)
     store, keys, values = _filled(fmt, n=20)
     twin = store.copy()
     store.append(keys[:, :, :1], values[:, :, :1], torch.full((2, 1), 20), padded=False)
@@ -276,7 +276,7 @@ def test_copy_select_batch_and_from_dense():
 
 
 def test_padding_slots_do_not_change_the_quantized_keys_of_real_tokens():
-    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0, rotate=False)
     keys, values = _kv(1, 1, 16, 16)
     wild = keys.clone()
     wild[:, :, :3] = 1e4  # left padding with wild keys
@@ -298,18 +298,19 @@ LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM = 32768, 4096, 128
 @pytest.mark.parametrize(
     ("spec", "nq", "window", "sink"),
     [
-        ("int4", 4064, 32, 0),  # the default: groups of 32 (148 B per quantized entry), a 32-entry window
-        ("int4:residual=0", 4096, 0, 0),
-        ("int4:group_size=64", 4064, 32, 0),  # 63 whole groups of 64 and a partial group of 32
-        ("int4:group_size=64,sink=1", 4063, 32, 1),  # 62 whole groups and one of 31, the window, a one-entry sink
-        ("int4:group_size=64,residual=0", 4096, 0, 0),
+        ("int4", 4063, 32, 1),  # the default: 62 whole groups of 64 and one of 31, the window, a one-entry sink
+        ("int4:group_size=32,sink=0", 4064, 32, 0),  # groups of 32 (148 B per quantized entry), the window
+        ("int4:group_size=32,residual=0,sink=0", 4096, 0, 0),
+        ("int4:sink=0", 4064, 32, 0),  # 63 whole groups of 64 and a partial group of 32
+        ("int4:residual=0,sink=0", 4096, 0, 0),
     ],
 )
 def test_bytes_after_keeping_an_eighth_of_a_long_context_against_1_28(spec, nq, window, sink):
     """Bytes held after a compaction to 1/8 of 32,768 float16 entries (head_dim 128), from the tensors: int4's
-    default (key groups of 32 at 148 B per quantized entry, plus a 32-entry float16 window) holds 1/27.15 of the
-    float16 full cache, above 1/28; key groups of 64 reach 1/28 (1/28.65 with the default window, 1/28.63 with a
-    one-entry sink too, 1/29.26 without either). docs/quantization.md states these fractions."""
+    default (key groups of 64, a 32-entry float16 window and a one-entry sink) holds 1/28.63 of the float16 full
+    cache; key groups of 32 (148 B per quantized entry) stay above 1/28 (1/27.15 with the window); groups of 64
+    without the sink 1/28.65, without the window and the sink 1/29.26. docs/quantization.md states these
+    fractions (rotation changes no byte)."""
     fmt = resolve_kv_quant(spec)
     n, kept, d = LONG_CONTEXT, LONG_KEPT, LONG_HEAD_DIM
     keys, values = (x.half() for x in _kv(1, 1, n, d, seed=7))
@@ -350,7 +351,7 @@ def test_any_sequence_of_appends_compactions_and_truncations_keeps_the_layout(op
     group_size`` entries (exactly ``residual`` right after a compaction of at least ``sink + residual``); the bytes
     are the codes, the scales, the window and the sink; attention reads what ``keys`` shows; entries already
     quantized keep their values across appends."""
-    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=sink)
+    fmt = KVQuant(name, group_size=8, residual=residual, value_group=8, sink=sink, rotate=False)
     store, _, _ = _filled(fmt, b=1, h=2, n=30, seed=seed)
     g = torch.Generator().manual_seed(seed)
     for op, arg in ops:
@@ -390,7 +391,7 @@ def test_compaction_quantizes_kept_keys_once_from_the_prefills_float_keys(name):
     """A store made from an unquantized prefill with ``keep_source`` regroups its kept keys from the float keys:
     each kept key group holds exactly the codes of its float keys quantized in one pass, closer to them than
     keys regrouped from their codes; values move as codes either way."""
-    fmt = KVQuant(name, group_size=8, residual=2, sink=1)
+    fmt = KVQuant(name, group_size=8, residual=2, sink=1, rotate=False)
     b, h, n, d = 2, 2, 40, 16
     keys, values = _kv(b, h, n, d, seed=3)
     keys[..., 5] += 4.0  # an outlier channel
@@ -421,7 +422,7 @@ def test_compaction_quantizes_kept_keys_once_from_the_prefills_float_keys(name):
 
 
 def test_the_source_keys_go_with_any_other_change_of_the_slots():
-    fmt = KVQuant("int4", group_size=8, residual=0, sink=0)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=0, rotate=False)
     keys, values = _kv(2, 2, 20, 16)
     dense = DenseStore(keys, values, torch.arange(20).expand(2, 2, 20).clone(), 20)
 
@@ -442,7 +443,7 @@ def test_the_source_keys_go_with_any_other_change_of_the_slots():
 @pytest.mark.parametrize(
     ("fmt", "n"),
     [
-        (KVQuant("int4", group_size=8, residual=3, sink=1), 37),  # sink, quantized part, window
+        (KVQuant("int4", group_size=8, residual=3, sink=1, rotate=False), 37),  # sink, quantized part, window
         (KVQuant("int8", group_size=8, residual=0, sink=0), 32),  # quantized part only
         (KVQuant("int8", group_size=8, residual=0, sink=0), 5),  # window only
         (KVQuant("fp8", group_size=8, residual=4, sink=2), 30),

@@ -37,13 +37,14 @@ def test_rotation_is_orthogonal_fixed_and_spreads_every_channel(d):
                                       inverse=True), x, rtol=0, atol=1e-5)  # fmt: skip
 
 
-def test_rotate_is_a_setting_in_specs_and_off_by_default():
-    assert not KVQuant("int4").rotate and not KVQuant("int8").rotate and not KVQuant("fp8").rotate
-    fmt = resolve_kv_quant("int4:rotate=1")
+def test_rotate_is_a_setting_in_specs_on_by_default_for_int4_alone():
+    assert KVQuant("int4").rotate and not KVQuant("int8").rotate and not KVQuant("fp8").rotate
+    fmt = resolve_kv_quant("int4:group_size=32,sink=0")
     assert fmt.rotate is True and fmt.spec == "int4:group_size=32,residual=32,sink=0,rotate=1"
     assert resolve_kv_quant(fmt.spec) == fmt
-    assert KVQuant("int8").spec == "int8:group_size=64,residual=0,sink=0"  # specs without rotation read as before
-    assert resolve_kv_quant("int4:rotate=0") == KVQuant("int4")
+    assert KVQuant("int8").spec == "int8:group_size=64,residual=0,sink=0,rotate=0"  # every spec names it
+    assert resolve_kv_quant("int4:rotate=0") == KVQuant("int4", rotate=False)
+    assert resolve_kv_quant(KVQuant("int4", rotate=False).spec) == KVQuant("int4", rotate=False)
     with pytest.raises(InvalidParameterError, match="rotate must be 0 or 1"):
         resolve_kv_quant("int4:rotate=2")
     with pytest.raises(InvalidParameterError, match=r"KVQuant\.rotate must be 0"):
@@ -60,7 +61,7 @@ def test_codes_hold_the_rotated_entries_and_dequantize_to_the_models_channels(na
     x = torch.randn(B, H, 64, D, generator=g)
     x[..., 3] *= 20.0
     x[..., 11] += 8.0
-    plain, rot = KVQuant(name, group_size=32), KVQuant(name, group_size=32, rotate=True)
+    plain, rot = KVQuant(name, group_size=32, rotate=False), KVQuant(name, group_size=32, rotate=True)
     for quantize, dequantize in ((quantize_keys, dequantize_keys), (quantize_values, dequantize_values)):
         codes = quantize(x, rot)
         same = quantize(x @ rotation(D), plain)  # quantizing the rotated entries without the setting
@@ -159,13 +160,14 @@ def test_ragged_attention_over_rotated_entries_matches_the_padded_dense_store():
     # scoring reads the model's channels: the padded dense copy holds the same entries
     dense = ragged.to_dense()
     assert dense.kv_quant.rotate
-    with pytest.raises(InvalidParameterError, match="rotate=1"):
-        ragged.with_key_channels(torch.arange(D)[::2].expand(B, H, -1).contiguous())
-    with pytest.raises(InvalidParameterError, match="rotate=1"):
-        src.with_key_channels(torch.arange(D)[::2].expand(B, H, -1).contiguous())
+    # key channel pruning holds the kept channels of the model's keys, unrotated (values stay rotated)
+    channels = torch.arange(D)[::2].expand(B, H, -1).contiguous()
+    for store in (ragged, src):
+        pruned = store.with_key_channels(channels)
+        assert pruned.kv_quant.rotate and not pruned.key_format.rotate and pruned.key_dim == D // 2
 
 
 def test_bytes_do_not_change_with_rotation():
-    a, b = _fed(KVQuant("int4", group_size=8, residual=3))[0], _fed(KVQuant("int4", group_size=8, residual=3,
-                                                                             rotate=True))[0]  # fmt: skip
+    a = _fed(KVQuant("int4", group_size=8, residual=3, rotate=False))[0]
+    b = _fed(KVQuant("int4", group_size=8, residual=3, rotate=True))[0]
     assert a.nbytes() == b.nbytes() and a.quantized_length == b.quantized_length

@@ -30,7 +30,7 @@ def _fed(fmt: KVQuant, seed: int = 0, step: int = 7):
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("step", [1, 7, N])
 def test_the_sink_holds_the_oldest_entries_exactly_and_out_of_the_key_groups(name, step):
-    fmt = KVQuant(name, group_size=8, residual=0, sink=2)
+    fmt = KVQuant(name, group_size=8, residual=0, sink=2, rotate=False)
     store, keys, values = _fed(fmt, step=step)
     assert (store.sink_length, store.quantized_length, store.window_length) == (2, 32, 6)
     k, v = store.dequantized()
@@ -39,7 +39,7 @@ def test_the_sink_holds_the_oldest_entries_exactly_and_out_of_the_key_groups(nam
     lo, hi = keys[:, :, 2:10].amin(2), keys[:, :, 2:10].amax(2)
     if name != "fp8":
         torch.testing.assert_close(store._ks[:, :, 0].float(), ((hi - lo) / (2**fmt.bits - 1)), rtol=2e-3, atol=1e-5)
-    without = _fed(KVQuant(name, group_size=8, residual=0, sink=0), step=step)[0]
+    without = _fed(KVQuant(name, group_size=8, residual=0, sink=0, rotate=False), step=step)[0]
     err_sink = (k[:, :, 2:10] - keys[:, :, 2:10]).abs().max()
     err_none = (without.keys[:, :, 2:10] - keys[:, :, 2:10]).abs().max()
     assert err_sink < err_none / (4 if name != "fp8" else 1)  # fp8's error is relative: the outlier costs less
@@ -49,7 +49,7 @@ def test_the_sink_holds_the_oldest_entries_exactly_and_out_of_the_key_groups(nam
 
 
 def test_a_short_store_fills_the_sink_before_anything_else():
-    fmt = KVQuant("int4", group_size=8, residual=0, sink=3)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=3, rotate=False)
     store = QuantizedDenseStore.empty(1, 1, D, torch.float32, "cpu", fmt)
     keys = torch.randn(1, 1, 12, D)
     store.append(keys[:, :, :2], keys[:, :, :2], torch.arange(2)[None], padded=False)
@@ -91,7 +91,7 @@ def _selection(counts: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 def test_ragged_rows_keep_their_own_sink_and_match_the_padded_dense_store(name):
     residual = 0  # with a window the padded dense store's window is its last columns, padding included
-    fmt = KVQuant(name, group_size=8, residual=residual, sink=2)
+    fmt = KVQuant(name, group_size=8, residual=residual, sink=2, rotate=False)
     src = _fed(fmt)[0]
     idx, mask = _selection(COUNTS)
     ragged = QuantizedRaggedStore.from_selection(src, idx, mask)
@@ -126,7 +126,7 @@ def test_ragged_rows_keep_their_own_sink_and_match_the_padded_dense_store(name):
 
 
 def test_ragged_rows_with_a_window_hold_sink_kept_part_and_tail_without_overlap():
-    fmt = KVQuant("int4", group_size=8, residual=3, sink=2)
+    fmt = KVQuant("int4", group_size=8, residual=3, sink=2, rotate=False)
     src = _fed(fmt)[0]
     idx, mask = _selection(COUNTS)
     ragged = QuantizedRaggedStore.from_selection(src, idx, mask)
@@ -148,7 +148,7 @@ def test_ragged_rows_with_a_window_hold_sink_kept_part_and_tail_without_overlap(
 
 
 def test_ragged_sink_survives_copy_select_batch_pruning_and_rollback():
-    fmt = KVQuant("int4", group_size=8, residual=0, sink=2)
+    fmt = KVQuant("int4", group_size=8, residual=0, sink=2, rotate=False)
     src = _fed(fmt)[0]
     idx, mask = _selection(COUNTS)
     ragged = QuantizedRaggedStore.from_selection(src, idx, mask)
@@ -167,12 +167,13 @@ def test_ragged_sink_survives_copy_select_batch_pruning_and_rollback():
 
 def test_sink_is_a_setting_of_every_format_and_the_pool_refuses_it():
     assert resolve_kv_quant("int8:sink=4") == KVQuant("int8", sink=4)
-    assert KVQuant("int8", sink=4).spec == "int8:group_size=64,residual=0,sink=4"
-    assert resolve_kv_quant(KVQuant("int4", sink=1).spec) == KVQuant("int4", sink=1)
+    assert KVQuant("int8", sink=4).spec == "int8:group_size=64,residual=0,sink=4,rotate=0"
+    assert resolve_kv_quant(KVQuant("int4", sink=1, rotate=False).spec) == KVQuant("int4", sink=1, rotate=False)
     with pytest.raises(InvalidParameterError, match="sink must be an integer >= 0"):
         KVQuant("int4", sink=-1)
     assert KVQuant("int4").full_precision == ("residual", 32) and KVQuant("int8", sink=2).full_precision == ("sink", 2)
-    assert KVQuant("int4", residual=0).full_precision is None
+    assert KVQuant("int4", residual=0).full_precision == ("sink", 1)  # int4's default sink
+    assert KVQuant("int4", residual=0, sink=0).full_precision is None
     assert pool_kv_quant("int4").sink == 0  # a pool reads a name without a sink, whatever the default
     with pytest.raises(InvalidParameterError, match=r"KVQuant\.sink must be 0, got 1"):
         pool_kv_quant("int4:sink=1")

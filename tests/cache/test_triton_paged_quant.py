@@ -100,6 +100,7 @@ def _run(case, *, metric: bool, **kwargs):
     return out.cpu(), lse.cpu(), pool_metric.cpu()
 
 
+POOL_INT4 = KVQuant("int4", residual=0, value_group=8, sink=0, rotate=False)  # a pool's: no window, no rotation
 # (kv_quant, dtype, G, head_dim, block_size, lengths, num_splits, metric, buffer)
 CASES = [
     ("int8", torch.float32, 3, 32, 16, [1, 16, 53, 7], 3, True, 0),  # SmolLM2's G = 3, 53 = 3 blocks + 5
@@ -109,7 +110,7 @@ CASES = [
     ("fp8", torch.float32, 3, 24, 12, [30, 7, 12], 2, True, 0),  # one-byte codes split into padded halves
     ("int8", torch.bfloat16, 4, 64, 16, [40, 9], None, True, 1),  # the split heuristic
     # 4 scales per entry; a pool's KVQuant has no window (residual=0, not int4's default)
-    (KVQuant("int4", residual=0, value_group=8, sink=0), torch.float32, 3, 32, 8, [19, 4, 33], 3, True, 0),
+    (POOL_INT4, torch.float32, 3, 32, 8, [19, 4, 33], 3, True, 0),
     (KVQuant("int8", value_group=16), torch.float16, 2, 32, 16, [21, 16], 2, False, 0),
 ]
 
@@ -198,7 +199,7 @@ def test_bad_packed_tensors_are_refused():
         ("int8", True, 0, 0),
         ("int4", True, 3, 2),
         ("fp8", False, 0, 0),
-        (KVQuant("int4", residual=0, value_group=8, sink=0), True, 0, 0),
+        (KVQuant("int4", residual=0, value_group=8, sink=0, rotate=False), True, 0, 0),
     ],
 )
 def test_triton_decode_on_a_quantized_pool_equals_the_gather_path(fmt, accumulate, buffer, pad):

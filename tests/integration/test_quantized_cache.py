@@ -125,11 +125,12 @@ def test_scoring_reads_the_dequantized_keys(llama, tokenizer, monkeypatch):
         return views
 
     monkeypatch.setattr(compressor, "layer_views", spy)
-    kvtrim.generate(llama, tokenizer, CTX, "q?", method="snapkv", ratio=0.5, max_new_tokens=2, kv_quant="int4")
+    spec = "int4:sink=0,rotate=0"  # codes in the model's channels, the first key group from the first slot
+    kvtrim.generate(llama, tokenizer, CTX, "q?", method="snapkv", ratio=0.5, max_new_tokens=2, kv_quant=spec)
     keys, store = seen[0][0]
     assert isinstance(store, QuantizedDenseStore)
     # the view's keys are quantized values (not the float entries): at most 16 distinct levels per channel group
-    levels = keys[0, 0, : KVQuant("int4").group_size, 0].unique().numel()
+    levels = keys[0, 0, : store.kv_quant.group_size, 0].unique().numel()
     assert levels <= 16
 
 
@@ -197,8 +198,9 @@ def test_left_padded_batch_with_int8_matches_each_row_alone(llama, tokenizer):
 
 def test_a_cache_resolves_kv_quant_and_a_clone_names_both_settings():
     cache = KVTrimCache(2, kv_quant="int4")
-    assert cache.kv_quant == KVQuant("int4", group_size=32, residual=32, sink=0)
-    assert cache.clone(kv_quant="int4:group_size=32,residual=32,sink=0").kv_quant == cache.kv_quant  # the same
-    match = r"kv_quant='int4:group_size=32,residual=0,sink=0': this cache already holds int4:group_size=32,residual=32"
-    with pytest.raises(InvalidParameterError, match=match + r",sink=0 entries"):
+    assert cache.kv_quant == KVQuant("int4", group_size=64, residual=32, sink=1, rotate=True)
+    assert cache.clone(kv_quant="int4:group_size=64,residual=32,sink=1,rotate=1").kv_quant == cache.kv_quant
+    match = (r"kv_quant='int4:group_size=64,residual=0,sink=1,rotate=1': this cache already holds "
+             r"int4:group_size=64,residual=32,sink=1,rotate=1 entries")  # fmt: skip
+    with pytest.raises(InvalidParameterError, match=match):
         cache.clone(kv_quant="int4:residual=0")

@@ -66,23 +66,26 @@ SCALE_DTYPE = torch.float16
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 _BITS = {"int8": 8, "int4": 4, "fp8": 8}
-# Tokens per key group when none is given. int4 at 64 lost 3.5 points on the full cache over 120 prompts (2.1 at 32)
-# and, with a one-entry sink, 3.3 to 6.0 points on seven of the 26 rows of the method sweeps, where 32 loses at most
-# 2.2 (docs/quantization.md, "Choosing the group size, the window and the sink"); 8-bit formats lose nothing at 64.
-DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 32, "fp8": 64}
+# Tokens per key group when none is given. int4 holds groups of 64 with a one-entry sink and rotation (below): that
+# setting kept every retrieval row of the method sweeps within 3 points over 120 prompts (docs/quantization.md,
+# "Rotation"), where groups of 32 without them lost up to 5.2, and it holds 1/28.6 of the float16 cache at ratio
+# 0.875 (groups of 32: 1/27.2). 8-bit formats lose nothing at 64.
+DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 64, "fp8": 64}
 # Full-precision entries kept after the last full key group when none is given (KIVI's R). int4 without a window
 # lost 4.7 points on the full cache against float32 and 0.4 gained with 32 (docs/quantization.md, "Choosing the
 # group size, the window and the sink"); 8-bit formats lose nothing measurable without one. A paged block pool has
 # no window (resolve_kv_quant(..., default_residual=0)).
 DEFAULT_RESIDUAL = {"int8": 0, "int4": 32, "fp8": 0}
-# Oldest entries of a row held in the model's dtype when none is given (KVQuant's attention sink): none. One lowers
-# int4's continuation KL against the float cache (by 28 % with groups of 32, 42 % with 64) but did not keep the
-# retrieval rows of groups of 64 within 3 points, and groups of 32 with it were not swept (docs/quantization.md,
-# "The sink"). A paged block pool holds no full-precision entries (sink 0 always).
-DEFAULT_SINK = {"int8": 0, "int4": 0, "fp8": 0}
+# Oldest entries of a row held in the model's dtype when none is given (KVQuant's attention sink): one for int4,
+# whose first key would otherwise widen the first key group's range (with rotation it lowers int4's continuation KL
+# by 45 % with groups of 64, docs/quantization.md, "The sink"); none for 8-bit formats, which lose nothing
+# measurable without one. A paged block pool holds no full-precision entries (sink 0 always).
+DEFAULT_SINK = {"int8": 0, "int4": 1, "fp8": 0}
 # Keys and values quantized in a rotated basis (a fixed orthogonal transform of the channels, below) when none is
-# given: none.
-DEFAULT_ROTATE = {"int8": False, "int4": False, "fp8": False}
+# given: int4's (its continuation KL 33 % lower, and with the sink and groups of 64 the retrieval rows above); 8-bit
+# formats lose nothing without it. Key channel pruning (ThinK) and a paged block pool hold the model's channels:
+# pass ``rotate=0`` there (``"int4:rotate=0"``; a pool reads a name as ``rotate=0``).
+DEFAULT_ROTATE = {"int8": False, "int4": True, "fp8": False}
 _MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
 
 
@@ -93,8 +96,7 @@ class KVQuant:
     Attributes:
         name: ``"int8"``, ``"int4"`` or ``"fp8"``
         group_size: tokens per key group (one per-channel scale per group); the full-precision window is
-            quantized a whole group at a time. Default (None): 32 for ``int4`` (KIVI's group), 64 for ``int8``
-            and ``fp8`` (see ``DEFAULT_GROUP_SIZE``)
+            quantized a whole group at a time. Default (None): 64 (see ``DEFAULT_GROUP_SIZE``)
         residual: full-precision entries always kept after the last full group (KIVI's ``R``); the window holds
             between ``residual`` and ``residual + group_size - 1`` entries once that many exist. Default (None): 32
             for ``int4``, 0 for ``int8`` and ``fp8`` (see ``DEFAULT_RESIDUAL``); ``residual=0`` quantizes every
@@ -103,12 +105,13 @@ class KVQuant:
         sink: the oldest entries of every row held in the model's dtype, outside every key group (attention sinks:
             KVQuant, Hooper et al. 2024, arXiv 2401.18079, keeps the first token in full precision; its outlier
             channels would otherwise widen the first key group's range, and nearly every query attends to it).
-            Default (None): 0 (see ``DEFAULT_SINK``)
+            Default (None): 1 for ``int4``, 0 for ``int8`` and ``fp8`` (see ``DEFAULT_SINK``)
         rotate: quantize keys and values in a rotated basis, ``x @ R`` with ``R`` a fixed orthogonal matrix
             (:func:`rotation`: a block-diagonal Hadamard transform with fixed random signs; QuaRot, Ashkboos et al.
             2024, arXiv 2404.00456): an outlier channel's magnitude is spread over every channel, so group ranges
             shrink. Attention never rotates the stored entries back: it rotates the query and the output instead
-            (``q·k = (qR)·(kR)``, ``p·V = (p·VR)Rᵀ``). Default (None): off (see ``DEFAULT_ROTATE``)
+            (``q·k = (qR)·(kR)``, ``p·V = (p·VR)Rᵀ``). Default (None): on for ``int4``, off for ``int8`` and
+            ``fp8`` (see ``DEFAULT_ROTATE``)
     """
 
     name: str
@@ -152,16 +155,14 @@ class KVQuant:
 
     @property
     def spec(self) -> str:
-        """The format with every resolved setting, as :func:`resolve_kv_quant` reads it back: ``"int4:group_size=32,
-        residual=32,sink=0"`` (``value_group`` only when set, ``rotate=1`` only when on: a spec written before
-        rotation existed reads back as it was meant). What run records and command output name, so that a change of
-        a default never makes two records with the same name hold differently quantized entries."""
+        """The format with every resolved setting, as :func:`resolve_kv_quant` reads it back: ``"int4:group_size=64,
+        residual=32,sink=1,rotate=1"`` (``value_group`` only when set). What run records and command output name, so
+        that a change of a default never makes two records with the same name hold differently quantized entries."""
         settings = [f"group_size={self.group_size}", f"residual={self.residual}"]
         if self.value_group is not None:
             settings.append(f"value_group={self.value_group}")
         settings.append(f"sink={self.sink}")
-        if self.rotate:
-            settings.append("rotate=1")
+        settings.append(f"rotate={int(self.rotate)}")
         return f"{self.name}:{','.join(settings)}"
 
     @property
@@ -210,6 +211,7 @@ _SPEC_FIELDS = ("group_size", "residual", "value_group", "sink", "rotate")
 def resolve_kv_quant(
     kv_quant: str | KVQuant | None,
     *,
+    default_group_size: int | None = None,
     default_residual: int | None = None,
     default_sink: int | None = None,
     default_rotate: bool | None = None,
@@ -219,11 +221,13 @@ def resolve_kv_quant(
     A spec string is a format name, optionally followed by ``:`` and comma-separated ``field=integer`` settings of
     :class:`KVQuant`: ``"int4"``, ``"int4:group_size=64"``, ``"int8:group_size=32,residual=32,value_group=32"``,
     ``"int4:residual=0"`` (what ``--kv-quant`` takes on the command line). A setting left out takes the format's
-    default (``DEFAULT_GROUP_SIZE``, ``DEFAULT_RESIDUAL``), except that ``default_residual`` (not None) replaces
+    default (``DEFAULT_GROUP_SIZE``, ``DEFAULT_RESIDUAL``, ``DEFAULT_SINK``, ``DEFAULT_ROTATE``), except that
+    ``default_residual`` (not None) replaces
     the default window of a name or spec string that sets no ``residual``: a store without a window (the paged
     block pool) reads ``"int4"`` as ``residual=0``; ``default_sink`` does the same for ``sink`` (the pool holds no
     full-precision entries at all; a record written before the sink existed meant none) and ``default_rotate`` for
-    ``rotate`` (the pool holds the model's channels; a record written before rotation existed meant none). A
+    ``rotate`` (the pool holds the model's channels; a record written before rotation existed meant none), and
+    ``default_group_size`` for ``group_size`` (a record written before every setting was spelled out). A
     :class:`KVQuant` is returned as it is.
     """
     if kv_quant is None or isinstance(kv_quant, KVQuant):
@@ -246,6 +250,8 @@ def resolve_kv_quant(
             raise InvalidParameterError(f"kv_quant {kv_quant!r}: {key} must be an integer, got {value!r}") from None
     if sep and not fields:
         raise InvalidParameterError(f"kv_quant {kv_quant!r}: nothing after ':'; give field=integer settings")
+    if default_group_size is not None:
+        fields.setdefault("group_size", default_group_size)
     if default_residual is not None:
         fields.setdefault("residual", default_residual)
     if default_sink is not None:

@@ -30,13 +30,18 @@ groups it came from (docs/quantization.md, "Compaction"). The oldest ``sink`` ke
 other kept entry but the newest ``residual`` is quantized: when their count is not a multiple of ``group_size``,
 the last ones form one partial key group with its own scales (as the ragged store's rows do), so a compaction
 leaves exactly ``residual`` entries in the window and later appends quantize whole groups after the partial one.
+
+With ``kv_quant.rotate`` the codes hold entries in a rotated basis (:func:`~kvtrim.cache.quant.rotate`); keys
+pruned to some of the model's channels (:meth:`with_key_channels`) are held in those channels instead
+(:attr:`key_format`, which does not rotate), while values stay rotated.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..errors import InvalidParameterError
 from .attention import grouped_attention
 from .dense import INVALID, DenseStore, SlotBookkeeping
 from .packed_attention import attend_padded
@@ -51,17 +56,14 @@ from .quant import (
     take_code_channels,
 )
 
-__all__ = ["QuantizedDenseStore", "refuse_rotated_key_channels"]
+__all__ = ["QuantizedDenseStore", "key_format"]
 
 
-def refuse_rotated_key_channels(fmt: KVQuant) -> None:
-    """:class:`InvalidParameterError` when ``fmt`` rotates: key channel pruning (ThinK) keeps channels of the
-    model's keys, which rotated codes do not hold."""
-    if fmt.rotate:
-        raise InvalidParameterError(
-            "key channel pruning (ThinK) keeps channels of the model's keys; keys quantized with rotate=1 hold "
-            "rotated channels: use kv_quant without rotate for this method"
-        )
+def key_format(fmt: KVQuant, key_dim: int, head_dim: int) -> KVQuant:
+    """How keys of ``key_dim`` channels are quantized in a store of ``fmt``: ``fmt`` itself, except that pruned keys
+    (``key_dim < head_dim``, ThinK) are held in the model's channels they kept, never rotated (a rotation mixes
+    every channel of a key, so rotated codes hold no single channel to keep)."""
+    return fmt if key_dim == head_dim or not fmt.rotate else dataclasses.replace(fmt, rotate=False)
 
 
 class QuantizedDenseStore(SlotBookkeeping):
@@ -94,6 +96,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         self.dtype = dtype
         b, h, d = batch, kv_heads, head_dim
         dk = d if key_dim is None else key_dim
+        self.key_format = key_format(kv_quant, dk, d)
         vgroups = d // kv_quant.value_group_for(d)
 
         def empty(*shape, dtype=torch.uint8):
@@ -231,14 +234,13 @@ class QuantizedDenseStore(SlotBookkeeping):
     def dequantized(self, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[batch, kv_heads, length, head_dim]`` in the model's dtype: the quantized part
         dequantized, followed by the window (a transient copy of this layer). ``rotated``: every entry in the basis
-        of ``kv_quant.rotate`` (``x @ R``), what attention with a rotated query reads; the model's channels
-        otherwise."""
-        fmt, nq = self.kv_quant, self.quantized_length
-        rotated = rotated and fmt.rotate
+        of ``kv_quant.rotate`` (``x @ R``), what attention with a rotated query reads (keys in the basis of
+        :attr:`key_format`: pruned keys stay in the model's channels); the model's channels otherwise."""
+        fmt, kfmt, nq = self.kv_quant, self.key_format, self.quantized_length
         if nq == 0 and self.sink_length == 0:
-            return rotate(self._wk, fmt) if rotated else self._wk, rotate(self._wv, fmt) if rotated else self._wv
+            return rotate(self._wk, kfmt if rotated else None), rotate(self._wv, fmt if rotated else None)
         if self.window_length == 0 and not self._partial[1] and self.sink_length == 0:
-            k = dequantize_keys(self._kc, self._ks, self._kz, fmt, self.dtype, rotated=rotated)
+            k = dequantize_keys(self._kc, self._ks, self._kz, kfmt, self.dtype, rotated=rotated)
             return k, dequantize_values(self._vc, self._vs, self._vz, fmt, self.dtype, rotated=rotated)
         # dequantize straight into the layer's buffer, the window after it (no concatenation copy)
         shape = (*self._wk.shape[:2], self.length)
@@ -270,9 +272,16 @@ class QuantizedDenseStore(SlotBookkeeping):
         """Write the entries, as attention sees them, into ``keys`` ``[batch, kv_heads, length, key_dim]`` (None:
         values only) and ``values`` ``[batch, kv_heads, length, head_dim]`` (views of a larger buffer allowed): the
         sink, the quantized part dequantized, then the window. ``rotated``: all of them in the basis of
-        ``kv_quant.rotate`` (the sink and the window rotated, the quantized part left as it is held)."""
-        fmt, ns, nq = self.kv_quant, self.sink_length, self.quantized_length
-        full = (lambda x: rotate(x, fmt)) if rotated and fmt.rotate else (lambda x: x)
+        ``kv_quant.rotate`` (the sink and the window rotated, the quantized part left as it is held; keys in the
+        basis of :attr:`key_format`)."""
+        fmt, kfmt, ns, nq = self.kv_quant, self.key_format, self.sink_length, self.quantized_length
+
+        def full(x: torch.Tensor) -> torch.Tensor:
+            return rotate(x, fmt if rotated else None)
+
+        def full_keys(x: torch.Tensor) -> torch.Tensor:
+            return rotate(x, kfmt if rotated else None)
+
         if ns:
             values[:, :, :ns] = full(self._sv)
         if nq:
@@ -284,14 +293,14 @@ class QuantizedDenseStore(SlotBookkeeping):
         if keys is None:
             return
         if ns:
-            keys[:, :, :ns] = full(self._sk)
+            keys[:, :, :ns] = full_keys(self._sk)
         for s0, s1, g0, g1 in self._key_segments():
             dequantize_keys(
-                self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], fmt, self.dtype,
+                self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], kfmt, self.dtype,
                 out=keys[:, :, ns + s0 : ns + s1], rotated=rotated,
             )  # fmt: skip
         if self.window_length:
-            keys[:, :, ns + nq :] = full(self._wk)
+            keys[:, :, ns + nq :] = full_keys(self._wk)
 
     # ------------------------------------------------------------------ growth
     def _reserve_positions(self, extra: int) -> None:
@@ -323,7 +332,7 @@ class QuantizedDenseStore(SlotBookkeeping):
         if n <= 0:
             return
         start = self.sink_length + self.quantized_length
-        kc, ks, kz = quantize_keys(self._wk[:, :, :n], fmt, self._pos[:, :, start : start + n] >= 0)
+        kc, ks, kz = quantize_keys(self._wk[:, :, :n], self.key_format, self._pos[:, :, start : start + n] >= 0)
         vc, vs, vz = quantize_values(self._wv[:, :, :n], fmt)
         self._kc, self._ks, self._kz = (torch.cat(p, dim=2) for p in ((self._kc, kc), (self._ks, ks), (self._kz, kz)))
         self._vc, self._vs, self._vz = (torch.cat(p, dim=2) for p in ((self._vc, vc), (self._vs, vs), (self._vz, vz)))
@@ -376,10 +385,11 @@ class QuantizedDenseStore(SlotBookkeeping):
         if keep_mask is not None:
             pos = pos.masked_fill(~keep_mask, INVALID)
         valid = pos >= 0
-        kc, ks, kz = quantize_keys(kept_k[:, :, ns : ns + whole], fmt, valid[:, :, ns : ns + whole])
+        kfmt = self.key_format
+        kc, ks, kz = quantize_keys(kept_k[:, :, ns : ns + whole], kfmt, valid[:, :, ns : ns + whole])
         if nq > whole:  # the last kept entries form one partial group with its own scales
             q0, q1 = ns + whole, ns + nq
-            parts = quantize_keys(kept_k[:, :, q0:q1], fmt, valid[:, :, q0:q1], group_size=nq - whole)
+            parts = quantize_keys(kept_k[:, :, q0:q1], kfmt, valid[:, :, q0:q1], group_size=nq - whole)
             kc, ks, kz = (torch.cat([a, p], dim=2) for a, p in zip((kc, ks, kz), parts, strict=True))
         vc, vs, vz = quantize_values(kept_v[:, :, ns : ns + nq], fmt)  # first quantization of other entries
         if nq and old_nq:
@@ -407,22 +417,54 @@ class QuantizedDenseStore(SlotBookkeeping):
         (ThinK); values, positions and statistics are shared with this store.
 
         A key scale and zero point belong to one channel of one group, so the kept channels keep their codes, scales
-        and zero points unchanged: the new store's keys, dequantized, are exactly this store's on those channels."""
-        refuse_rotated_key_channels(self.kv_quant)
+        and zero points unchanged: the new store's keys, dequantized, are exactly this store's on those channels.
+        Keys held rotated (``kv_quant.rotate``) hold no channel of the model's alone: the kept channels of the keys
+        (the float keys while :attr:`source_keys` holds them, else the dequantized ones) are quantized again, in
+        the same key groups, in the model's channels (:attr:`key_format`)."""
         b, h, dk = channels.shape
         out = QuantizedDenseStore(self.kv_quant, self.dtype, b, h, self.head_dim, self._pos.device, dk)
 
         def index(n: int) -> torch.Tensor:
             return channels[:, :, None, :].expand(-1, -1, n, -1)
 
-        out._kc = take_code_channels(self._kc, index(self.quantized_length), self.kv_quant.bits, self.key_dim)
-        out._ks, out._kz = (torch.gather(t, 3, index(t.shape[2])) for t in (self._ks, self._kz))
+        if self.key_format.rotate:
+            out._kc, out._ks, out._kz = self._requantized_key_channels(channels, out.key_format)
+        else:
+            out._kc = take_code_channels(self._kc, index(self.quantized_length), self.kv_quant.bits, self.key_dim)
+            out._ks, out._kz = (torch.gather(t, 3, index(t.shape[2])) for t in (self._ks, self._kz))
         out._wk = torch.gather(self._wk, 3, index(self.window_length))
         out._sk = torch.gather(self._sk, 3, index(self.sink_length))
         out._vc, out._vs, out._vz, out._wv, out._sv = self._vc, self._vs, self._vz, self._wv, self._sv
         out._pos, out.length, out.all_valid, out._partial = self._pos, self.length, self.all_valid, self._partial
         out._stats = dict(self._stats)
         return out
+
+    def _requantized_key_channels(
+        self, channels: torch.Tensor, fmt: KVQuant
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes, scales and zero points of the quantized part's keys on ``channels`` ``[batch, kv_heads, d_kept]``
+        of the model's channels, quantized with ``fmt`` in this store's key groups (the partial one included)."""
+        ns, nq = self.sink_length, self.quantized_length
+        if self._source is not None:
+            keys = self._source[:, :, ns : ns + nq]
+        else:
+            keys = torch.empty(*self._kc.shape[:3], self.key_dim, dtype=self.dtype, device=self._kc.device)
+            for s0, s1, g0, g1 in self._key_segments():
+                dequantize_keys(
+                    self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], self.key_format,
+                    self.dtype, out=keys[:, :, s0:s1],
+                )  # fmt: skip
+        keys = torch.gather(keys, 3, channels[:, :, None, :].expand(-1, -1, nq, -1))
+        valid = self._pos[:, :, ns : ns + nq] >= 0
+        parts = [
+            quantize_keys(keys[:, :, s0:s1], fmt, valid[:, :, s0:s1], group_size=(s1 - s0) // (g1 - g0))
+            for s0, s1, g0, g1 in self._key_segments()
+        ]
+        if not parts:
+            dk = channels.shape[-1]
+            empty = self._ks.new_empty(*self._ks.shape[:3], dk)
+            return self._kc.new_empty(*self._kc.shape[:3], packed_width(dk, fmt.bits)), empty, empty.clone()
+        return tuple(torch.cat(p, dim=2) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ KVStore protocol
     def to_dense(self) -> QuantizedDenseStore:
@@ -515,6 +557,6 @@ class QuantizedDenseStore(SlotBookkeeping):
             mask = (kpos[:, :, None, :] >= 0) & (kpos[:, :, None, :] <= query_positions[:, None, :, None])
         if not rotated:
             return attend_padded(query, keys, values, mask, scaling)
-        # entries in the rotated basis: (qR)·(kR) = q·k, and the output comes back by Rᵀ
-        out = attend_padded(rotate(query, self.kv_quant), keys, values, mask, scaling)
+        # entries in the rotated basis: (qR)·(kR) = q·k (keys of key_format only), and the output comes back by Rᵀ
+        out = attend_padded(rotate(query, self.key_format), keys, values, mask, scaling)
         return rotate(out, self.kv_quant, inverse=True)

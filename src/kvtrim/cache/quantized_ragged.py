@@ -46,12 +46,13 @@ from .quant import (
     KVQuant,
     dequantize_keys,
     dequantize_values,
+    packed_width,
     quantize_keys,
     quantize_values,
     rotate,
     take_code_channels,
 )
-from .quantized_dense import QuantizedDenseStore, refuse_rotated_key_channels
+from .quantized_dense import QuantizedDenseStore
 from .ragged import _ranges
 
 __all__ = ["QuantizedRaggedStore"]
@@ -157,7 +158,7 @@ class QuantizedRaggedStore:
         qidx = idx.gather(-1, qcol)
         qpos = positions_all.gather(-1, qidx)
         qlive = live.view(b, h, width) & (qpos >= 0)
-        kc, ks, kz = quantize_keys(take(keys, qidx), fmt, qlive)
+        kc, ks, kz = quantize_keys(take(keys, qidx), store.key_format, qlive)
         vc, vs, vz = quantize_values(take(values, qidx), fmt)
         old_ns, old_nq = store.sink_length, store.quantized_length
         if old_nq and width:
@@ -205,22 +206,58 @@ class QuantizedRaggedStore:
         """A new store whose keys hold only ``channels`` ``[batch, kv_heads, d_kept]`` of this store's key channels
         (ThinK), in the kept part and the tail; values, positions and row bookkeeping are shared with this store.
         Every slot and key group of row ``r = b * kv_heads + h`` keeps the channels of ``(b, h)`` with their codes,
-        scales and zero points unchanged (as :meth:`QuantizedDenseStore.with_key_channels`)."""
-        refuse_rotated_key_channels(self.kv_quant)
+        scales and zero points unchanged (as :meth:`QuantizedDenseStore.with_key_channels`); keys held rotated are
+        quantized again on the kept channels of the model's keys, in the same groups of every row."""
         b, h, dk = channels.shape
-        rows = torch.arange(b * h, device=channels.device)
-        per_row = channels.reshape(b * h, dk)
-        slot_row = torch.repeat_interleave(rows, self.capacity, output_size=self._kc.shape[0])
-        groups = _ceil_div(self.capacity, self.kv_quant.group_size)
-        group_row = torch.repeat_interleave(rows, groups, output_size=self._ks.shape[0])
-        kc = take_code_channels(self._kc, per_row[slot_row], self.kv_quant.bits, self.key_dim)
-        ks, kz = (t.gather(1, per_row[group_row]) for t in (self._ks, self._kz))
+        if self.key_format.rotate:
+            kc, ks, kz = self._requantized_key_channels(channels)
+        else:
+            rows = torch.arange(b * h, device=channels.device)
+            per_row = channels.reshape(b * h, dk)
+            slot_row = torch.repeat_interleave(rows, self.capacity, output_size=self._kc.shape[0])
+            groups = _ceil_div(self.capacity, self.kv_quant.group_size)
+            group_row = torch.repeat_interleave(rows, groups, output_size=self._ks.shape[0])
+            kc = take_code_channels(self._kc, per_row[slot_row], self.kv_quant.bits, self.key_dim)
+            ks, kz = (t.gather(1, per_row[group_row]) for t in (self._ks, self._kz))
         sk = self._sk.gather(3, channels[:, :, None, :].expand(-1, -1, self._sk.shape[2], -1))
         return QuantizedRaggedStore(
             self.kv_quant, self.dtype, (kc, ks, kz, self._vc, self._vs, self._vz), self._pos, self.start,
             self.length, self.capacity, self.group_start, self.tail.with_key_channels(channels),
             (sk, self._sv, self._spos),
         )  # fmt: skip
+
+    def _requantized_key_channels(
+        self, channels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat key codes, scales and zero points of the kept part on ``channels`` ``[batch, kv_heads, d_kept]`` of
+        the model's channels, dequantized and quantized again unrotated in every row's own key groups."""
+        b, h, w, g = self.batch_size, self.kv_heads, self._width, self.kv_quant.group_size
+        fmt, dk = dataclasses.replace(self.key_format, rotate=False), channels.shape[-1]
+        if not w:
+            return (
+                self._kc.new_empty(0, packed_width(dk, fmt.bits)), self._ks.new_empty(0, dk), self._kz.new_empty(0, dk)
+            )
+        kc = gather_rows(self._kc, self._index, b, h)
+        ks, kz = gather_rows(self._ks, self._group_index, b, h), gather_rows(self._kz, self._group_index, b, h)
+        keys = dequantize_keys(kc, ks, kz, self.key_format, self.dtype)  # [b, h, width, head_dim], model channels
+        keys = keys.gather(3, channels[:, :, None, :].expand(-1, -1, w, -1))
+        cols = torch.arange(w, device=channels.device)
+        held = cols[None, :] < self.capacity[:, None]  # [rows, width]: the slots each row owns
+        pos = gather_rows(self._pos, self._index, b, h)
+        live = (cols[None, :] < self.length[:, None]).view(b, h, w) & (pos >= 0)
+        kc, ks, kz = quantize_keys(keys, fmt, live)
+        gheld = (cols[None, : w // g] * g < self.capacity[:, None]).reshape(-1)
+        return (
+            kc.reshape(-1, kc.shape[-1])[held.reshape(-1)],
+            ks.reshape(-1, ks.shape[-1])[gheld],
+            kz.reshape(-1, kz.shape[-1])[gheld],
+        )
+
+    @property
+    def key_format(self) -> KVQuant:
+        """How the kept part's and the tail's keys are quantized (:func:`~kvtrim.cache.quantized_dense.key_format`:
+        pruned keys are never rotated)."""
+        return self.tail.key_format
 
     # ------------------------------------------------------------------ views
     @property
@@ -267,17 +304,18 @@ class QuantizedRaggedStore:
         then the tail. A transient copy of this layer. ``rotated``: every entry in the basis of
         ``kv_quant.rotate`` (what attention with a rotated query reads)."""
         b, h, w, fmt, s = self.batch_size, self.kv_heads, self._width, self.kv_quant, self.sink_width
+        kfmt = self.key_format
         shape = (b, h, s + w + self.tail.length)
         keys = torch.empty(*shape, self.key_dim, dtype=self.dtype, device=self._pos.device)
         values = torch.empty(*shape, self.head_dim, dtype=self.dtype, device=self._pos.device)
         if s:
-            keys[:, :, :s] = rotate(self._sk, fmt) if rotated else self._sk
-            values[:, :, :s] = rotate(self._sv, fmt) if rotated else self._sv
+            keys[:, :, :s] = rotate(self._sk, kfmt if rotated else None)
+            values[:, :, :s] = rotate(self._sv, fmt if rotated else None)
         if w:
             kc, vc = gather_rows(self._kc, self._index, b, h), gather_rows(self._vc, self._index, b, h)
             ks, kz = gather_rows(self._ks, self._group_index, b, h), gather_rows(self._kz, self._group_index, b, h)
             vs, vz = gather_rows(self._vs, self._index, b, h), gather_rows(self._vz, self._index, b, h)
-            dequantize_keys(kc, ks, kz, fmt, self.dtype, out=keys[:, :, s : s + w], rotated=rotated)
+            dequantize_keys(kc, ks, kz, kfmt, self.dtype, out=keys[:, :, s : s + w], rotated=rotated)
             dequantize_values(vc, vs, vz, fmt, self.dtype, out=values[:, :, s : s + w], rotated=rotated)
         self.tail.dequantize_into(keys[:, :, s + w :], values[:, :, s + w :], rotated)
         return keys, values
@@ -392,7 +430,7 @@ class QuantizedRaggedStore:
         # with rotate=1, attention reads the entries as they are held (rotated) and rotates the query and the output
         rotated = fmt.rotate
         keys, values = self.dequantized(rotated)
-        q = rotate(query, fmt) if rotated else query
+        q = rotate(query, self.key_format)  # pruned keys are held unrotated: the query stays in their channels
         if query.shape[2] == 1:
             mask = torch.cat(
                 [(self._spos >= 0)[:, :, None, :], self._filled(), (self.tail.positions >= 0)[:, :, None, :]], dim=-1

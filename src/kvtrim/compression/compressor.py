@@ -129,11 +129,6 @@ def compress_cache(
                 f"method {pipeline.name!r} re-rotates kept keys, which quantized entries (kv_quant="
                 f"{layer.store.kv_quant.name!r}) do not support yet; use kv_quant=None with it"
             )
-        if pipeline.channels is not None and getattr(getattr(layer.store, "kv_quant", None), "rotate", False):
-            raise InvalidParameterError(
-                f"method {pipeline.name!r} prunes key channels of the model's keys, which entries quantized with "
-                "rotate=1 do not hold (their channels are rotated); use kv_quant without rotate with it"
-            )
     first = layers[0].store
     context = (first.positions.amax(dim=(1, 2)) + 1).clamp(min=0)  # [batch]
     keep = torch.tensor([spec.keep_count(int(t)) for t in context.tolist()], device=context.device)

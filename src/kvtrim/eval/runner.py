@@ -81,14 +81,24 @@ _CONSISTENT = (
 )  # fmt: skip
 
 
+# key group sizes a format name meant before int4's default became 64 tokens (records spelled it since)
+_LEGACY_GROUP_SIZE = {"int8": 64, "int4": 32, "fp8": 64}
+
+
 def _stored(name: str, value: Any) -> Any:
     """A setting as an earlier run recorded it, in today's terms: a ``kv_quant`` written before every setting was
-    spelled out (``"int4"``, ``"int8:group_size=32"``) meant no full-precision window whatever the format, and one
-    written before ``sink`` existed (``"int4:group_size=32,residual=32"``) meant no sink, one written before
-    ``rotate`` existed no rotation."""
+    spelled out (``"int4"``, ``"int8:group_size=32"``) meant no full-precision window whatever the format and, for
+    int4, key groups of 32 (``_LEGACY_GROUP_SIZE``); one written before ``sink`` existed
+    (``"int4:group_size=32,residual=32"``) meant no sink, one written before ``rotate`` existed no rotation."""
     if name == "kv_quant" and isinstance(value, str):
         try:
-            return resolve_kv_quant(value, default_residual=0, default_sink=0, default_rotate=False).spec
+            return resolve_kv_quant(
+                value,
+                default_group_size=_LEGACY_GROUP_SIZE.get(value.partition(":")[0]),
+                default_residual=0,
+                default_sink=0,
+                default_rotate=False,
+            ).spec
         except InvalidParameterError:
             return value
     return value
