@@ -294,13 +294,18 @@ class QuantizedDenseStore(SlotBookkeeping):
             return
         if ns:
             keys[:, :, :ns] = full_keys(self._sk)
-        for s0, s1, g0, g1 in self._key_segments():
-            dequantize_keys(
-                self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], kfmt, self.dtype,
-                out=keys[:, :, ns + s0 : ns + s1], rotated=rotated,
-            )  # fmt: skip
+        self._dequantize_key_part(keys[:, :, ns : ns + nq], rotated)
         if self.window_length:
             keys[:, :, ns + nq :] = full_keys(self._wk)
+
+    def _dequantize_key_part(self, out: torch.Tensor, rotated: bool = False) -> None:
+        """Write the quantized part's keys into ``out`` ``[batch, kv_heads, nq, key_dim]``, group run by group run
+        (``rotated``: left in the basis of :attr:`key_format`)."""
+        for s0, s1, g0, g1 in self._key_segments():
+            dequantize_keys(
+                self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], self.key_format, self.dtype,
+                out=out[:, :, s0:s1], rotated=rotated,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ growth
     def _reserve_positions(self, extra: int) -> None:
@@ -449,11 +454,7 @@ class QuantizedDenseStore(SlotBookkeeping):
             keys = self._source[:, :, ns : ns + nq]
         else:
             keys = torch.empty(*self._kc.shape[:3], self.key_dim, dtype=self.dtype, device=self._kc.device)
-            for s0, s1, g0, g1 in self._key_segments():
-                dequantize_keys(
-                    self._kc[:, :, s0:s1], self._ks[:, :, g0:g1], self._kz[:, :, g0:g1], self.key_format,
-                    self.dtype, out=keys[:, :, s0:s1],
-                )  # fmt: skip
+            self._dequantize_key_part(keys)
         keys = torch.gather(keys, 3, channels[:, :, None, :].expand(-1, -1, nq, -1))
         valid = self._pos[:, :, ns : ns + nq] >= 0
         parts = [

@@ -53,6 +53,7 @@ from .quant import (
     take_code_channels,
 )
 from .quantized_dense import QuantizedDenseStore
+from .quantized_dense import key_format as keys_format_for
 from .ragged import _ranges
 
 __all__ = ["QuantizedRaggedStore"]
@@ -226,16 +227,17 @@ class QuantizedRaggedStore:
             (sk, self._sv, self._spos),
         )  # fmt: skip
 
-    def _requantized_key_channels(
-        self, channels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _requantized_key_channels(self, channels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat key codes, scales and zero points of the kept part on ``channels`` ``[batch, kv_heads, d_kept]`` of
         the model's channels, dequantized and quantized again unrotated in every row's own key groups."""
         b, h, w, g = self.batch_size, self.kv_heads, self._width, self.kv_quant.group_size
-        fmt, dk = dataclasses.replace(self.key_format, rotate=False), channels.shape[-1]
+        dk = channels.shape[-1]
+        fmt = keys_format_for(self.kv_quant, dk, self.head_dim)  # the pruned keys' format: unrotated
         if not w:
             return (
-                self._kc.new_empty(0, packed_width(dk, fmt.bits)), self._ks.new_empty(0, dk), self._kz.new_empty(0, dk)
+                self._kc.new_empty(0, packed_width(dk, fmt.bits)),
+                self._ks.new_empty(0, dk),
+                self._kz.new_empty(0, dk),
             )
         kc = gather_rows(self._kc, self._index, b, h)
         ks, kz = gather_rows(self._ks, self._group_index, b, h), gather_rows(self._kz, self._group_index, b, h)
