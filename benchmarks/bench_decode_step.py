@@ -214,8 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode-kernel", choices=["auto", "gather", "flash", "triton"], default="auto")
-    ap.add_argument("--kv-quant", choices=["none", "int8", "int4", "fp8"], default="none",
-                    help="the pool's entries: the model's dtype (none) or packed")  # fmt: skip
+    ap.add_argument("--kv-quant", type=pool_format, default="none",
+                    help="the pool's entries: the model's dtype (none) or packed: int8, int4 (rotated), fp8 or a "
+                    "spec string such as int4:rotate=0")  # fmt: skip
     ap.add_argument("--decode-buckets", action="store_true", help="pad decode batches to static buckets")
     ap.add_argument("--static-decode", action="store_true", help="the CUDA-graph step, run eagerly (any device)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA only)")
@@ -226,6 +227,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     args.argv = sys.argv[1:] if argv is None else list(argv)
     return args
+
+
+def pool_format(spec: str) -> str:
+    """``--kv-quant``: ``none`` or a format a block pool takes (checked now, kept as given)."""
+    from kvtrim.cache.quantized_block_pool import pool_kv_quant
+    from kvtrim.errors import InvalidParameterError
+
+    if spec != "none":
+        try:
+            pool_kv_quant(spec)
+        except InvalidParameterError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 def main(argv: list[str] | None = None, model=None, tok=None) -> dict:

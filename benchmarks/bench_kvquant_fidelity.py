@@ -8,9 +8,16 @@ the mean change of the reference answer's negative log-likelihood. The continuat
 quantized context (its own entries land in the store's full-precision window, as in decoding). A denser signal than
 the retrieval scores, which move by whole prompts.
 
+``--store pool`` measures the serving engine's paged block pool instead
+(:func:`pool_continuation_logprobs`: the context prefilled in one chunk, the continuation fed one decode step at a
+time over packed entries, against the same pool in the model's dtype; a pool reads a spec with no window and no
+sink).
+
 ```bash
 PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_kvquant_fidelity.py --samples 4 --seed 42 \
     --kv-quant int8 int4:group_size=32,sink=0 int4:group_size=64,sink=0 int4 --name int4_settings
+PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_kvquant_fidelity.py --samples 4 --seed 42 --store pool \
+    --kv-quant int8 int4:rotate=0 int4 --name pool_rotation
 ```
 
 Writes ``benchmarks/results/bench_kvquant_fidelity/NAME.{json,md}`` and prints the table.
@@ -44,6 +51,24 @@ def continuation_logprobs(model, context: torch.Tensor, continuation: torch.Tens
         last = model(context, past_key_values=cache, use_cache=True).logits[:, -1:]
         rest = model(continuation[:, :-1], past_key_values=cache, use_cache=True).logits
     return torch.cat([last, rest], dim=1)[0].float().log_softmax(-1)
+
+
+def pool_continuation_logprobs(model, context: torch.Tensor, continuation: torch.Tensor, kv_quant) -> torch.Tensor:
+    """:func:`continuation_logprobs` through the serving engine's paged block pool
+    (:class:`~kvtrim.serve.model_runner.ModelRunner`, 16-token blocks, ``kv_quant`` None: blocks in the model's
+    dtype): the context prefilled in one chunk (its attention over its own full-precision entries, as the engine
+    does), then the continuation fed one decode step at a time over the pool's packed entries, its own entries
+    packed as they are written (a pool has no full-precision window)."""
+    from kvtrim.serve.model_runner import ModelRunner, PrefillChunk
+
+    cfg, block_size = model.config, 16
+    per_row = -(-(context.shape[1] + continuation.shape[1]) // block_size) + 1
+    runner = ModelRunner(model, kv_blocks=cfg.num_hidden_layers * cfg.num_key_value_heads * per_row,
+                         block_size=block_size, kv_quant=kv_quant)  # fmt: skip
+    seq = runner.new_sequence()
+    logits = [runner.prefill([PrefillChunk(seq, context[0].tolist())]).float()]
+    logits += [runner.decode([seq], [t]).float().clone() for t in continuation[0, :-1].tolist()]
+    return torch.cat(logits).log_softmax(-1)
 
 
 def compare(ref: torch.Tensor, other: torch.Tensor, answer: torch.Tensor) -> dict:
@@ -111,10 +136,14 @@ def summarize(rows: list[dict], specs: list[str]) -> list[dict]:
     return out
 
 
+_STORES = {"dense": "kvtrim's dense cache", "pool": "the serving engine's paged block pool (16-token blocks)"}
+
+
 def render(summary: list[dict], settings: dict) -> str:
     lines = [
         f"Continuation KL against the unquantized cache, {settings['prompts']} prompts ({settings['samples']} per "
-        f"task, seed {settings['seed']}, ~{settings['length']} tokens), nothing evicted.",
+        f"task, seed {settings['seed']}, ~{settings['length']} tokens), nothing evicted, "
+        f"{_STORES[settings.get('store', 'dense')]}.",
         "",
         "| kv_quant | resolved | KL mean (nats/token) | KL median | answer NLL change (nats) |",
         "|---|---|---:|---:|---:|",
@@ -128,25 +157,30 @@ def render(summary: list[dict], settings: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv-quant", nargs="+", required=True, help="kv_quant specs to compare")
+    ap.add_argument("--store", choices=("dense", "pool"), default="dense",
+                    help="dense: kvtrim's dense cache (generate, eval); pool: the serving engine's paged block pool "
+                    "(a pool reads a name with no window and no sink)")  # fmt: skip
     prompt_arguments(ap, samples=4)
     ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import kvtrim
-    from kvtrim.cache.quant import resolve_kv_quant
+    from kvtrim.cache.quant import resolve_kv_quant, resolve_pool_kv_quant
 
-    formats = {spec: resolve_kv_quant(spec) for spec in args.kv_quant}  # bad specs fail before the model loads
+    resolve = resolve_pool_kv_quant if args.store == "pool" else resolve_kv_quant
+    formats = {spec: resolve(spec) for spec in args.kv_quant}  # bad specs fail before the model loads
+    logprobs = pool_continuation_logprobs if args.store == "pool" else continuation_logprobs
     model, tokenizer = kvtrim.load_model(args.model, dtype="float32", device="cpu")
     rows = []
     for sample, context, continuation, answer in retrieval_prompts(tokenizer, args):
-        ref = continuation_logprobs(model, context, continuation, None)
+        ref = logprobs(model, context, continuation, None)
         row = {"task": sample.task, "index": sample.index, "context_tokens": context.shape[1], "formats": {}}
         for spec, fmt in formats.items():
-            other = continuation_logprobs(model, context, continuation, fmt)
+            other = logprobs(model, context, continuation, fmt)
             row["formats"][spec] = {"resolved": fmt.spec, **compare(ref, other, answer)}
         rows.append(row)
         print(sample.task, sample.index, {s: round(v["kl"], 5) for s, v in row["formats"].items()}, flush=True)
-    return write_result(args, len(rows), summarize(rows, list(formats)), rows, render)
+    return write_result(args, len(rows), summarize(rows, list(formats)), rows, render, store=args.store)
 
 
 if __name__ == "__main__":

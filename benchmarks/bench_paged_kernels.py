@@ -11,11 +11,13 @@ every available kernel is called through kvtrim's own wrappers (:mod:`kvtrim.cac
   block size that is a multiple of 256), each when importable and when its first call works (else the row says why);
 * ``gather``: the gather + SDPA path (every row's blocks gathered into a padded ``[n, kv_heads, S, d]`` copy, then
   one masked SDPA), as :class:`kvtrim.cache.paged.PagedBatchCache` does without a kernel;
-* ``triton_quant_int8``, ``triton_quant_int4``, ``triton_quant_fp8`` (``--quant-formats``; the option with no
-  format leaves them out): the fused dequantizing Triton kernel (:mod:`kvtrim.cache.triton_paged_quant`)
-  over the same keys and values packed as a ``QuantizedBlockPool`` holds them (codes plus per-token float16 scale
-  and zero point); its bytes are the codes, scales, zero points and block tables, and its output is compared with
-  the gather path over the dequantized entries (what the kernel should equal), not over the float ones.
+* ``triton_quant_int8``, ``triton_quant_int4``, ``triton_quant_int4:rotate=0``, ``triton_quant_fp8``
+  (``--quant-formats``, names or spec strings; the option with no format leaves them out): the fused dequantizing
+  Triton kernel (:mod:`kvtrim.cache.triton_paged_quant`) over the same keys and values packed as a
+  ``QuantizedBlockPool`` holds them (codes plus per-token float16 scale and zero point; int4 in the rotated basis,
+  its call rotating the query before and the output after, ``int4:rotate=0`` in the model's channels); its bytes
+  are the codes, scales, zero points and block tables, and its output is compared with the gather path over the
+  dequantized entries (what the kernel should equal), not over the float ones.
 
 Time: on CUDA, CUDA events around each call (``--warmup`` untimed calls first, which also compile and autotune),
 median of ``--iters``, and the same over replays of a CUDA graph of one call (device time without the host's launch
@@ -68,7 +70,19 @@ PEAK_GBPS = (
     ("L4", 300.0),
 )
 DEFAULT_SHAPES = ("32x2048", "1x32768", "4x8192")
-QUANT_FORMATS = ("int8", "int4", "fp8")
+QUANT_FORMATS = ("int8", "int4", "int4:rotate=0", "fp8")  # int4 is rotated in a pool; rotate=0 times it without
+
+
+def quant_format(spec: str) -> str:
+    """``--quant-formats`` item: a format name or spec string a block pool takes (checked now, kept as given)."""
+    from kvtrim.cache.quantized_block_pool import pool_kv_quant
+    from kvtrim.errors import InvalidParameterError
+
+    try:
+        pool_kv_quant(spec)
+    except InvalidParameterError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 def peak_gbps(device_name: str) -> float | None:
@@ -124,7 +138,7 @@ class Case:
             from kvtrim.cache.quant import dequantize_values, quantize_values
             from kvtrim.cache.quantized_block_pool import pool_kv_quant
 
-            quant = pool_kv_quant(fmt)  # a pool's format: no full-precision entries, no rotation
+            quant = pool_kv_quant(fmt)  # a pool's format: no full-precision entries; int4 rotated
             sides, plain = [], []
             for x in (self.keys, self.values):
                 codes, scale, zero = quantize_values(x, quant)
@@ -346,8 +360,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--kernels", nargs="+", default=None, help="only these (triton, triton+metric, vllm_flash_attn, "
                    "flash_attn, gather, triton_quant_int8, triton_quant_int4, triton_quant_fp8)")  # fmt: skip
-    p.add_argument("--quant-formats", nargs="*", choices=QUANT_FORMATS, default=list(QUANT_FORMATS),
-                   help="packed formats of the fused dequantizing Triton kernel (none given: left out)")  # fmt: skip
+    p.add_argument("--quant-formats", nargs="*", type=quant_format, default=list(QUANT_FORMATS),
+                   help="packed formats of the fused dequantizing Triton kernel, names or spec strings such as "
+                   "int4:rotate=0 (none given: left out)")  # fmt: skip
     p.add_argument("--no-metric", action="store_true", help="leave out triton+metric")
     p.add_argument("--splits", type=int, default=None, help="force the Triton kernel's splits per row")
     p.add_argument("--block-n", type=int, default=None, help="force the Triton kernel's tokens per loop step")

@@ -420,8 +420,8 @@ def serve(
         typer.Option(
             "--kv-quant",
             help="hold the pool's K/V blocks packed as int8, int4 or fp8 with their scales, every entry packed when "
-            "written in the model's channels (no full-precision window, sink or rotation, whatever the format); "
-            "--kv-memory counts packed bytes "
+            "written (no full-precision window or sink, whatever the format; int4 rotated, int4:rotate=0 in the "
+            "model's channels); --kv-memory counts packed bytes "
             "(docs/quantization.md)",
         ),
     ] = None,

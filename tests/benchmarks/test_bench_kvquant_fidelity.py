@@ -33,6 +33,22 @@ def test_continuation_logprobs_are_the_models_own_and_quantization_moves_them(be
     assert abs(int8["kl"]) < int4["kl"] <= int4["kl_max"]
 
 
+def test_pool_continuation_is_the_models_own_and_quantization_moves_it(bench):
+    """``--store pool``: the engine's block pool in the model's dtype gives the model's own log-probabilities (a
+    prefill, then one decode step a token), and a packed pool moves them."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    context, continuation = torch.randint(5, 250, (1, 70), generator=g), torch.randint(5, 250, (1, 6), generator=g)
+    ref = bench.pool_continuation_logprobs(model, context, continuation, None)
+    with torch.no_grad():
+        whole = model(torch.cat([context, continuation[:, :-1]], 1)).logits[0, 69:].float().log_softmax(-1)
+    torch.testing.assert_close(ref, whole, rtol=1e-4, atol=1e-4)
+    answer = continuation[0, -2:]
+    int8 = bench.compare(ref, bench.pool_continuation_logprobs(model, context, continuation, "int8"), answer)
+    int4 = bench.compare(ref, bench.pool_continuation_logprobs(model, context, continuation, "int4"), answer)
+    assert 0 < int8["kl"] < int4["kl"]
+
+
 def test_summary_and_table(bench):
     spec = "int8:group_size=64,residual=0,sink=0"
     rows = [{"formats": {"int8": {"resolved": spec, "kl": k, "kl_max": k, "answer_nll_change": d}}}
@@ -41,4 +57,7 @@ def test_summary_and_table(bench):
     assert s["prompts"] == 3 and s["kl_mean"] == pytest.approx(0.2) and s["kl_median"] == 0.2
     assert s["answer_nll_change_mean"] == pytest.approx(0.2)
     md = bench.render([s], {"prompts": 3, "samples": 1, "seed": 0, "length": 100})
+    assert "nothing evicted, kvtrim's dense cache." in md
+    pool = bench.render([s], {"prompts": 3, "samples": 1, "seed": 0, "length": 100, "store": "pool"})
+    assert "the serving engine's paged block pool" in pool
     assert "| `int8` | `int8:group_size=64,residual=0,sink=0` | 0.20000 | 0.20000 | +0.2000 |" in md

@@ -20,12 +20,13 @@ def bench():
 def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
     result = bench.main(
         ["--device", "cpu", "--shapes", "2x40", "1x300", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
-         "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path), "--quant-formats", "int4"]
+         "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path), "--quant-formats", "int4", "int4:rotate=0"]
     )  # fmt: skip
     saved = json.loads((tmp_path / "bench_paged_kernels_cpu.json").read_text())
     assert saved == json.loads(json.dumps(result))
     rows = saved["rows"]
-    kernels = ["triton", "triton+metric", "vllm_flash_attn", "flash_attn", "gather", "triton_quant_int4"]
+    kernels = ["triton", "triton+metric", "vllm_flash_attn", "flash_attn", "gather", "triton_quant_int4",
+               "triton_quant_int4:rotate=0"]  # fmt: skip
     assert [(r["batch"], r["context"], r["kernel"]) for r in rows] == [
         (b, c, k) for b, c in ((2, 40), (1, 300)) for k in kernels
     ]
@@ -39,7 +40,7 @@ def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
         # K and V of rows * context entries (head_dim 32, fp32; int4: 16 code bytes + float16 scale and zero)
         # plus the block tables
         width = -(-r["context"] // 16)
-        entry = 2 * (16 + 2 + 2) if r["kernel"] == "triton_quant_int4" else 2 * 32 * 4
+        entry = 2 * (16 + 2 + 2) if r["kernel"].startswith("triton_quant_int4") else 2 * 32 * 4
         assert r["bytes_read"] == r["rows"] * r["context"] * entry + r["rows"] * width * 4
     triton_long = next(r for r in rows if r["kernel"] == "triton" and r["context"] == 300)
     assert triton_long["splits"] == 2 and triton_long["config"]["BLOCK_N"] > 0  # a long row is split
@@ -47,6 +48,12 @@ def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
     assert [(t["limit"], t["op"], t["value"]) for t in saved["targets"]] == [(50.0, ">=", None), (30.0, ">=", None)]
     md = (tmp_path / "bench_paged_kernels_cpu.md").read_text()
     assert "| 1 × 300 | triton |" in md and "| skipped: " in md
+
+
+def test_a_quant_format_a_pool_refuses_is_an_argument_error(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--quant-formats", "int4:sink=1"])
+    assert "sink must be 0" in capsys.readouterr().err
 
 
 def test_bandwidth_targets_read_the_triton_row_of_each_target_shape(bench):

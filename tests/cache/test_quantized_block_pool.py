@@ -9,7 +9,7 @@ import torch
 from kvtrim.cache.block_pool import BlockPool
 from kvtrim.cache.paged import PagedSequence
 from kvtrim.cache.paged_kernels import choose_decode_kernel
-from kvtrim.cache.quant import KVQuant
+from kvtrim.cache.quant import KVQuant, rotate, rotation
 from kvtrim.cache.quantized_block_pool import QuantizedBlockPool, packed_entry_bytes, pool_kv_quant
 from kvtrim.errors import InvalidParameterError
 from kvtrim.selection.block_eviction import compress_sequences
@@ -51,7 +51,7 @@ def test_for_bytes_counts_packed_bytes(fmt):
         QuantizedBlockPool.for_bytes(per_block - 1, 16, 64, torch.float32, fmt)
 
 
-@pytest.mark.parametrize(("fmt", "steps"), [("int8", 255), ("int4", 15)])
+@pytest.mark.parametrize(("fmt", "steps"), [("int8", 255), ("int4:rotate=0", 15), ("int4", 15)])
 def test_write_read_within_half_a_step_and_moves_keep_codes(fmt, steps):
     g = torch.Generator().manual_seed(0)
     pool = QuantizedBlockPool(4, 4, 8, torch.float32, fmt)
@@ -59,7 +59,9 @@ def test_write_read_within_half_a_step_and_moves_keep_codes(fmt, steps):
     keys, values = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g) * 3
     pool.write(slot, keys, values)
     for got, want in ((pool.read_keys(slot), keys), (pool.read_values(slot), values)):
-        step = (want.amax(-1) - want.amin(-1)) / steps  # one scale per token (per-token keys too)
+        # one scale per token (per-token keys too), over the entry as quantized: rotated when the pool rotates
+        got, want = rotate(got, pool.quant), rotate(want, pool.quant)
+        step = (want.amax(-1) - want.amin(-1)) / steps
         assert bool(((got - want).abs() <= step[:, None] / 2 + 1e-3 * want.abs().amax()).all())
     before = pool.read_keys(slot[2:3]).clone()
     pool.positions.view(-1)[9] = 42
@@ -76,8 +78,8 @@ def test_bad_kv_quant_and_window_are_refused():
         QuantizedBlockPool(4, 4, 8, torch.float32, KVQuant("int8", residual=4))
     # int4's default window is the dense and ragged stores': a pool reads the name as residual=0 and refuses a
     # window asked for, by spec or by a KVQuant left at the default
-    assert QuantizedBlockPool(4, 4, 8, torch.float32, "int4").quant == KVQuant("int4", residual=0, sink=0, rotate=False)
-    assert pool_kv_quant("int4:group_size=64") == KVQuant("int4", group_size=64, residual=0, sink=0, rotate=False)
+    assert QuantizedBlockPool(4, 4, 8, torch.float32, "int4").quant == KVQuant("int4", residual=0, sink=0, rotate=True)
+    assert pool_kv_quant("int4:group_size=64") == KVQuant("int4", group_size=64, residual=0, sink=0, rotate=True)
     for windowed in ("int4:residual=32", KVQuant("int4")):
         with pytest.raises(InvalidParameterError, match=r"residual must be 0, got 32 \(pass 'int4' or KVQuant"):
             QuantizedBlockPool(4, 4, 8, torch.float32, windowed)
@@ -148,7 +150,7 @@ def test_compression_moves_packed_entries_like_the_plain_pool(fmt):
     assert pools[1].num_used == pools[0].num_used
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "int4:rotate=0", "int8:rotate=1"])
 def test_decode_from_codes_equals_attention_over_dequantized_entries(fmt):
     g = torch.Generator().manual_seed(2)
     pool = QuantizedBlockPool(12, 4, 16, torch.float32, fmt)
@@ -161,5 +163,26 @@ def test_decode_from_codes_equals_attention_over_dequantized_entries(fmt):
     torch.testing.assert_close(logits, query @ keys.transpose(-1, -2), atol=1e-4, rtol=1e-4)
     probs = torch.softmax(logits, -1)
     torch.testing.assert_close(pool.weighted_values(probs, slot), probs @ values, atol=1e-5, rtol=1e-4)
-    grouped = KVQuant(fmt, residual=0, value_group=8, sink=0, rotate=False)
+    grouped = KVQuant(pool.quant.name, residual=0, value_group=8, sink=0, rotate=False)
     assert not QuantizedBlockPool(2, 4, 16, torch.float32, grouped).per_token_scale
+
+
+def test_a_rotated_pool_holds_codes_of_the_rotated_entries_and_narrows_outlier_keys():
+    """Keys with a few large channels (as real keys have): the rotated pool's codes are those of ``k R`` quantized
+    per token, reads come back in the model's channels, and the error is several times smaller than with the codes
+    of ``k`` itself, whose per-token range the outliers set."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(64, 64, generator=g)
+    keys[:, [5, 40]] = keys[:, [5, 40]] * 20 + 30  # two outlier channels with a large offset
+    values = torch.randn(64, 64, generator=g)
+    slot = torch.arange(64)
+    plain, rotated = (QuantizedBlockPool(16, 4, 64, torch.float32, f) for f in ("int4:rotate=0", "int4"))
+    for pool in (plain, rotated):
+        pool.write(slot, keys, values)
+    reference = QuantizedBlockPool(16, 4, 64, torch.float32, "int4:rotate=0")
+    reference.write(slot, keys @ rotation(64), values @ rotation(64))
+    assert torch.equal(rotated.key_codes, reference.key_codes)
+    assert torch.equal(rotated.value_scale, reference.value_scale)
+    torch.testing.assert_close(rotated.read_keys(slot), reference.read_keys(slot) @ rotation(64).T, atol=1e-4, rtol=0)
+    err = [float((pool.read_keys(slot) - keys).square().mean()) for pool in (plain, rotated)]
+    assert err[1] < err[0] / 4, err

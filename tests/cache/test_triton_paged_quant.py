@@ -26,7 +26,7 @@ import triton.language as tl
 from kvtrim.cache import paged_kernels
 from kvtrim.cache.paged import PagedBatchCache, PagedSequence
 from kvtrim.cache.paged_kernels import PackedKV
-from kvtrim.cache.quant import KVQuant, dequantize_values
+from kvtrim.cache.quant import KVQuant, dequantize_values, rotate, rotation
 from kvtrim.cache.quantized_block_pool import QuantizedBlockPool
 from kvtrim.errors import InvalidParameterError
 from triton_paged_cases import (
@@ -74,12 +74,18 @@ def _dequantized(pool, slots, side: str) -> torch.Tensor:
 
 
 def _reference(case):
-    """Dequantize each row's entries, then attention in float64: out, lse, metric."""
+    """Dequantize each row's entries, then attention in float64: out, lse, metric. A rotated pool's kernel reads the
+    query rotated and rounded to the pool's dtype (``q R``, then the dtype's rounding): the reference attends with
+    that query brought back to the model's channels, so a half-precision rounding of ``q R`` is not an error here."""
 
     def entries(slots):
         slots = slots.to(DEVICE)
         return tuple(_dequantized(case.pool, slots, side).cpu().double() for side in ("key", "value"))
 
+    fmt = case.pool.quant
+    if fmt.rotate:
+        q = rotate(case.q, fmt).double() @ rotation(case.q.shape[-1]).double().T
+        case = SimpleNamespace(**{**vars(case), "q": q})
     return reference(case, case.pool.block_size, entries)
 
 
@@ -104,7 +110,9 @@ POOL_INT4 = KVQuant("int4", residual=0, value_group=8, sink=0, rotate=False)  # 
 # (kv_quant, dtype, G, head_dim, block_size, lengths, num_splits, metric, buffer)
 CASES = [
     ("int8", torch.float32, 3, 32, 16, [1, 16, 53, 7], 3, True, 0),  # SmolLM2's G = 3, 53 = 3 blocks + 5
-    ("int4", torch.float32, 4, 32, 8, [29, 3, 17, 40], 2, True, 2),  # two sequences of two KV heads
+    ("int4", torch.float32, 4, 32, 8, [29, 3, 17, 40], 2, True, 2),  # two sequences of two KV heads; rotated
+    ("int4:rotate=0", torch.float32, 4, 32, 8, [29, 3, 17, 40], 2, True, 2),  # in the model's channels
+    ("int8:rotate=1", torch.bfloat16, 3, 32, 16, [1, 16, 53, 7], 3, True, 0),  # query and output rotated in bf16
     ("fp8", torch.float32, 2, 16, 4, [13, 6, 1], 4, True, 0),
     ("int4", torch.float16, 4, 24, 12, [25, 11], 3, False, 0),  # head_dim 24: halves of 12 (padded to 16)
     ("fp8", torch.float32, 3, 24, 12, [30, 7, 12], 2, True, 0),  # one-byte codes split into padded halves
@@ -197,7 +205,8 @@ def test_bad_packed_tensors_are_refused():
     ("fmt", "accumulate", "buffer", "pad"),
     [
         ("int8", True, 0, 0),
-        ("int4", True, 3, 2),
+        ("int4", True, 3, 2),  # rotated (int4's default)
+        ("int4:rotate=0", True, 0, 1),
         ("fp8", False, 0, 0),
         (KVQuant("int4", residual=0, value_group=8, sink=0, rotate=False), True, 0, 0),
     ],

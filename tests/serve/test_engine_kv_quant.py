@@ -170,6 +170,6 @@ def test_serve_cli_builds_a_quantized_pool(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     pool = seen["engine"].pool
     assert isinstance(pool, QuantizedBlockPool)
-    assert pool.quant == KVQuant("int4", residual=0, sink=0, rotate=False)  # no window and no sink in a pool
+    assert pool.quant == KVQuant("int4", residual=0, sink=0, rotate=True)  # no window and no sink in a pool
     assert pool.num_blocks == 2**20 // (16 * (2 * 8 + 8)) and pool.nbytes() <= 2**20  # head_dim 16: 24 B per entry
-    assert "packed as int4:group_size=64,residual=0,sink=0,rotate=0" in result.output
+    assert "packed as int4:group_size=64,residual=0,sink=0,rotate=1" in result.output

@@ -77,7 +77,7 @@ from types import ModuleType
 import torch
 
 from ..errors import InvalidParameterError
-from .quant import KVQuant, dequantize_values, quantize_values, resolve_kv_quant
+from .quant import KVQuant, dequantize_values, quantize_values, resolve_pool_kv_quant
 
 DECODE_KERNELS = ("auto", "gather", "flash", "triton")
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -538,7 +538,7 @@ def _choose_quantized(
     choice: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, kv_quant: str | KVQuant
 ) -> KernelChoice:
     """:func:`choose_decode_kernel` for a quantized pool: the fused dequantizing Triton kernel or the gather path."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0, default_rotate=False)  # a pool's: no window
+    fmt = resolve_pool_kv_quant(kv_quant)  # a pool's: no window, no sink
     flash_why = (
         f"kv_quant={fmt.name!r}: the flash-attention kernels read unquantized blocks; decode_kernel='triton' "
         "(the fused dequantizing kernel) or 'gather' read the packed entries"

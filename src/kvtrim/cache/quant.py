@@ -54,6 +54,7 @@ __all__ = [
     "quantize_keys",
     "quantize_values",
     "resolve_kv_quant",
+    "resolve_pool_kv_quant",
     "rotate",
     "rotation",
     "take_code_channels",
@@ -74,17 +75,19 @@ DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 64, "fp8": 64}
 # Full-precision entries kept after the last full key group when none is given (KIVI's R). int4 without a window
 # lost 4.7 points on the full cache against float32 and 0.4 gained with 32 (docs/quantization.md, "Choosing the
 # group size, the window and the sink"); 8-bit formats lose nothing measurable without one. A paged block pool has
-# no window (resolve_kv_quant(..., default_residual=0)).
+# no window (resolve_pool_kv_quant).
 DEFAULT_RESIDUAL = {"int8": 0, "int4": 32, "fp8": 0}
 # Oldest entries of a row held in the model's dtype when none is given (KVQuant's attention sink): one for int4,
 # whose first key would otherwise widen the first key group's range (with rotation it lowers int4's continuation KL
 # by 45 % with groups of 64, docs/quantization.md, "The sink"); none for 8-bit formats, which lose nothing
-# measurable without one. A paged block pool holds no full-precision entries (sink 0 always).
+# measurable without one. A paged block pool holds no full-precision entries (sink 0 always,
+# resolve_pool_kv_quant).
 DEFAULT_SINK = {"int8": 0, "int4": 1, "fp8": 0}
 # Keys and values quantized in a rotated basis (a fixed orthogonal transform of the channels, below) when none is
 # given: int4's (its continuation KL 33 % lower, and with the sink and groups of 64 the retrieval rows above); 8-bit
-# formats lose nothing without it. Key channel pruning (ThinK) and a paged block pool hold the model's channels:
-# pass ``rotate=0`` there (``"int4:rotate=0"``; a pool reads a name as ``rotate=0``).
+# formats lose nothing without it. A paged block pool keeps the same default (its int4 continuation KL 2.1x lower
+# rotated, docs/quantization.md, "Rotation in the pool"); pass ``rotate=0`` for the model's channels
+# (``"int4:rotate=0"``).
 DEFAULT_ROTATE = {"int8": False, "int4": True, "fp8": False}
 _MIN_SCALE = 1e-5  # a constant group (range 0) still gets a positive, float16-representable step
 
@@ -226,7 +229,7 @@ def resolve_kv_quant(
     the default window of a name or spec string that sets no ``residual``: a store without a window (the paged
     block pool) reads ``"int4"`` as ``residual=0``; ``default_sink`` does the same for ``sink`` (the pool holds no
     full-precision entries at all; a record written before the sink existed meant none) and ``default_rotate`` for
-    ``rotate`` (the pool holds the model's channels; a record written before rotation existed meant none), and
+    ``rotate`` (a record written before rotation existed meant none), and
     ``default_group_size`` for ``group_size`` (a record written before every setting was spelled out). A
     :class:`KVQuant` is returned as it is.
     """
@@ -259,6 +262,13 @@ def resolve_kv_quant(
     if default_rotate is not None:
         fields.setdefault("rotate", int(default_rotate))
     return KVQuant(name, **fields)
+
+
+def resolve_pool_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
+    """``kv_quant`` as a paged block pool reads it (the engine's pool and its decode kernels): a name or spec string
+    that sets no ``residual`` or ``sink`` means 0 (a pool packs every entry when it is written), ``rotate`` keeps the
+    format's default (``DEFAULT_ROTATE``). A :class:`KVQuant` is returned as it is."""
+    return resolve_kv_quant(kv_quant, default_residual=0, default_sink=0)
 
 
 # ---------------------------------------------------------------------------------------------------- rotation

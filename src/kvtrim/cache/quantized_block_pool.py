@@ -15,6 +15,13 @@ append and every move; and with 16-token blocks a per-channel scale and zero poi
 ``4 * head_dim / 16`` bytes per entry, four times the per-token ``4`` bytes (head_dim / value_group = 1). With one
 scale per entry, an entry is quantized once, when written, and moves with its scales unchanged.
 
+**Rotation** (``KVQuant.rotate``, int4's default here too): keys and values are quantized as ``x @ R``
+(:func:`~kvtrim.cache.quant.rotation`, QuaRot), which spreads the few large key channels that otherwise set every
+token's range. Reads (:meth:`read_keys`, :meth:`read_values`) return the model's channels; decode attention reads the
+codes as held, with the query rotated before (``q . k = (q R) . (k R)``) and the output rotated back after. The
+rotation is one ``[head_dim, head_dim]`` float32 matrix per device shared by every pool, not counted in
+:meth:`nbytes`.
+
 Bytes of one entry (key + value of one KV head): ``2 * head_dim * bits / 8 + 2 * 4 * head_dim / value_group``
 (int8 at head_dim 64: 136 B; int4: 72 B; against 256 B in float16, 512 B in float32). :meth:`nbytes` sums the
 storages of the codes, scales and zero points; :meth:`block_nbytes` is ``block_size`` entries.
@@ -33,31 +40,36 @@ import torch
 
 from ..errors import InvalidParameterError
 from .block_pool import BlockPool, _positive_int, blocks_for_bytes, take
-from .quant import SCALE_DTYPE, KVQuant, dequantize_values, quantize_values, resolve_kv_quant, unpack_codes_as
+from .quant import (
+    SCALE_DTYPE,
+    KVQuant,
+    dequantize_values,
+    quantize_values,
+    resolve_pool_kv_quant,
+    rotate,
+    rotation,
+    unpack_codes_as,
+)
 
 __all__ = ["QuantizedBlockPool", "pool_kv_quant"]
 
 
 def pool_kv_quant(kv_quant: str | KVQuant | None) -> KVQuant | None:
     """``kv_quant`` as a block pool holds it: ``None``, a format name or spec string, or a :class:`KVQuant` without
-    a full-precision window (``residual`` 0: every entry of a pool is packed when written).
+    full-precision entries (``residual`` and ``sink`` 0: every entry of a pool is packed when written).
 
     A name or spec string that sets no ``residual`` means ``residual=0`` here, whatever the format's default for
     the dense and ragged stores (``"int4"`` keeps a 32-entry window there, ``DEFAULT_RESIDUAL``); a window asked
     for (``"int4:residual=32"``, ``KVQuant("int4")`` whose residual is that default) is refused. The same holds for
-    ``sink`` (full-precision oldest entries): a name means ``sink=0``, a sink asked for is refused, and for
-    ``rotate`` (entries in a rotated basis), which a pool does not hold."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0, default_rotate=False)
+    ``sink`` (full-precision oldest entries): a name means ``sink=0`` and a sink asked for is refused. ``rotate``
+    keeps the format's default (int4 rotated, int8 and fp8 not; :func:`~kvtrim.cache.quant.resolve_pool_kv_quant`).
+    """
+    fmt = resolve_pool_kv_quant(kv_quant)
     if fmt is not None and fmt.full_precision:
         field, value = fmt.full_precision
         raise InvalidParameterError(
             f"a paged block pool packs every entry when it is written: KVQuant.{field} must be 0, got {value} "
             f"(pass {fmt.name!r} or KVQuant({fmt.name!r}, residual=0, sink=0))"
-        )
-    if fmt is not None and fmt.rotate:
-        raise InvalidParameterError(
-            "a paged block pool holds entries in the model's channels: KVQuant.rotate must be 0 (rotated entries are "
-            "held by the dense and ragged stores: kvtrim.generate, kvtrim.compressing, kvtrim eval)"
         )
     return fmt
 
@@ -68,9 +80,10 @@ class QuantizedBlockPool(BlockPool):
     Args:
         num_blocks, block_size, head_dim, device, scratch: as :class:`BlockPool`
         dtype: the dtype entries are written from and read back in (the model's)
-        kv_quant: ``"int8"``, ``"int4"``, ``"fp8"`` (a name means no window here, :func:`pool_kv_quant`) or a
-            :class:`~kvtrim.cache.quant.KVQuant` with ``residual=0`` (``group_size`` is not used: keys have
-            per-token scales, module docstring)
+        kv_quant: ``"int8"``, ``"int4"``, ``"fp8"`` (a name means no window and no sink here, int4 rotated:
+            :func:`pool_kv_quant`), a spec string such as ``"int4:rotate=0"``, or a
+            :class:`~kvtrim.cache.quant.KVQuant` with ``residual=0`` and ``sink=0`` (``group_size`` is not used: keys
+            have per-token scales, module docstring)
 
     Attributes:
         key_codes, value_codes: ``[blocks, block_size, head_dim * bits / 8]`` uint8
@@ -128,6 +141,8 @@ class QuantizedBlockPool(BlockPool):
         self.key_zero = torch.zeros_like(self.key_scale)
         self.value_scale = torch.zeros_like(self.key_scale)
         self.value_zero = torch.zeros_like(self.key_scale)
+        if fmt.rotate:  # built now, on the pool's device: never inside a captured decode step
+            rotation(d, self.key_codes.device)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -171,6 +186,7 @@ class QuantizedBlockPool(BlockPool):
             ``[..., M, S]`` float32
         """
         codes, scale, zero = self._key_parts()
+        query = rotate(query, self.quant)  # q . k = (q R) . (k R): the codes are of k R when the pool rotates
         c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32, fp8=self.quant.is_float)  # [..., S, d]
         s, z = take(scale, slot)[..., 0].float(), take(zero, slot)[..., 0].float()  # [..., S]
         return (
@@ -190,7 +206,8 @@ class QuantizedBlockPool(BlockPool):
         codes, scale, zero = self._value_parts()
         c = unpack_codes_as(take(codes, slot), self.quant.bits, torch.float32, fp8=self.quant.is_float)  # [..., S, d]
         s, z = take(scale, slot).float(), take(zero, slot).float()  # [..., S, 1]
-        return torch.matmul(probs * s[..., 0][..., None, :], c).add_(torch.matmul(probs, z))
+        out = torch.matmul(probs * s[..., 0][..., None, :], c).add_(torch.matmul(probs, z))
+        return rotate(out, self.quant, inverse=True)  # p . (V R) R^T = p . V
 
     def _key_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Key codes, scales and zero points as ``[slots, ...]`` views."""

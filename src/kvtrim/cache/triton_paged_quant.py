@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..errors import InvalidParameterError
 from .paged_kernels import FusedMetric, PackedKV
-from .quant import KVQuant, resolve_kv_quant
+from .quant import KVQuant, resolve_pool_kv_quant, rotate
 from .triton_paged import _pow2, interpreter_on, jit_autotuned, prune_tiles, split_k_decode
 
 __all__ = ["QUANT_FORMATS", "interpreter_on", "paged_decode_quant"]
@@ -273,7 +273,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 def check_format(kv_quant: str | KVQuant) -> KVQuant:
     """``kv_quant`` as a :class:`KVQuant` the kernel reads, or :class:`InvalidParameterError` naming the formats."""
-    fmt = resolve_kv_quant(kv_quant, default_residual=0, default_sink=0, default_rotate=False)  # a pool's: no window
+    fmt = resolve_pool_kv_quant(kv_quant)  # a pool's: no window, no sink
     if fmt is None or fmt.name not in QUANT_FORMATS:
         raise InvalidParameterError(
             f"the fused dequantizing Triton kernel reads kv_quant {', '.join(QUANT_FORMATS)}; got "
@@ -283,9 +283,6 @@ def check_format(kv_quant: str | KVQuant) -> KVQuant:
         field, value = fmt.full_precision
         raise InvalidParameterError(f"the fused dequantizing Triton kernel reads no full-precision entries; "
                                     f"KVQuant.{field} must be 0, got {value}")  # fmt: skip
-    if fmt.rotate:
-        raise InvalidParameterError("the fused dequantizing Triton kernel reads entries in the model's channels; "
-                                    "KVQuant.rotate must be 0")  # fmt: skip
     return fmt
 
 
@@ -339,7 +336,10 @@ def paged_decode_quant(
     half = (d + 1) // 2
     consts = dict(D=d, HALF=half, HALF_PAD=max(16, _pow2(half)), FMT=_FMT_CODE[fmt.name], GROUPS=groups, VG=d // groups,
                   NATIVE_FP8=native_fp8(q.device))  # fmt: skip
-    return split_k_decode(
-        q, q.dtype, (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero), seqlens,
+    # Rotated entries (KVQuant.rotate): the kernel reads them as held, with the query rotated before and the output
+    # rotated back after (q . k = (q R) . (k R), p . V = (p . V R) R^T); the lse is unchanged.
+    out, lse = split_k_decode(
+        rotate(q, fmt), q.dtype, (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero), seqlens,
         block_table, block_size, scale, metric, _bound_partial, consts, num_splits=num_splits, block_n=block_n,
     )  # fmt: skip
+    return rotate(out, fmt, inverse=True), lse

@@ -170,9 +170,10 @@ class Engine:
             7.1x more than float32); admission, preemption and compression count blocks of packed bytes. Decode
             attention then runs the fused dequantizing Triton kernel (``decode_kernel="triton"``, or ``"auto"`` on
             CUDA; :mod:`kvtrim.cache.triton_paged_quant`) or the gather path (``"gather"``, and ``"auto"`` where
-            the kernel cannot run); ``"flash"`` raises. The pool has no full-precision window, sink or rotation:
-            ``"int4"`` here means ``residual=0,sink=0,rotate=0`` (int4's default window, sink and rotation are the
-            dense and ragged stores'), and a spec asking for one (``"int4:residual=32"``) is refused. See
+            the kernel cannot run); ``"flash"`` raises. The pool has no full-precision window or sink:
+            ``"int4"`` here means ``residual=0,sink=0,rotate=1`` (int4's default window and sink are the
+            dense and ragged stores'; ``"int4:rotate=0"`` holds the model's channels), and a spec asking for a
+            window or a sink (``"int4:residual=32"``) is refused. See
             docs/quantization.md.
     """
 
