@@ -20,7 +20,8 @@ def bench():
 def test_tiny_cpu_run_writes_every_kernel_row(bench, tmp_path):
     result = bench.main(
         ["--device", "cpu", "--shapes", "2x40", "1x300", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
-         "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path), "--quant-formats", "int4", "int4:rotate=0"]
+         "--dtype", "float32", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path),
+         "--quant-formats", "int4", "int4:rotate=0"]
     )  # fmt: skip
     saved = json.loads((tmp_path / "bench_paged_kernels_cpu.json").read_text())
     assert saved == json.loads(json.dumps(result))
