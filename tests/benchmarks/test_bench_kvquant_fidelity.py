@@ -15,14 +15,22 @@ def bench():
     return load_script("benchmarks/bench_kvquant_fidelity.py")
 
 
-def test_continuation_logprobs_are_the_models_own_and_quantization_moves_them(bench):
+def _models_own(logprobs, n_context: int, n_continuation: int, seed: int):
+    """Random context and continuation ids, the tiny Llama, and ``logprobs(model, context, continuation, None)``
+    checked against one forward over the whole sequence: ``(model, context, continuation, ref)``."""
     model = tiny_model("llama")
-    g = torch.Generator().manual_seed(0)
-    context, continuation = torch.randint(5, 250, (1, 150), generator=g), torch.randint(5, 250, (1, 9), generator=g)
-    ref = bench.continuation_logprobs(model, context, continuation, None)
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randint(5, 250, (1, n_context), generator=g)
+    continuation = torch.randint(5, 250, (1, n_continuation), generator=g)
+    ref = logprobs(model, context, continuation, None)
     with torch.no_grad():
-        whole = model(torch.cat([context, continuation[:, :-1]], 1)).logits[0, 149:].float().log_softmax(-1)
-    torch.testing.assert_close(ref, whole, rtol=1e-4, atol=1e-4)
+        whole = model(torch.cat([context, continuation[:, :-1]], 1)).logits[0, n_context - 1 :]
+    torch.testing.assert_close(ref, whole.float().log_softmax(-1), rtol=1e-4, atol=1e-4)
+    return model, context, continuation, ref
+
+
+def test_continuation_logprobs_are_the_models_own_and_quantization_moves_them(bench):
+    model, context, continuation, ref = _models_own(bench.continuation_logprobs, 150, 9, seed=0)
     answer = continuation[0, -3:]
     same = bench.compare(ref, ref, answer)
     assert same["kl"] == 0 and same["answer_nll_change"] == 0
@@ -36,13 +44,7 @@ def test_continuation_logprobs_are_the_models_own_and_quantization_moves_them(be
 def test_pool_continuation_is_the_models_own_and_quantization_moves_it(bench):
     """``--store pool``: the engine's block pool in the model's dtype gives the model's own log-probabilities (a
     prefill, then one decode step a token), and a packed pool moves them."""
-    model = tiny_model("llama")
-    g = torch.Generator().manual_seed(1)
-    context, continuation = torch.randint(5, 250, (1, 70), generator=g), torch.randint(5, 250, (1, 6), generator=g)
-    ref = bench.pool_continuation_logprobs(model, context, continuation, None)
-    with torch.no_grad():
-        whole = model(torch.cat([context, continuation[:, :-1]], 1)).logits[0, 69:].float().log_softmax(-1)
-    torch.testing.assert_close(ref, whole, rtol=1e-4, atol=1e-4)
+    model, context, continuation, ref = _models_own(bench.pool_continuation_logprobs, 70, 6, seed=1)
     answer = continuation[0, -2:]
     int8 = bench.compare(ref, bench.pool_continuation_logprobs(model, context, continuation, "int8"), answer)
     int4 = bench.compare(ref, bench.pool_continuation_logprobs(model, context, continuation, "int4"), answer)
