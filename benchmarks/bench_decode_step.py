@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_paged_kernels import quant_format
 from bench_serving_throughput import SHAPES, load, make_prompts, to_vocab
 from kvtrim.serve.engine import Engine
 from kvtrim.serve.types import SamplingParams
@@ -231,15 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def pool_format(spec: str) -> str:
     """``--kv-quant``: ``none`` or a format a block pool takes (checked now, kept as given)."""
-    from kvtrim.cache.quantized_block_pool import pool_kv_quant
-    from kvtrim.errors import InvalidParameterError
-
-    if spec != "none":
-        try:
-            pool_kv_quant(spec)
-        except InvalidParameterError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return spec
+    return spec if spec == "none" else quant_format(spec)
 
 
 def main(argv: list[str] | None = None, model=None, tok=None) -> dict:

@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import kvtrim
-    from kvtrim.cache.quant import resolve_kv_quant, resolve_pool_kv_quant
+    from kvtrim.cache.quant import resolve_kv_quant
+    from kvtrim.cache.quantized_block_pool import pool_kv_quant
 
-    resolve = resolve_pool_kv_quant if args.store == "pool" else resolve_kv_quant
+    resolve = pool_kv_quant if args.store == "pool" else resolve_kv_quant  # a pool refuses a window or a sink
     formats = {spec: resolve(spec) for spec in args.kv_quant}  # bad specs fail before the model loads
     logprobs = pool_continuation_logprobs if args.store == "pool" else continuation_logprobs
     model, tokenizer = kvtrim.load_model(args.model, dtype="float32", device="cpu")
